@@ -1,0 +1,18 @@
+"""The `rankguard` command line: one console script, a sub-command per part."""
+
+import typer
+
+from .checkpoints import app as checkpoints_app
+from .trainer import app as trainer_app
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="rankguard: keep large-model training alive on GPU clusters.",
+)
+app.add_typer(trainer_app, name="trainer")
+app.add_typer(checkpoints_app, name="checkpoints")
+
+
+def main() -> None:
+    app()
