@@ -1,0 +1,369 @@
+"""Telemetry contract between the trainer (sender) and the node agent (receiver).
+
+One :class:`TelemetryRecord` per step per rank travels as one compact JSON datagram
+over a Unix datagram socket. This module is the single definition of the schema and
+is stdlib-only: the agent imports it and must never pull in torch.
+
+Validation happens at construction time: ``TelemetryRecord(...)`` raises
+:class:`TelemetryError` for any field that breaks the rules below, so the trainer can
+never build an invalid record silently. :func:`encode` validates again (a record can
+still be corrupted with ``object.__setattr__``) and :func:`decode` turns any bytes into
+either a valid record or a :class:`TelemetryError` whose ``reason`` is a short,
+bounded code fit for a Prometheus label.
+
+Rules:
+
+* integers are real ``int`` (never ``bool`` or ``float``), ``0 <= x < 2**63``;
+  ``world_size >= 1``, ``rank`` and ``local_rank`` below ``world_size``, ``pid >= 1``,
+  ``checkpoint_step`` is ``None`` or a step;
+* ``phase`` is one of :data:`PHASES`; ``job`` is 1..128 printable characters;
+* ``time``, every ``*_seconds`` and ``tokens_per_second`` are finite and ``>= 0``
+  (ints are accepted and stored as ``float``); ``mfu`` is finite in ``[0, 1]``;
+* ``loss`` is ``None`` or any float, NaN and +-Inf included (a diverged loss is exactly
+  what the supervisor needs to see); ints are accepted and stored as ``float``.
+
+Unknown extra fields in a datagram are ignored (forward compatible within a schema
+version); a different ``v`` is refused with reason ``wrong_version``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DEFAULT_SOCKET_PATH",
+    "MAX_DATAGRAM_BYTES",
+    "MAX_JOB_CHARS",
+    "MAX_JSON_DEPTH",
+    "PHASES",
+    "REASONS",
+    "SCHEMA_VERSION",
+    "SOCKET_ENV",
+    "TelemetryError",
+    "TelemetryRecord",
+    "decode",
+    "encode",
+    "socket_path_from_env",
+]
+
+SCHEMA_VERSION = 1
+MAX_DATAGRAM_BYTES = 4096
+PHASES = ("init", "train", "checkpoint_save", "checkpoint_load", "eval", "done")
+SOCKET_ENV = "RANKGUARD_TELEMETRY_SOCKET"
+DEFAULT_SOCKET_PATH = "/run/rankguard/telemetry.sock"
+
+MAX_JOB_CHARS = 128
+#: Deepest JSON nesting decode will parse; a valid record has depth 1.
+MAX_JSON_DEPTH = 32
+#: Exclusive upper bound of every integer field (fits an int64).
+MAX_INT = 2**63
+
+#: Every value TelemetryError.reason can take (bounded label set).
+REASONS = (
+    "too_large",
+    "not_utf8",
+    "not_json",
+    "not_object",
+    "wrong_version",
+    "missing_field",
+    "bad_type",
+    "out_of_range",
+)
+
+
+def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Telemetry socket path from ``RANKGUARD_TELEMETRY_SOCKET``.
+
+    Unset -> :data:`DEFAULT_SOCKET_PATH`; set to ``""`` or ``"off"`` (any case,
+    surrounding blanks ignored) -> ``None`` (telemetry disabled); else the value.
+    """
+    value = environ.get(SOCKET_ENV)
+    if value is None:
+        return DEFAULT_SOCKET_PATH
+    if value.strip().lower() in ("", "off"):
+        return None
+    return value
+
+
+class TelemetryError(ValueError):
+    """A record or datagram that breaks the telemetry contract.
+
+    ``reason`` is one of :data:`REASONS`; ``field`` names the offending field when
+    there is one; the message says which field and why.
+    """
+
+    def __init__(self, reason: str, message: str, field: str | None = None) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown telemetry error reason {reason!r}")
+        super().__init__(message)
+        self.reason = reason
+        self.field = field
+
+    def __reduce__(self):
+        return (type(self), (self.reason, str(self), self.field))
+
+
+_INT_FIELDS = (
+    "v",
+    "rank",
+    "local_rank",
+    "world_size",
+    "pid",
+    "restart",
+    "step",
+    "peak_memory_bytes",
+)
+_NONNEG_FLOAT_FIELDS = (
+    "time",
+    "step_seconds",
+    "data_wait_seconds",
+    "compute_seconds",
+    "comm_seconds",
+    "comm_exposed_seconds",
+    "optimizer_seconds",
+    "checkpoint_block_seconds",
+    "tokens_per_second",
+)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _bad_type(name: str, expected: str, value: Any) -> TelemetryError:
+    return TelemetryError(
+        "bad_type", f"{name}: expected {expected}, got {type(value).__name__}", name
+    )
+
+
+def _version_message(v: int) -> str:
+    shown = v if -MAX_INT < v < MAX_INT else "a huge number"
+    return f"v: schema version {shown}, expected {SCHEMA_VERSION}"
+
+
+def _out_of_range(name: str, why: str) -> TelemetryError:
+    return TelemetryError("out_of_range", f"{name}: {why}", name)
+
+
+def _check_int(name: str, value: Any, minimum: int = 0) -> int:
+    if not _is_int(value):
+        raise _bad_type(name, "int", value)
+    if not minimum <= value < MAX_INT:
+        shown = (
+            value if -MAX_INT < value < MAX_INT else ("a huge negative" if value < 0 else "a huge")
+        )
+        raise _out_of_range(name, f"{shown} not in [{minimum}, 2**63)")
+    return int(value)
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad_type(name, "number", value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise _out_of_range(name, "integer too large for a float") from None
+
+
+def _check_nonneg_float(name: str, value: Any) -> float:
+    f = _to_float(name, value)
+    if not (math.isfinite(f) and f >= 0.0):
+        raise _out_of_range(name, f"{f!r} is not a finite number >= 0")
+    return f
+
+
+@dataclass(frozen=True)
+class TelemetryRecord:
+    """One step of one rank, as the trainer reports it. Validated on construction.
+
+    Raises :class:`TelemetryError` (a ``ValueError``) from the constructor when any
+    field breaks the contract (see the module docstring). Numeric float fields given
+    as ``int`` are stored as ``float``.
+    """
+
+    v: int
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    restart: int
+    step: int
+    phase: str
+    time: float
+    step_seconds: float
+    data_wait_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    comm_exposed_seconds: float
+    optimizer_seconds: float
+    checkpoint_block_seconds: float
+    tokens_per_second: float
+    mfu: float
+    peak_memory_bytes: int
+    loss: float | None
+    checkpoint_step: int | None
+
+    def __post_init__(self) -> None:
+        for name, value in self._normalized().items():
+            object.__setattr__(self, name, value)
+
+    def validate(self) -> None:
+        """Raise :class:`TelemetryError` unless every field follows the contract."""
+        self._normalized()
+
+    def _normalized(self) -> dict[str, Any]:
+        """Check every field; return the values to store (ints, floats normalized)."""
+        out: dict[str, Any] = {}
+        v = self.v
+        if not _is_int(v):
+            raise _bad_type("v", "int", v)
+        if v != SCHEMA_VERSION:
+            raise TelemetryError("wrong_version", _version_message(v), "v")
+        for name in _INT_FIELDS:
+            minimum = 1 if name in ("world_size", "pid") else 0
+            out[name] = _check_int(name, getattr(self, name), minimum)
+        world_size = out["world_size"]
+        for name in ("rank", "local_rank"):
+            if out[name] >= world_size:
+                raise _out_of_range(name, f"{out[name]} >= world_size {world_size}")
+
+        job = self.job
+        if not isinstance(job, str):
+            raise _bad_type("job", "str", job)
+        if not 1 <= len(job) <= MAX_JOB_CHARS:
+            raise _out_of_range("job", f"length {len(job)} not in [1, {MAX_JOB_CHARS}]")
+        if not job.isprintable():
+            raise _out_of_range("job", "contains non-printable characters")
+
+        phase = self.phase
+        if not isinstance(phase, str):
+            raise _bad_type("phase", "str", phase)
+        if phase not in PHASES:
+            raise _out_of_range("phase", f"{phase[:32]!r} is not one of {', '.join(PHASES)}")
+
+        for name in _NONNEG_FLOAT_FIELDS:
+            out[name] = _check_nonneg_float(name, getattr(self, name))
+        mfu = _to_float("mfu", self.mfu)
+        if not (math.isfinite(mfu) and 0.0 <= mfu <= 1.0):
+            raise _out_of_range("mfu", f"{mfu!r} is not in [0, 1]")
+        out["mfu"] = mfu
+
+        loss = self.loss
+        out["loss"] = None if loss is None else _to_float("loss", loss)
+        cs = self.checkpoint_step
+        out["checkpoint_step"] = None if cs is None else _check_int("checkpoint_step", cs)
+        return out
+
+    @property
+    def comm_compute_ratio(self) -> float:
+        """comm_seconds / compute_seconds; 0.0 when compute_seconds is 0.
+
+        Not bounded by 1: communication can take longer than compute.
+        """
+        if self.compute_seconds <= 0.0:
+            return 0.0
+        return self.comm_seconds / self.compute_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields, in schema order."""
+        return {name: getattr(self, name) for name in FIELD_NAMES}
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any]) -> TelemetryRecord:
+        """Build a record from a mapping; unknown keys are ignored.
+
+        Raises :class:`TelemetryError` (``wrong_version``, ``missing_field``,
+        ``bad_type`` or ``out_of_range``).
+        """
+        if "v" in obj:
+            v = obj["v"]
+            if not _is_int(v):
+                raise _bad_type("v", "int", v)
+            if v != SCHEMA_VERSION:
+                raise TelemetryError("wrong_version", _version_message(v), "v")
+        missing = [name for name in FIELD_NAMES if name not in obj]
+        if missing:
+            raise TelemetryError(
+                "missing_field", f"missing field(s): {', '.join(missing)}", missing[0]
+            )
+        return cls(**{name: obj[name] for name in FIELD_NAMES})
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TelemetryRecord))
+
+
+def encode(record: TelemetryRecord) -> bytes:
+    """Compact UTF-8 JSON for one record (NaN/Infinity literals for a non-finite loss).
+
+    Raises :class:`TelemetryError` if the record is invalid, ``too_large`` if the
+    datagram would exceed :data:`MAX_DATAGRAM_BYTES`, and ``TypeError`` if ``record``
+    is not a :class:`TelemetryRecord`.
+    """
+    if not isinstance(record, TelemetryRecord):
+        raise TypeError(f"expected TelemetryRecord, got {type(record).__name__}")
+    record.validate()
+    data = json.dumps(record.to_dict(), separators=(",", ":"), allow_nan=True).encode("ascii")
+    if len(data) > MAX_DATAGRAM_BYTES:
+        raise TelemetryError(
+            "too_large", f"encoded record is {len(data)} bytes > {MAX_DATAGRAM_BYTES}"
+        )
+    return data
+
+
+def _json_depth(text: str) -> int:
+    """Maximum bracket nesting of a JSON text, ignoring brackets inside strings."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def decode(data: bytes) -> TelemetryRecord:
+    """Parse and validate one datagram.
+
+    Raises :class:`TelemetryError` for every malformed input, never anything else
+    (``TypeError`` only when ``data`` is not bytes-like at all, a caller bug).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected bytes, got {type(data).__name__}")
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    if size > MAX_DATAGRAM_BYTES:
+        raise TelemetryError("too_large", f"datagram is {size} bytes > {MAX_DATAGRAM_BYTES}")
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TelemetryError("not_utf8", f"datagram is not valid UTF-8: {e.reason}") from None
+    # Cheap guard first (C-speed counts); the exact scan only for odd inputs.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _json_depth(text) > MAX_JSON_DEPTH:
+        raise TelemetryError("not_json", f"JSON nested deeper than {MAX_JSON_DEPTH}")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise TelemetryError("not_json", f"datagram is not JSON: {e}"[:200]) from None
+    if not isinstance(obj, dict):
+        raise TelemetryError(
+            "not_object", f"datagram is a JSON {type(obj).__name__}, not an object"
+        )
+    return TelemetryRecord.from_dict(obj)

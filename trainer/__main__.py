@@ -1,0 +1,7 @@
+"""`torchrun ... -m rankguard.trainer ARGS`"""
+
+import sys
+
+from .train import main
+
+sys.exit(main())

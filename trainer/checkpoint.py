@@ -1,0 +1,178 @@
+"""Asynchronous, validated checkpoints with torch.distributed.checkpoint (DCP).
+
+Save (every `--ckpt-every` steps, at most one in flight):
+  main thread   wait for the previous save; stage (copy) model + optimizer state
+                with `dcp.async_save` and write this rank's small trainer-state file
+                into `step-N.partial/`. Training blocks only for this.
+  DCP thread    writes and fsyncs this rank's shard files (and rank 0 the metadata).
+  our thread    fsync + SHA-256 of this rank's own files; all ranks exchange the entries
+                over a dedicated gloo group; rank 0 commits (manifest written and synced,
+                then the atomic rename `step-N.partial` -> `step-N`) and applies retention;
+                every rank then learns the newest validated step.
+So a checkpoint is visible as committed only after every rank's data is durable.
+
+Resume (at every start, every torchrun restart): rank 0 picks the newest validated
+checkpoint, quarantining anything incomplete or corrupt on the way, and broadcasts the
+choice so all ranks load the same one. DCP reshards on load, so a different world size
+works; per-rank RNG state is restored only when the world size is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from . import checkpoint_store as store
+from .config import CheckpointConfig
+from .distributed import DistInfo
+
+log = logging.getLogger("rankguard.trainer.checkpoint")
+
+
+def _trainer_state_name(rank: int) -> str:
+    return f"trainer-state-rank{rank}.pt"
+
+
+def _own_files(step_dir: Path, rank: int) -> list[Path]:
+    files = sorted(step_dir.glob(f"__{rank}_*.distcp")) + [step_dir / _trainer_state_name(rank)]
+    if rank == 0:
+        files.append(step_dir / ".metadata")
+    return files
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AsyncCheckpointer:
+    def __init__(self, cfg: CheckpointConfig, info: DistInfo, faults):
+        self.cfg = cfg
+        self.info = info
+        self.faults = faults
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankguard-ckpt")
+        self._inflight: Future | None = None
+        self.newest_validated: int | None = None  # as known to this rank
+        self.failures = 0
+
+    @property
+    def root(self) -> Path:
+        return self.cfg.dir
+
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.every) and step % self.cfg.every == 0
+
+    # -- save ---------------------------------------------------------------------
+    def save(self, step: int, model, optim, trainer_state: dict) -> float:
+        """Start an asynchronous save of `step`; returns the seconds training blocked."""
+        start = time.perf_counter()
+        self.wait()
+        partial = self.root / f"{store.step_dir_name(step)}.partial"
+        partial.mkdir(parents=True, exist_ok=True)
+        torch.save(trainer_state, partial / _trainer_state_name(self.info.rank))
+        model_sd, optim_sd = get_state_dict(model, optim)
+        response = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd},
+            storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+            process_group=self.info.ckpt_group,
+        )
+        upload = getattr(response, "upload_completion", response)
+        self._inflight = self._executor.submit(self._finish, step, partial, upload)
+        return time.perf_counter() - start
+
+    def _finish(self, step: int, partial: Path, upload: Future) -> int | None:
+        info = self.info
+        try:
+            upload.result()
+            delay = self.faults.ckpt_delay(step)
+            if delay:
+                time.sleep(delay)  # fault hook: slow storage
+            entries = []
+            for path in _own_files(partial, info.rank):
+                _fsync(path)
+                entries.append(store.hash_file(path).to_dict())
+            mine = ("ok", entries)
+        except Exception as exc:  # reported to rank 0, which then does not commit
+            mine = ("error", f"rank {info.rank}: {exc!r}")
+        gathered: list = [None] * info.world_size
+        dist.all_gather_object(gathered, mine, group=info.ckpt_group)
+        outcome: list = [None]
+        if info.rank == 0:
+            errors = [msg for status, msg in gathered if status == "error"]
+            if errors:
+                outcome[0] = ("error", "; ".join(errors))
+            else:
+                try:
+                    files = [store.FileEntry.from_dict(e) for _, lst in gathered for e in lst]
+                    store.commit(
+                        partial,
+                        step,
+                        info.world_size,
+                        files,
+                        extra={"trainer_state_files": [_trainer_state_name(r) for r in range(info.world_size)]},
+                    )
+                    removed = store.apply_retention(self.root, self.cfg.keep)
+                    if removed:
+                        log.info("retention removed %s", ", ".join(p.name for p in removed))
+                    outcome[0] = ("ok", step)
+                except Exception as exc:  # e.g. ENOSPC: stays .partial, never validated
+                    outcome[0] = ("error", f"commit failed: {exc!r}")
+        dist.broadcast_object_list(outcome, src=0, group=info.ckpt_group)
+        status, value = outcome[0]
+        if status == "ok":
+            self.newest_validated = value
+            return value
+        self.failures += 1
+        log.error("checkpoint of step %d not committed: %s", step, value)
+        return None
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed or has failed."""
+        if self._inflight is not None:
+            self._inflight.result()
+            self._inflight = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown(wait=True)
+
+    # -- resume -------------------------------------------------------------------
+    def resume(self, model, optim) -> dict | None:
+        """Load the newest validated checkpoint on every rank; returns its trainer state."""
+        info = self.info
+        choice: list = [None]
+        if info.rank == 0:
+            chosen, quarantined = store.select_resume(self.root)
+            for q in quarantined:
+                log.warning("quarantined checkpoint %s: %s", q.path.name, q.reason)
+            if chosen is not None:
+                choice[0] = (chosen.step, str(chosen.path), chosen.world_size)
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        step, path, saved_world = choice[0]
+        model_sd, optim_sd = get_state_dict(model, optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        same_world = saved_world == info.world_size
+        state_file = Path(path) / _trainer_state_name(info.rank if same_world else 0)
+        trainer_state = torch.load(state_file, map_location="cpu", weights_only=True)
+        trainer_state["same_world"] = same_world
+        self.newest_validated = step
+        return trainer_state

@@ -1,0 +1,222 @@
+"""Trainer configuration: one small dataclass per component, validated on construction.
+
+The command line (`python -m rankguard.trainer --help`) is built from these, so a
+bad value is refused before any process group or file is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .faults import FaultSpec, parse_fault_specs
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int
+    n_head: int
+    d_model: int
+    seq_len: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1")
+        if self.d_model % self.n_head:
+            raise ConfigError("model.d_model must be divisible by model.n_head")
+
+    def with_vocab(self, vocab_size: int) -> ModelConfig:
+        return ModelConfig(self.n_layer, self.n_head, self.d_model, self.seq_len, vocab_size)
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: ModelConfig
+    global_batch: int  # sequences per optimizer step, across all ranks
+    micro_batch: int  # sequences per forward/backward on one rank
+    lr: float
+    warmup_steps: int
+
+
+PRESETS: dict[str, Preset] = {
+    # Fast on one CPU core: the test suite's model.
+    "tiny": Preset(ModelConfig(2, 2, 64, 64, 256), 16, 4, 3e-3, 5),
+    # GPT-2 small shape, ~124M parameters with a GPT-2-sized vocabulary.
+    "small": Preset(ModelConfig(12, 12, 768, 1024, 50304), 256, 16, 6e-4, 200),
+    # ~1.3B parameters: fits one 80 GB GPU with bf16 autocast and AdamW.
+    "1b": Preset(ModelConfig(24, 16, 2048, 2048, 50304), 256, 8, 2e-4, 500),
+}
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float
+    warmup_steps: int
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError("optim.lr must be > 0")
+        if self.warmup_steps < 0:
+            raise ConfigError("optim.warmup_steps must be >= 0")
+        if self.grad_clip < 0:
+            raise ConfigError("optim.grad_clip must be >= 0 (0 disables clipping)")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    global_batch: int
+    micro_batch: int
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.micro_batch < 1:
+            raise ConfigError("global and micro batch sizes must be >= 1")
+
+    def accum_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per step, so the global batch never depends on world size."""
+        per_rank, rest = divmod(self.global_batch, world_size * self.micro_batch)
+        if rest or per_rank < 1:
+            raise ConfigError(
+                f"global batch {self.global_batch} is not a multiple of world size {world_size}"
+                f" x micro batch {self.micro_batch}; choose sizes that divide"
+            )
+        return per_rank
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: Path | None
+    every: int = 0  # steps between saves; 0 disables saving
+    keep: int = 3  # validated checkpoints kept by retention; <= 0 keeps all
+    load: bool = True  # resume from the newest validated checkpoint at start
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError("--ckpt-every must be >= 0")
+        if self.every and self.dir is None:
+            raise ConfigError("--ckpt-every needs --ckpt-dir")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str
+    model: ModelConfig
+    optim: OptimConfig
+    batch: BatchConfig
+    ckpt: CheckpointConfig
+    steps: int
+    seed: int = 1234
+    data_dir: Path | None = None
+    summary: Path | None = None
+    job: str = "local"
+    telemetry_socket: str | None = None
+    log_every: int = 10
+    fsdp: bool = False
+    peak_flops: float | None = None
+    faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError("--steps must be >= 1")
+        if self.log_every < 0:
+            raise ConfigError("--log-every must be >= 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m rankguard.trainer",
+        description=(
+            "rankguard's bundled GPT trainer. Launch with torchrun, e.g. "
+            "`torchrun --nproc-per-node 2 --max-restarts 3 -m rankguard.trainer --preset tiny "
+            "--steps 40 --ckpt-dir ckpt --ckpt-every 10`. Resumes from the newest validated "
+            "checkpoint in --ckpt-dir at every (re)start."
+        ),
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps to train (total)")
+    p.add_argument("--global-batch", type=int, help="sequences per step across all ranks")
+    p.add_argument("--micro-batch", type=int, help="sequences per forward/backward per rank")
+    p.add_argument("--seq-len", type=int, help="override the preset's sequence length")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--ckpt-dir", type=Path, help="checkpoint root directory")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--keep", type=int, default=3, help="validated checkpoints to keep (<=0: all)")
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--data", type=Path, help="token shards from `rankguard trainer prepare`")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--summary", type=Path, help="rank 0 writes final step, loss, digest here")
+    p.add_argument("--job", default=None, help="job id for telemetry (default: torchrun's run id)")
+    p.add_argument(
+        "--telemetry-socket",
+        default=None,
+        help="agent's Unix datagram socket ('off' disables; default: $RANKGUARD_TELEMETRY_SOCKET"
+        " or /run/rankguard/telemetry.sock)",
+    )
+    p.add_argument("--log-every", type=int, default=10, help="rank 0 prints every N steps")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard")
+    p.add_argument("--peak-flops", type=float, help="device peak FLOP/s for MFU")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="inject a fault (also $RANKGUARD_FAULTS, ';'-separated): KIND:step=N[:rank=R]"
+        "[:factor=F][:seconds=S][:restart=K|any]; KIND is crash, hang, spin, slow, nan,"
+        " exception, comm-delay or ckpt-delay",
+    )
+    return p
+
+
+def config_from_args(argv: list[str] | None = None, environ=os.environ) -> TrainConfig:
+    from ..agent.telemetry import socket_path_from_env
+
+    args = build_parser().parse_args(argv)
+    preset = PRESETS[args.preset]
+    model = preset.model
+    if args.seq_len:
+        model = ModelConfig(model.n_layer, model.n_head, model.d_model, args.seq_len, model.vocab_size)
+    if args.data is not None:
+        model = model.with_vocab(256)  # byte-level shards
+    socket = args.telemetry_socket
+    if socket is None:
+        socket = socket_path_from_env(environ)
+    elif socket in ("", "off"):
+        socket = None
+    fault_text = list(args.fault) + [s for s in environ.get("RANKGUARD_FAULTS", "").split(";") if s]
+    return TrainConfig(
+        preset=args.preset,
+        model=model,
+        optim=OptimConfig(
+            lr=args.lr if args.lr is not None else preset.lr,
+            warmup_steps=args.warmup_steps if args.warmup_steps is not None else preset.warmup_steps,
+        ),
+        batch=BatchConfig(
+            global_batch=args.global_batch or preset.global_batch,
+            micro_batch=args.micro_batch or preset.micro_batch,
+        ),
+        ckpt=CheckpointConfig(
+            dir=args.ckpt_dir, every=args.ckpt_every, keep=args.keep, load=not args.no_resume
+        ),
+        steps=args.steps,
+        seed=args.seed,
+        data_dir=args.data,
+        summary=args.summary,
+        job=args.job or environ.get("RANKGUARD_JOB") or environ.get("TORCHELASTIC_RUN_ID") or "local",
+        telemetry_socket=socket,
+        log_every=args.log_every,
+        fsdp=args.fsdp,
+        peak_flops=args.peak_flops,
+        faults=parse_fault_specs(fault_text),
+    )

@@ -1,0 +1,76 @@
+"""Process group set-up from torchrun's environment, and model wrapping (DDP or FSDP2)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    restart_count: int
+    device: torch.device
+    ckpt_group: object  # a separate gloo group so background saves never interleave with DDP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(environ=os.environ) -> DistInfo:
+    """Join torchrun's process group; without torchrun, become a group of one."""
+    if "RANK" not in environ:  # plain `python -m rankguard.trainer`
+        environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        )  # fmt: skip
+    rank, local_rank = int(environ["RANK"]), int(environ["LOCAL_RANK"])
+    world_size = int(environ["WORLD_SIZE"])
+    local_world = int(environ.get("LOCAL_WORLD_SIZE", world_size))
+    restart_count = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"  # async checkpointing needs a CPU backend too
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        # Share the cores between the ranks of this node instead of oversubscribing.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    ckpt_group = dist.new_group(backend="gloo")
+    return DistInfo(rank, local_rank, world_size, local_world, restart_count, device, ckpt_group)
+
+
+def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool, timer) -> nn.Module:
+    """DDP with the timed all-reduce hook, or FSDP2 `fully_shard` per block."""
+    from .timing import timed_allreduce_hook
+
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    ddp.register_comm_hook(timer, timed_allreduce_hook)
+    return ddp
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") else model

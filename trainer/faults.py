@@ -1,0 +1,131 @@
+"""Fault hooks for fault-injection tests and drills. Off unless asked for.
+
+A spec is `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`:
+
+- crash       SIGKILL this rank at step N (a hard death: no cleanup, no exception)
+- exception   raise an exception at step N (a Python-level failure)
+- hang        stop progressing at step N, staying alive and idle (sleeping)
+- spin        stop progressing at step N, stuck in a busy Python loop
+- slow        from step N on, compute takes `factor` times as long (a straggler)
+- nan         the loss of step N becomes NaN (bad numerics)
+- comm-delay  from step N on, every gradient all-reduce is `seconds` longer
+- ckpt-delay  from step N on, every background checkpoint write is `seconds` longer
+
+A fault fires only in the incarnation whose torchrun restart count is `restart`
+(default 0), so a crash at step 27 does not crash again after the resume.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+KINDS = ("crash", "exception", "hang", "spin", "slow", "nan", "comm-delay", "ckpt-delay")
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the `exception` fault."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    step: int
+    rank: int = 0
+    factor: float = 1.0
+    seconds: float = 0.0
+    restart: int | None = 0  # None: every incarnation
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise FaultSpecError(f"unknown fault kind {self.kind!r}; one of {', '.join(KINDS)}")
+        if self.step < 0 or self.rank < 0:
+            raise FaultSpecError("fault step and rank must be >= 0")
+        if self.kind == "slow" and not (self.factor >= 1 and math.isfinite(self.factor)):
+            raise FaultSpecError("slow needs factor >= 1")
+        if self.kind.endswith("-delay") and not (0 < self.seconds < 3600):
+            raise FaultSpecError(f"{self.kind} needs 0 < seconds < 3600")
+
+
+def parse_fault_spec(text: str) -> FaultSpec:
+    kind, *parts = text.strip().split(":")
+    fields: dict = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise FaultSpecError(f"{text!r}: expected key=value, got {part!r}")
+        try:
+            if key in ("step", "rank"):
+                fields[key] = int(value)
+            elif key in ("factor", "seconds"):
+                fields[key] = float(value)
+            elif key == "restart":
+                fields[key] = None if value == "any" else int(value)
+            else:
+                raise FaultSpecError(f"{text!r}: unknown key {key!r}")
+        except ValueError as exc:
+            if isinstance(exc, FaultSpecError):
+                raise
+            raise FaultSpecError(f"{text!r}: bad value for {key}: {value!r}") from None
+    if "step" not in fields:
+        raise FaultSpecError(f"{text!r}: step=N is required")
+    return FaultSpec(kind=kind, **fields)
+
+
+def parse_fault_specs(texts: list[str]) -> tuple[FaultSpec, ...]:
+    return tuple(parse_fault_spec(t) for t in texts if t.strip())
+
+
+class FaultInjector:
+    """The faults that apply to this rank in this incarnation, asked at fixed points."""
+
+    def __init__(self, specs: tuple[FaultSpec, ...], rank: int, restart_count: int):
+        self.specs = [
+            s for s in specs if s.rank == rank and s.restart in (None, restart_count)
+        ]
+
+    def _active(self, kind: str, step: int, *, from_step: bool) -> FaultSpec | None:
+        for s in self.specs:
+            if s.kind == kind and (step >= s.step if from_step else step == s.step):
+                return s
+        return None
+
+    def at_step_start(self, step: int) -> None:
+        if self._active("crash", step, from_step=False):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._active("exception", step, from_step=False):
+            raise InjectedFault(f"injected exception at step {step}")
+        if self._active("hang", step, from_step=False):
+            while True:  # alive, idle, never progressing
+                time.sleep(3600)
+        if self._active("spin", step, from_step=False):
+            _spin_forever()
+
+    def slow_compute(self, step: int, compute_seconds: float) -> None:
+        spec = self._active("slow", step, from_step=True)
+        if spec and spec.factor > 1:
+            time.sleep(compute_seconds * (spec.factor - 1))
+
+    def corrupt_loss(self, step: int) -> bool:
+        return self._active("nan", step, from_step=False) is not None
+
+    def comm_delay(self, step: int) -> float:
+        spec = self._active("comm-delay", step, from_step=True)
+        return spec.seconds if spec else 0.0
+
+    def ckpt_delay(self, step: int) -> float:
+        spec = self._active("ckpt-delay", step, from_step=True)
+        return spec.seconds if spec else 0.0
+
+
+def _spin_forever() -> None:
+    x = 0
+    while True:  # stuck in Python: holds the GIL, burns a core
+        x = (x + 1) % 1_000_003

@@ -1,0 +1,334 @@
+"""The training program torchrun starts: parse -> build -> resume -> loop -> close."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from ..agent.telemetry import SCHEMA_VERSION, TelemetryRecord
+from .checkpoint import AsyncCheckpointer
+from .config import ConfigError, TrainConfig, config_from_args
+from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
+from .distributed import DistInfo, init_distributed, unwrap, wrap_model
+from .faults import FaultInjector
+from .model import GPT, parameter_digest
+from .telemetry import TelemetrySender
+from .timing import StepTimer, StepTiming
+
+log = logging.getLogger("rankguard.trainer")
+
+# Dense bf16 peak FLOP/s by device name, for MFU (vendor datasheets, SXM parts).
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def lr_schedule(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate: linear warm-up, then cosine to min_ratio."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def peak_flops(device: torch.device, override: float | None) -> float:
+    """The device's peak, or on CPU the measured fp32 matmul throughput of this process."""
+    if override:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return value
+    a = torch.randn(256, 256, device=device)
+    a @ a  # warm up
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.05:
+        a @ a
+        n += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * 256**3 * n / (time.perf_counter() - start)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, info: DistInfo):
+        self.cfg, self.info = cfg, info
+        self.faults = FaultInjector(cfg.faults, info.rank, info.restart_count)
+        self.telemetry = TelemetrySender(cfg.telemetry_socket)
+        self.phase = "init"
+        self.step = 0
+        self.last_loss: float | None = None
+        self.send_heartbeat()
+
+        if cfg.data_dir is not None:
+            self.dataset = MemmapTokens(cfg.data_dir, cfg.model.seq_len)
+        else:
+            self.dataset = SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_len, cfg.seed)
+        self.sampler = GlobalSampler(len(self.dataset), cfg.batch.global_batch, cfg.seed)
+        self.accum = cfg.batch.accum_steps(info.world_size)
+
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.raw_model = GPT(cfg.model).to(info.device)
+        self.flops_per_token = self.raw_model.flops_per_token()
+        self.timer = StepTimer(info.device)
+        self.model = wrap_model(self.raw_model, info, cfg.fsdp, self.timer)
+        self.optim = build_optimizer(self.model, cfg)
+        o = cfg.optim
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optim, lambda s: lr_schedule(s, cfg.steps, o.warmup_steps, o.min_lr_ratio)
+        )
+        self.ckpt = AsyncCheckpointer(cfg.ckpt, info, self.faults) if cfg.ckpt.dir else None
+        self.peak_flops = peak_flops(info.device, cfg.peak_flops)
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if info.device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        self.resumed_from: int | None = None
+        self._pending_loss: dict[int, torch.Tensor] = {}
+        self._natural_compute = 0.0  # last step's fwd+bwd per micro-batch, without injected delay
+
+    # -- telemetry ------------------------------------------------------------------
+    def _record(self, t: StepTiming | None, loss: float | None) -> TelemetryRecord:
+        info = self.info
+        tokens = self.accum * self.cfg.batch.micro_batch * self.cfg.model.seq_len
+        tps = tokens / t.step_seconds if t and t.step_seconds > 0 else 0.0
+        return TelemetryRecord(
+            v=SCHEMA_VERSION, job=self.cfg.job, rank=info.rank, local_rank=info.local_rank,
+            world_size=info.world_size, pid=os.getpid(), restart=info.restart_count,
+            step=t.step if t else self.step, phase=self.phase, time=time.time(),
+            step_seconds=t.step_seconds if t else 0.0,
+            data_wait_seconds=t.data_wait_seconds if t else 0.0,
+            compute_seconds=t.compute_seconds if t else 0.0,
+            comm_seconds=t.comm_seconds if t else 0.0,
+            comm_exposed_seconds=t.comm_exposed_seconds if t else 0.0,
+            optimizer_seconds=t.optimizer_seconds if t else 0.0,
+            checkpoint_block_seconds=t.checkpoint_block_seconds if t else 0.0,
+            tokens_per_second=tps,
+            mfu=min(1.0, max(0.0, self.flops_per_token * tps / self.peak_flops)),
+            peak_memory_bytes=peak_memory_bytes(info.device), loss=loss,
+            checkpoint_step=self.ckpt.newest_validated if self.ckpt else None,
+        )  # fmt: skip
+
+    def send_heartbeat(self, phase: str | None = None) -> None:
+        """A record without step timings: announces a phase change before long work."""
+        if phase:
+            self.phase = phase
+        with contextlib.suppress(Exception):  # telemetry must never break training
+            self.telemetry.send(self._record(None, self.last_loss))
+
+    def _report(self, timings: list[StepTiming]) -> None:
+        for t in timings:
+            loss = self._pending_loss.pop(t.step).item()
+            self.last_loss = loss
+            with contextlib.suppress(Exception):
+                self.telemetry.send(self._record(t, loss))
+            every = self.cfg.log_every
+            if self.info.rank == 0 and every and (t.step % every == 0 or t.step == self.cfg.steps):
+                log.info(
+                    "step %d loss %.4f step %.3fs data %.3fs compute %.3fs comm %.3fs (ratio %.2f)",
+                    t.step, loss, t.step_seconds, t.data_wait_seconds, t.compute_seconds,
+                    t.comm_seconds, t.comm_compute_ratio,
+                )  # fmt: skip
+
+    # -- resume ---------------------------------------------------------------------
+    def resume(self) -> None:
+        if not (self.ckpt and self.cfg.ckpt.load):
+            return
+        self.send_heartbeat("checkpoint_load")
+        state = self.ckpt.resume(self.model, self.optim)
+        if state is None:
+            return
+        if state["global_batch"] != self.cfg.batch.global_batch:
+            raise ConfigError(
+                f"checkpoint step {state['step']} was trained with global batch"
+                f" {state['global_batch']}, not {self.cfg.batch.global_batch}"
+            )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = self.resumed_from = state["step"]
+        self.last_loss = state["loss"]
+        if state["same_world"]:
+            torch.set_rng_state(state["rng_cpu"])
+            if state["rng_cuda"] is not None and self.info.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng_cuda"], self.info.device)
+        else:  # a new layout: a fresh, still deterministic stream per rank
+            torch.manual_seed(self.cfg.seed + 7919 * self.info.rank + self.step)
+        if self.info.rank == 0:
+            log.info(
+                "resumed from step %d (saved at world size %s, now %d, accumulation %d)",
+                self.step, "same" if state["same_world"] else "other", self.info.world_size,
+                self.accum,
+            )  # fmt: skip
+
+    def trainer_state(self) -> dict:
+        cuda = self.info.device.type == "cuda"
+        return {
+            "step": self.step,
+            "global_batch": self.cfg.batch.global_batch,
+            "world_size": self.info.world_size,
+            "loss": self.last_loss,
+            "scheduler": self.scheduler.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state(self.info.device) if cuda else None,
+        }
+
+    # -- the loop -------------------------------------------------------------------
+    def train_step(self, step: int) -> None:
+        cfg, info, timer = self.cfg, self.info, self.timer
+        self.faults.at_step_start(step)
+        timer.comm_delay_seconds = self.faults.comm_delay(step)
+        timer.begin(step)
+
+        data_start = time.perf_counter()
+        micro = rank_slice(
+            self.sampler.indices(step - 1), info.rank, info.world_size, self.accum,
+            cfg.batch.micro_batch,
+        )  # fmt: skip
+        batches = [
+            tuple(t.to(info.device, non_blocking=True) for t in collate(self.dataset, idx))
+            for idx in micro
+        ]
+        timer.host("data_wait", time.perf_counter() - data_start)
+
+        timer.mark("compute_start")
+        compute_start = time.perf_counter()
+        total = torch.zeros((), device=info.device)
+        for k, (x, y) in enumerate(batches):
+            last = k == self.accum - 1
+            with self._grad_sync(last), self.autocast:
+                loss = self.model(x, y)
+                if self.faults.corrupt_loss(step):
+                    loss = loss * float("nan")
+                self.faults.slow_compute(step, self._natural_compute)
+                (loss / self.accum).backward()
+            total += loss.detach() / self.accum
+        timer.mark("backward_end")
+        self._natural_compute = (time.perf_counter() - compute_start) / self.accum
+        if cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        timer.mark("optimizer_end")
+        self._pending_loss[step] = total
+        self.step = step
+
+        if self.ckpt and self.ckpt.due(step) and self._loss_finite_everywhere(total):
+            self.send_heartbeat("checkpoint_save")
+            self.last_loss = float(total)
+            timer.host("checkpoint_block", self.ckpt.save(step, self.model, self.optim, self.trainer_state()))
+            self.phase = "train"
+        timer.end()
+        self._report(timer.ready())
+
+    def _grad_sync(self, enabled: bool):
+        if enabled:
+            return contextlib.nullcontext()
+        if hasattr(self.model, "no_sync"):
+            return self.model.no_sync()
+        self.model.set_requires_gradient_sync(False)  # FSDP2; re-enabled on the last micro
+        return contextlib.nullcontext()
+
+    def _loss_finite_everywhere(self, loss: torch.Tensor) -> bool:
+        """Never checkpoint a state that already holds bad numerics (agreed by all ranks)."""
+        flag = torch.tensor([1.0 if math.isfinite(float(loss)) else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.info.ckpt_group)
+        if flag.item() < 1 and self.info.rank == 0:
+            log.error("step %d: non-finite loss, checkpoint skipped", self.step)
+        return flag.item() >= 1
+
+    def run(self) -> dict:
+        self.resume()
+        self.phase = "train"
+        self.send_heartbeat()
+        if hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(True)
+        for step in range(self.step + 1, self.cfg.steps + 1):
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(self.accum == 1)
+            self.train_step(step)
+        self._report(self.timer.ready(flush=True))
+        if self.ckpt:
+            self.send_heartbeat("checkpoint_save")
+            self.ckpt.close()
+        self.send_heartbeat("done")
+        return self.summary()
+
+    def summary(self) -> dict:
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )  # a collective under FSDP: every rank calls it
+        loss = torch.tensor([self.last_loss if self.last_loss is not None else float("nan")])
+        dist.all_reduce(loss, group=self.info.ckpt_group)
+        return {
+            "final_step": self.step,
+            "final_loss": loss.item() / self.info.world_size,
+            "param_digest": parameter_digest(full.items()),
+            "world_size": self.info.world_size,
+            "global_batch": self.cfg.batch.global_batch,
+            "accum_steps": self.accum,
+            "resumed_from": self.resumed_from,
+            "restart_count": self.info.restart_count,
+            "num_params": unwrap(self.model).num_params(),
+            "newest_validated_checkpoint": self.ckpt.newest_validated if self.ckpt else None,
+            "checkpoint_failures": self.ckpt.failures if self.ckpt else 0,
+            "telemetry_sent": self.telemetry.sent,
+            "telemetry_dropped": self.telemetry.dropped,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank {os.environ.get('RANK', '0')}] %(asctime)s %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = config_from_args(argv)
+    except ValueError as exc:  # ConfigError, FaultSpecError
+        print(f"rankguard trainer: {exc}", file=sys.stderr)
+        return 2
+    info = init_distributed()
+    try:
+        trainer = Trainer(cfg, info)
+        summary = trainer.run()
+        if info.rank == 0:
+            log.info(
+                "done: step %d loss %.4f digest %s", summary["final_step"], summary["final_loss"],
+                summary["param_digest"][:16],
+            )  # fmt: skip
+            if cfg.summary:
+                cfg.summary.parent.mkdir(parents=True, exist_ok=True)
+                tmp = Path(f"{cfg.summary}.tmp")
+                tmp.write_text(json.dumps(summary, indent=2) + "\n")
+                os.replace(tmp, cfg.summary)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
