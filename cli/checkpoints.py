@@ -1,5 +1,250 @@
-"""`rankguard checkpoints ...` (placeholder, filled in by the checkpoint-store work)."""
+"""`rankguard checkpoints ...`: list and verify the checkpoints in a checkpoint directory.
+
+Standard library + typer only (no torch): runs on a head node. Read-only: nothing here moves,
+quarantines or deletes a checkpoint (the trainer's resume does that).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Inspect and verify training checkpoints.")
+from ..trainer import checkpoint_store as store
+from ..trainer.checkpoint_store import CheckpointError, CheckpointStatus
+
+_STATES_HELP = (
+    "States: validated = committed, manifest.json present and every file matches it (sizes, "
+    "and sha256 checksums when verified). incomplete = a .partial dir (save in progress or "
+    "interrupted), or a step dir whose manifest.json is missing, unreadable, of another format "
+    "or of another step. corrupt = a listed file is missing, truncated, changed (checksum), or "
+    "an unlisted file is present. quarantined = moved aside under DIR/quarantine/ by a resume "
+    "(never deleted).\n\n"
+)
+
+_EXIT_HELP = (
+    "Exit codes: 0 = the newest committed checkpoint is validated. 1 = degraded: the newest is "
+    "not valid but an older validated one exists (a resume falls back to it). 2 = no validated "
+    "checkpoint at all, or DIR missing or unreadable. A .partial dir (a save in progress) does "
+    "not count as the newest checkpoint."
+)
+
+app = typer.Typer(
+    no_args_is_help=True,
+    help="Inspect and verify training checkpoints (read-only).\n\n" + _STATES_HELP + _EXIT_HELP,
+)
+
+DirArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Checkpoint root directory (holds step-NNNNNNNN/ dirs).", show_default=False
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
+
+EXIT_OK, EXIT_DEGRADED, EXIT_UNHEALTHY = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
+        if s < limit:
+            return f"{s // div}{unit}"
+    return f"{s // 86400}d"
+
+
+def _state_label(s: CheckpointStatus) -> str:
+    if s.state == store.QUARANTINED and s.original_state:
+        return f"quarantined ({s.original_state})"
+    return s.state
+
+
+def render_table(statuses: list[CheckpointStatus], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    header = ("STEP", "STATE", "SIZE", "WORLD", "AGE", "REASON")
+    rows = [header]
+    for s in statuses:
+        rows.append(
+            (
+                str(s.step),
+                _state_label(s),
+                human_bytes(s.size_bytes),
+                "-" if s.world_size is None else str(s.world_size),
+                human_age(None if s.created_at is None else now - s.created_at),
+                s.reason or "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    lines = []
+    for r in rows:
+        cells = [
+            c.rjust(w) if i in (0, 2, 3, 4) else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r[:-1], widths, strict=True))
+        ]
+        lines.append("  ".join([*cells, r[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- verdict
+
+
+def verdict(statuses: list[CheckpointStatus]) -> tuple[int, int | None, int | None]:
+    """(exit code, newest committed step, newest validated step)."""
+    committed = [s for s in statuses if s.is_committed]
+    validated = [s.step for s in committed if s.state == store.VALIDATED]
+    newest = max((s.step for s in committed), default=None)
+    newest_valid = max(validated, default=None)
+    if newest_valid is None:
+        return EXIT_UNHEALTHY, newest, None
+    return (EXIT_OK if newest_valid == newest else EXIT_DEGRADED), newest, newest_valid
+
+
+def _report(root: Path, statuses: list[CheckpointStatus], as_json: bool, checksums: bool) -> int:
+    code, newest, newest_valid = verdict(statuses)
+    if as_json:
+        doc = {
+            "root": str(root),
+            "checksums_verified": checksums,
+            "newest_step": newest,
+            "newest_validated": newest_valid,
+            "newest_is_valid": code == EXIT_OK,
+            "status": {0: "healthy", 1: "degraded", 2: "unhealthy"}[code],
+            "checkpoints": [s.to_dict() for s in statuses],
+        }
+        typer.echo(json.dumps(doc, indent=2, default=str))
+        return code
+    if statuses:
+        typer.echo(render_table(statuses))
+    else:
+        typer.echo(f"no checkpoints in {root}")
+    if code == EXIT_OK:
+        typer.echo(f"newest checkpoint step {newest} is validated")
+    elif code == EXIT_DEGRADED:
+        typer.echo(
+            f"DEGRADED: newest checkpoint step {newest} is not valid; "
+            f"newest validated is step {newest_valid}"
+        )
+    else:
+        typer.echo("UNHEALTHY: no validated checkpoint")
+    return code
+
+
+def _fail(root: Path, message: str, as_json: bool) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    if as_json:
+        doc = {
+            "root": str(root),
+            "error": message,
+            "newest_step": None,
+            "newest_validated": None,
+            "newest_is_valid": False,
+            "status": "unhealthy",
+            "checkpoints": [],
+        }
+        typer.echo(json.dumps(doc, indent=2))
+    return typer.Exit(EXIT_UNHEALTHY)
+
+
+def _scan(
+    root: Path, checksums: bool, as_json: bool, progress: Any = None
+) -> list[CheckpointStatus]:
+    if not root.exists():
+        raise _fail(root, f"checkpoint directory {root} does not exist", as_json)
+    if not root.is_dir():
+        raise _fail(root, f"{root} is not a directory", as_json)
+    try:
+        return store.scan(root, verify_checksums=checksums, progress=progress)
+    except (CheckpointError, OSError) as e:
+        raise _fail(root, f"cannot read {root}: {e}", as_json) from None
+
+
+class _Progress:
+    """`hashed X / Y (p%)` on stderr: live on a terminal, a line every few seconds otherwise."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self.last = self.start
+        self.done = self.total = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+        now = time.monotonic()
+        if now - self.last < (0.2 if self.tty else 5.0) or done >= total:
+            return
+        self.last = now
+        self._write(end="\r" if self.tty else "\n")
+
+    def _write(self, end: str) -> None:
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        self.stream.write(
+            f"hashed {human_bytes(self.done)} / {human_bytes(self.total)} ({pct:.0f}%){end}"
+        )
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+        elapsed = time.monotonic() - self.start
+        self.stream.write(
+            f"verified checksums: hashed {human_bytes(self.done)} / {human_bytes(self.total)} "
+            f"in {elapsed:.1f}s\n"
+        )
+        self.stream.flush()
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@app.command(
+    "list",
+    help="List checkpoints: step, state, size, world size, age, reason.\n\n"
+    "Fast by default: files are checked against the manifest by size only; --verify also "
+    "checks every checksum (reads all data).\n\n" + _STATES_HELP + _EXIT_HELP,
+)
+def list_(
+    directory: DirArg,
+    as_json: JsonOpt = False,
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="Also verify sha256 checksums (slow).")
+    ] = False,
+) -> None:
+    progress = _Progress() if verify else None
+    statuses = _scan(directory, verify, as_json, progress)
+    if progress is not None:
+        progress.finish()
+    raise typer.Exit(_report(directory, statuses, as_json, verify))
+
+
+@app.command(
+    help="Verify every checkpoint in full (sizes and sha256 checksums), with "
+    "progress on stderr. Read-only: never quarantines or deletes.\n\n"
+    "JSON: {root, newest_validated, newest_is_valid, checkpoints: [...]}.\n\n"
+    + _STATES_HELP
+    + _EXIT_HELP
+)
+def verify(directory: DirArg, as_json: JsonOpt = False) -> None:
+    progress = _Progress()
+    statuses = _scan(directory, True, as_json, progress)
+    progress.finish()
+    raise typer.Exit(_report(directory, statuses, as_json, True))

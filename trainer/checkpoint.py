@@ -120,7 +120,11 @@ class AsyncCheckpointer:
                         step,
                         info.world_size,
                         files,
-                        extra={"trainer_state_files": [_trainer_state_name(r) for r in range(info.world_size)]},
+                        extra={
+                            "trainer_state_files": [
+                                _trainer_state_name(r) for r in range(info.world_size)
+                            ]
+                        },
                     )
                     removed = store.apply_retention(self.root, self.cfg.keep)
                     if removed:
@@ -169,7 +173,9 @@ class AsyncCheckpointer:
         model_sd, optim_sd = get_state_dict(model, optim)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         same_world = saved_world == info.world_size
         state_file = Path(path) / _trainer_state_name(info.rank if same_world else 0)
         trainer_state = torch.load(state_file, map_location="cpu", weights_only=True)

@@ -186,7 +186,9 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
     preset = PRESETS[args.preset]
     model = preset.model
     if args.seq_len:
-        model = ModelConfig(model.n_layer, model.n_head, model.d_model, args.seq_len, model.vocab_size)
+        model = ModelConfig(
+            model.n_layer, model.n_head, model.d_model, args.seq_len, model.vocab_size
+        )
     if args.data is not None:
         model = model.with_vocab(256)  # byte-level shards
     socket = args.telemetry_socket
@@ -200,7 +202,9 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         model=model,
         optim=OptimConfig(
             lr=args.lr if args.lr is not None else preset.lr,
-            warmup_steps=args.warmup_steps if args.warmup_steps is not None else preset.warmup_steps,
+            warmup_steps=args.warmup_steps
+            if args.warmup_steps is not None
+            else preset.warmup_steps,
         ),
         batch=BatchConfig(
             global_batch=args.global_batch or preset.global_batch,
@@ -213,7 +217,10 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         seed=args.seed,
         data_dir=args.data,
         summary=args.summary,
-        job=args.job or environ.get("RANKGUARD_JOB") or environ.get("TORCHELASTIC_RUN_ID") or "local",
+        job=args.job
+        or environ.get("RANKGUARD_JOB")
+        or environ.get("TORCHELASTIC_RUN_ID")
+        or "local",
         telemetry_socket=socket,
         log_every=args.log_every,
         fsdp=args.fsdp,

@@ -28,6 +28,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _attempt_store(environ, rank: int, world_size: int, restart_count: int) -> dist.Store:
+    """The rendezvous store, namespaced by torchrun's restart count.
+
+    torchrun's c10d rendezvous shares one TCPStore across restarts, so without a
+    per-attempt prefix a restarted worker can read the dead incarnation's gloo
+    addresses and fail or hang in init_process_group.
+    """
+    agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        environ["MASTER_ADDR"],
+        int(environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_store and rank == 0,
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"rankguard/attempt-{restart_count}", store)
+
+
 def init_distributed(environ=os.environ) -> DistInfo:
     """Join torchrun's process group; without torchrun, become a group of one."""
     if "RANK" not in environ:  # plain `python -m rankguard.trainer`
@@ -49,7 +67,13 @@ def init_distributed(environ=os.environ) -> DistInfo:
         backend = "gloo"
         # Share the cores between the ranks of this node instead of oversubscribing.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend=backend,
+        store=_attempt_store(environ, rank, world_size, restart_count),
+        rank=rank,
+        world_size=world_size,
+        device_id=device if device.type == "cuda" else None,
+    )
     ckpt_group = dist.new_group(backend="gloo")
     return DistInfo(rank, local_rank, world_size, local_world, restart_count, device, ckpt_group)
 

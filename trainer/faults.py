@@ -87,9 +87,7 @@ class FaultInjector:
     """The faults that apply to this rank in this incarnation, asked at fixed points."""
 
     def __init__(self, specs: tuple[FaultSpec, ...], rank: int, restart_count: int):
-        self.specs = [
-            s for s in specs if s.rank == rank and s.restart in (None, restart_count)
-        ]
+        self.specs = [s for s in specs if s.rank == rank and s.restart in (None, restart_count)]
 
     def _active(self, kind: str, step: int, *, from_step: bool) -> FaultSpec | None:
         for s in self.specs:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ..agent.telemetry import SCHEMA_VERSION, TelemetryRecord
+from ..agent.telemetry import SCHEMA_VERSION
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
 from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
@@ -84,6 +84,7 @@ class Trainer:
         self.phase = "init"
         self.step = 0
         self.last_loss: float | None = None
+        self.ckpt: AsyncCheckpointer | None = None
         self.send_heartbeat()
 
         if cfg.data_dir is not None:
@@ -115,11 +116,15 @@ class Trainer:
         self._natural_compute = 0.0  # last step's fwd+bwd per micro-batch, without injected delay
 
     # -- telemetry ------------------------------------------------------------------
-    def _record(self, t: StepTiming | None, loss: float | None) -> TelemetryRecord:
+    def _record(self, t: StepTiming | None, loss: float | None) -> dict:
+        """Fields of one telemetry record; the sender validates them and counts rejects."""
         info = self.info
-        tokens = self.accum * self.cfg.batch.micro_batch * self.cfg.model.seq_len
-        tps = tokens / t.step_seconds if t and t.step_seconds > 0 else 0.0
-        return TelemetryRecord(
+        tps = 0.0
+        if t and t.step_seconds > 0:
+            tokens = self.accum * self.cfg.batch.micro_batch * self.cfg.model.seq_len
+            tps = tokens / t.step_seconds
+        mfu = min(1.0, self.flops_per_token * tps / self.peak_flops) if tps else 0.0
+        return dict(
             v=SCHEMA_VERSION, job=self.cfg.job, rank=info.rank, local_rank=info.local_rank,
             world_size=info.world_size, pid=os.getpid(), restart=info.restart_count,
             step=t.step if t else self.step, phase=self.phase, time=time.time(),
@@ -131,7 +136,7 @@ class Trainer:
             optimizer_seconds=t.optimizer_seconds if t else 0.0,
             checkpoint_block_seconds=t.checkpoint_block_seconds if t else 0.0,
             tokens_per_second=tps,
-            mfu=min(1.0, max(0.0, self.flops_per_token * tps / self.peak_flops)),
+            mfu=mfu,
             peak_memory_bytes=peak_memory_bytes(info.device), loss=loss,
             checkpoint_step=self.ckpt.newest_validated if self.ckpt else None,
         )  # fmt: skip
@@ -140,15 +145,13 @@ class Trainer:
         """A record without step timings: announces a phase change before long work."""
         if phase:
             self.phase = phase
-        with contextlib.suppress(Exception):  # telemetry must never break training
-            self.telemetry.send(self._record(None, self.last_loss))
+        self.telemetry.send(self._record(None, self.last_loss))  # never blocks or raises
 
     def _report(self, timings: list[StepTiming]) -> None:
         for t in timings:
             loss = self._pending_loss.pop(t.step).item()
             self.last_loss = loss
-            with contextlib.suppress(Exception):
-                self.telemetry.send(self._record(t, loss))
+            self.telemetry.send(self._record(t, loss))
             every = self.cfg.log_every
             if self.info.rank == 0 and every and (t.step % every == 0 or t.step == self.cfg.steps):
                 log.info(
@@ -242,7 +245,10 @@ class Trainer:
         if self.ckpt and self.ckpt.due(step) and self._loss_finite_everywhere(total):
             self.send_heartbeat("checkpoint_save")
             self.last_loss = float(total)
-            timer.host("checkpoint_block", self.ckpt.save(step, self.model, self.optim, self.trainer_state()))
+            timer.host(
+                "checkpoint_block",
+                self.ckpt.save(step, self.model, self.optim, self.trainer_state()),
+            )
             self.phase = "train"
         timer.end()
         self._report(timer.ready())

@@ -1,0 +1,109 @@
+"""Communication timing: the trainer's DDP comm-hook figure against torch.profiler on the
+same steps, and the effect of a sleep injected into every all-reduce.
+
+    torchrun --standalone --nproc-per-node 2 bench/comm_timing.py [--delay 0.02] [--json OUT]
+
+Rank 0 prints a table. "hook" is what rankguard reports (`comm_seconds`: wall time an
+all-reduce was in flight); "profiler" is the sum of the process group's all_reduce
+events torch.profiler recorded on the same steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+from rankguard.trainer.config import ModelConfig
+from rankguard.trainer.distributed import init_distributed, wrap_model
+from rankguard.trainer.model import GPT
+from rankguard.trainer.timing import StepTimer
+from torch.profiler import ProfilerActivity, profile
+
+
+def measure(model, timer: StepTimer, batch, steps: int, delay: float, cuda: bool) -> dict:
+    x, y = batch
+    timer.comm_delay_seconds = delay
+    for _ in range(2):  # warm-up: DDP rebuilds its buckets after the first step
+        model(x, y).backward()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for step in range(steps):
+            timer.begin(step)
+            timer.mark("compute_start")
+            model(x, y).backward()
+            timer.mark("backward_end")
+            timer.mark("optimizer_end")
+            timer.end()
+            model.zero_grad(set_to_none=True)
+    timings = timer.ready(flush=True)
+    collective = [
+        e
+        for e in prof.events()
+        if "all_reduce" in e.name and ("gloo" in e.name or "nccl" in e.name)
+    ]
+    prof_us = sum((e.device_time_total if cuda else e.cpu_time_total) for e in collective)
+    return {
+        "delay_seconds": delay,
+        "steps": steps,
+        "hook_comm_ms": 1e3 * statistics.fmean(t.comm_seconds for t in timings),
+        "profiler_comm_ms": prof_us / 1e3 / steps,
+        "compute_ms": 1e3 * statistics.fmean(t.compute_seconds for t in timings),
+        "comm_compute_ratio": statistics.fmean(t.comm_compute_ratio for t in timings),
+        "allreduce_calls_per_step": len(collective) / steps,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--delay", type=float, default=0.02, help="seconds added to each all-reduce")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--json", help="rank 0 writes the results here")
+    args = p.parse_args()
+
+    info = init_distributed()
+    cuda = info.device.type == "cuda"
+    torch.manual_seed(0)
+    cfg = ModelConfig(args.layers, 4, args.d_model, 128, 256)
+    timer = StepTimer(info.device)
+    model = wrap_model(GPT(cfg).to(info.device), info, fsdp=False, timer=timer)
+    x = torch.randint(0, 256, (4, 128), device=info.device)
+    batch = (x, torch.roll(x, -1, dims=1))
+    rows = [measure(model, timer, batch, args.steps, d, cuda) for d in (0.0, args.delay)]
+    if info.rank == 0:
+        base, delayed = rows
+        per_call = (delayed["hook_comm_ms"] - base["hook_comm_ms"]) / max(
+            1, base["allreduce_calls_per_step"]
+        )
+        result = {
+            "device": str(info.device),
+            "world_size": info.world_size,
+            "params": sum(p.numel() for p in model.parameters()),
+            "rows": rows,
+            "hook_over_profiler": base["hook_comm_ms"] / base["profiler_comm_ms"],
+            "added_ms_per_allreduce": per_call,
+            "injected_ms_per_allreduce": 1e3 * args.delay,
+            "ratio_increase": delayed["comm_compute_ratio"] / max(1e-9, base["comm_compute_ratio"]),
+        }
+        print(f"{'injected delay':>15} {'hook comm ms':>13} {'profiler ms':>12} {'hook/prof':>10} "
+              f"{'compute ms':>11} {'comm/compute':>13}")  # fmt: skip
+        for r in rows:
+            print(f"{r['delay_seconds'] * 1e3:>12.1f} ms {r['hook_comm_ms']:>13.2f} "
+                  f"{r['profiler_comm_ms']:>12.2f} {r['hook_comm_ms'] / r['profiler_comm_ms']:>10.2f} "
+                  f"{r['compute_ms']:>11.2f} {r['comm_compute_ratio']:>13.3f}")  # fmt: skip
+        print(f"added per all-reduce: {per_call:.2f} ms (injected {1e3 * args.delay:.2f} ms); "
+              f"comm/compute ratio x{result['ratio_increase']:.2f}")  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
