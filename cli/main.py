@@ -16,3 +16,7 @@ app.add_typer(checkpoints_app, name="checkpoints")
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

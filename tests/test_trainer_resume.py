@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import threading
 from pathlib import Path
 
 import pytest
 from harness import read_json, run_ok, torchrun
-from rankguard.agent.telemetry import TelemetryError, decode
 from rankguard.trainer import checkpoint_store as store
+from telemetry_sink import TelemetrySink
 
 pytestmark = pytest.mark.slow
 
@@ -105,49 +103,17 @@ def test_elastic_resume_at_smaller_world_keeps_global_batch(tmp_path):
     assert _steps(ckpt)["step-00000030"] == "validated"
 
 
-class _Collector:
-    """A real agent-side receiving socket that decodes every datagram."""
-
-    def __init__(self, path: Path):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.2)
-        self.records, self.errors = [], []
-        self._stop = False
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self):
-        while not self._stop:
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            try:
-                self.records.append(decode(data))
-            except TelemetryError as exc:
-                self.errors.append(exc)
-
-    def close(self):
-        self._stop = True
-        self.thread.join()
-        self.sock.close()
-
-
 def test_crash_during_inflight_save_never_validates_it(tmp_path, clean_40):
     """Rank 1's write of step 10 is slowed; rank 0 is killed at step 12 while it is in
     flight. The half-written checkpoint must never be committed nor reported validated."""
     sock = tmp_path / "telemetry.sock"
-    collector = _Collector(sock)
-    try:
+    with TelemetrySink(sock) as collector:
         run_ok(
             ["--steps", "40", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "10",
              "--summary", str(tmp_path / "s.json"),
              "--fault", "ckpt-delay:step=10:rank=1:seconds=3", "--fault", "crash:step=12:rank=0"],
             cwd=tmp_path, max_restarts=1, env={"RANKGUARD_TELEMETRY_SOCKET": str(sock)},
         )  # fmt: skip
-    finally:
-        collector.close()
     s = read_json(tmp_path / "s.json")
     assert s["restart_count"] == 1 and s["resumed_from"] is None  # nothing was validated
     assert s["param_digest"] == clean_40["param_digest"]
@@ -160,15 +126,12 @@ def test_crash_during_inflight_save_never_validates_it(tmp_path, clean_40):
 
 def test_telemetry_arrives_valid_at_a_real_socket(tmp_path):
     sock = tmp_path / "telemetry.sock"
-    collector = _Collector(sock)
-    try:
+    with TelemetrySink(sock) as collector:
         run_ok(
             ["--steps", "12", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5",
              "--job", "t1", "--summary", str(tmp_path / "s.json")],
             cwd=tmp_path, env={"RANKGUARD_TELEMETRY_SOCKET": str(sock)},
         )  # fmt: skip
-    finally:
-        collector.close()
     assert collector.errors == []
     s = read_json(tmp_path / "s.json")
     assert s["telemetry_dropped"] == 0 and s["telemetry_sent"] > 12

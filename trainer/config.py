@@ -100,8 +100,11 @@ class CheckpointConfig:
     every: int = 0  # steps between saves; 0 disables saving
     keep: int = 3  # validated checkpoints kept by retention; <= 0 keeps all
     load: bool = True  # resume from the newest validated checkpoint at start
+    mode: str = "async"  # "sync": blocking dcp.save, the benchmark's baseline
 
     def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise ConfigError("--ckpt-mode must be async or sync")
         if self.every < 0:
             raise ConfigError("--ckpt-every must be >= 0")
         if self.every and self.dir is None:
@@ -148,11 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, help="sequences per step across all ranks")
     p.add_argument("--micro-batch", type=int, help="sequences per forward/backward per rank")
     p.add_argument("--seq-len", type=int, help="override the preset's sequence length")
+    p.add_argument("--n-layer", type=int, help="override the preset's layer count")
+    p.add_argument("--d-model", type=int, help="override the preset's model width")
+    p.add_argument("--n-head", type=int, help="override the preset's attention heads")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int)
     p.add_argument("--ckpt-dir", type=Path, help="checkpoint root directory")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: never)")
     p.add_argument("--keep", type=int, default=3, help="validated checkpoints to keep (<=0: all)")
+    p.add_argument(
+        "--ckpt-mode",
+        choices=("async", "sync"),
+        default="async",
+        help="async (default) blocks only for staging; sync blocks for the whole save",
+    )
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--data", type=Path, help="token shards from `rankguard trainer prepare`")
     p.add_argument("--seed", type=int, default=1234)
@@ -185,10 +197,13 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
     args = build_parser().parse_args(argv)
     preset = PRESETS[args.preset]
     model = preset.model
-    if args.seq_len:
-        model = ModelConfig(
-            model.n_layer, model.n_head, model.d_model, args.seq_len, model.vocab_size
-        )
+    model = ModelConfig(
+        n_layer=args.n_layer or model.n_layer,
+        n_head=args.n_head or model.n_head,
+        d_model=args.d_model or model.d_model,
+        seq_len=args.seq_len or model.seq_len,
+        vocab_size=model.vocab_size,
+    )
     if args.data is not None:
         model = model.with_vocab(256)  # byte-level shards
     socket = args.telemetry_socket
@@ -211,7 +226,11 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
             micro_batch=args.micro_batch or preset.micro_batch,
         ),
         ckpt=CheckpointConfig(
-            dir=args.ckpt_dir, every=args.ckpt_every, keep=args.keep, load=not args.no_resume
+            dir=args.ckpt_dir,
+            every=args.ckpt_every,
+            keep=args.keep,
+            load=not args.no_resume,
+            mode=args.ckpt_mode,
         ),
         steps=args.steps,
         seed=args.seed,

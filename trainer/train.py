@@ -114,6 +114,10 @@ class Trainer:
         self.resumed_from: int | None = None
         self._pending_loss: dict[int, torch.Tensor] = {}
         self._natural_compute = 0.0  # last step's fwd+bwd per micro-batch, without injected delay
+        self.checkpoint_saves = 0
+        self.checkpoint_block_seconds = 0.0
+        self.train_seconds = 0.0
+        self.steps_trained = 0
 
     # -- telemetry ------------------------------------------------------------------
     def _record(self, t: StepTiming | None, loss: float | None) -> dict:
@@ -233,6 +237,8 @@ class Trainer:
             total += loss.detach() / self.accum
         timer.mark("backward_end")
         self._natural_compute = (time.perf_counter() - compute_start) / self.accum
+        if self.ckpt:  # the save in flight must have copied the weights before they change
+            self._checkpoint_block(self.ckpt.wait_staged())
         if cfg.optim.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
         self.optim.step()
@@ -245,13 +251,17 @@ class Trainer:
         if self.ckpt and self.ckpt.due(step) and self._loss_finite_everywhere(total):
             self.send_heartbeat("checkpoint_save")
             self.last_loss = float(total)
-            timer.host(
-                "checkpoint_block",
-                self.ckpt.save(step, self.model, self.optim, self.trainer_state()),
+            self._checkpoint_block(
+                self.ckpt.save(step, self.model, self.optim, self.trainer_state())
             )
+            self.checkpoint_saves += 1
             self.phase = "train"
         timer.end()
         self._report(timer.ready())
+
+    def _checkpoint_block(self, seconds: float) -> None:
+        self.timer.host("checkpoint_block", seconds)
+        self.checkpoint_block_seconds += seconds
 
     def _grad_sync(self, enabled: bool):
         if enabled:
@@ -264,7 +274,7 @@ class Trainer:
     def _loss_finite_everywhere(self, loss: torch.Tensor) -> bool:
         """Never checkpoint a state that already holds bad numerics (agreed by all ranks)."""
         flag = torch.tensor([1.0 if math.isfinite(float(loss)) else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.info.ckpt_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # main thread: the default group
         if flag.item() < 1 and self.info.rank == 0:
             log.error("step %d: non-finite loss, checkpoint skipped", self.step)
         return flag.item() >= 1
@@ -275,6 +285,7 @@ class Trainer:
         self.send_heartbeat()
         if hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(True)
+        first_step, start = self.step, time.perf_counter()
         for step in range(self.step + 1, self.cfg.steps + 1):
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(self.accum == 1)
@@ -283,6 +294,8 @@ class Trainer:
         if self.ckpt:
             self.send_heartbeat("checkpoint_save")
             self.ckpt.close()
+        self.train_seconds = time.perf_counter() - start
+        self.steps_trained = self.step - first_step
         self.send_heartbeat("done")
         return self.summary()
 
@@ -291,7 +304,7 @@ class Trainer:
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )  # a collective under FSDP: every rank calls it
         loss = torch.tensor([self.last_loss if self.last_loss is not None else float("nan")])
-        dist.all_reduce(loss, group=self.info.ckpt_group)
+        dist.all_reduce(loss)
         return {
             "final_step": self.step,
             "final_loss": loss.item() / self.info.world_size,
@@ -304,6 +317,14 @@ class Trainer:
             "num_params": unwrap(self.model).num_params(),
             "newest_validated_checkpoint": self.ckpt.newest_validated if self.ckpt else None,
             "checkpoint_failures": self.ckpt.failures if self.ckpt else 0,
+            "checkpoint_saves": self.checkpoint_saves,
+            "checkpoint_block_seconds": self.checkpoint_block_seconds,
+            "steps_trained": self.steps_trained,
+            "train_seconds": self.train_seconds,
+            "tokens_per_second": self.steps_trained
+            * self.cfg.batch.global_batch
+            * self.cfg.model.seq_len
+            / max(self.train_seconds, 1e-9),
             "telemetry_sent": self.telemetry.sent,
             "telemetry_dropped": self.telemetry.dropped,
         }
