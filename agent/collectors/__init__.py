@@ -100,7 +100,7 @@ class Collector(ABC):
     def collect(self) -> CollectorResult:
         """Read once; raise on failure (the wrapper records it)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most collectors hold nothing
         """Release handles and threads."""
 
 
