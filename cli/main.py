@@ -2,6 +2,7 @@
 
 import typer
 
+from .agent import agent
 from .checkpoints import app as checkpoints_app
 from .trainer import app as trainer_app
 
@@ -11,6 +12,7 @@ app = typer.Typer(
     help="rankguard: keep large-model training alive on GPU clusters.",
 )
 app.add_typer(trainer_app, name="trainer")
+app.command("agent")(agent)
 app.add_typer(checkpoints_app, name="checkpoints")
 
 

@@ -67,8 +67,8 @@ def test_step_timer_splits_exposed_communication():
     timer = StepTimer(torch.device("cpu"))
     timer.begin(1)
     timer.host("data_wait", 0.25)
-    # Fake host clock values: compute 0..10, buckets in flight 4..6 and 9..12,
-    # backward returns at 12 (2 s after the last launch at 9 + ... exposed = 12 - 9).
+    # Fake host clock values: buckets in flight 4..6 and 9..12, backward returns at 12:
+    # everything after the last launch (9) is waiting: exposed = 12 - 9.
     timer._current.marks.update(compute_start=0.0, backward_end=12.0, optimizer_end=13.0)
     timer._current.comm.extend([(4.0, 6.0), (9.0, 12.0)])
     timer.end()

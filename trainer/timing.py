@@ -8,7 +8,8 @@ when its future completed.
 - `comm_seconds`: wall time during which at least one all-reduce was in flight (the
   union of the buckets' intervals), overlapped with backward or not.
 - `comm_exposed_seconds`: the part of backward spent only waiting for communication:
-  from the last bucket's launch (autograd has no work left then) to backward's return.
+  all-reduce time after the last bucket's launch (autograd has no work left then) and
+  before backward's return.
 - `compute_seconds`: forward+backward minus the exposed communication.
 
 On CPU the marks are `time.perf_counter()`; on CUDA they are events recorded on the
@@ -132,9 +133,11 @@ class StepTimer:
         comm = [(self.clock.seconds(a), self.clock.seconds(b)) for a, b in p.comm]
         fwd_bwd = s["backward_end"] - s["compute_start"]
         exposed = 0.0
-        if comm:
-            last_launch = max(a for a, _ in comm)
-            exposed = min(max(0.0, s["backward_end"] - last_launch), fwd_bwd)
+        if comm:  # communication still in flight after the last launch, until backward returned
+            last_launch, end = max(a for a, _ in comm), s["backward_end"]
+            exposed = union_length(
+                [(max(a, last_launch), min(b, end)) for a, b in comm if b > last_launch and a < end]
+            )
         return StepTiming(
             step=p.step,
             step_seconds=p.host["step"],

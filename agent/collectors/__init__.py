@@ -24,6 +24,11 @@ log = logging.getLogger("rankguard.agent.collectors")
 
 METRIC_KINDS = ("gauge", "counter", "info")
 
+# The training job's label. Not `job`: Prometheus sets `job` on every scraped series to
+# the scrape job's name and would rename ours to `exported_job` (see docs/architecture.md).
+JOB_LABEL = "training_job"
+RANK_LABELS = (JOB_LABEL, "rank")
+
 
 @dataclass
 class Metric:

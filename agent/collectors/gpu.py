@@ -1,0 +1,751 @@
+"""GPU collector: NVML readings, GPM activity, XID events and rank GPU memory.
+
+Works the same against the real `pynvml` and the `NvmlDouble` (same calls, same
+structures, same `NVMLError`s). What it reads, and how often:
+
+- every collect: utilisation, memory, temperature, power, energy, SM clock, clock event
+  reasons, ECC, retired pages / remapped rows, and (when ranks run here) per-process
+  memory;
+- every `gpm_interval` s: GPM (Hopper+) SM, tensor and DRAM activity, computed by NVML
+  between this GPM sample and the previous one;
+- every `pcie_interval` s: PCIe throughput (each read blocks ~20 ms inside NVML);
+- continuously: a thread waits on an NVML event set for XID critical errors and counts
+  them by code.
+
+NVML is `ctx.nvml` when set, else `load_nvml(None)`: the NVML double when the
+`RANKGUARD_NVML_DOUBLE` environment variable names a state file, else the real pynvml.
+
+Failure model: if NVML cannot start (no library, no driver, no GPU) `collect()` does not
+raise; it reports `rankguard_gpu_nvml_up 0` and the reason, and retries at most every
+`init_retry_interval` s. A GPU answering GPU_IS_LOST (or RESET_REQUIRED) is reported as
+`rankguard_gpu_lost 1` with its info and XID counters; its measurements are omitted and
+the other GPUs are unaffected. A query a GPU does not support is left out.
+
+ECC counts are NVML's *volatile* counters (since the last driver load): they are the
+errors of the node as it runs now, so a repaired and rebooted node starts clean, and a
+driver reload looks to Prometheus like any counter reset. Lifetime history is kept by
+retired pages / remapped rows, which are exported as gauges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+from ..nvml_double import load_nvml
+from . import (
+    JOB_LABEL,
+    Collector,
+    CollectorContext,
+    CollectorResult,
+    Metric,
+    counter,
+    gauge,
+    info,
+    register,
+)
+
+log = logging.getLogger("rankguard.agent.collectors.gpu")
+
+# --- pure helpers: names, units, ids (no NVML calls) -------------------------------------
+
+# Clock event ("throttle") reasons by the name we export.
+CLOCK_EVENT_REASONS: dict[str, int] = {
+    "gpu_idle": pynvml.nvmlClocksEventReasonGpuIdle,
+    "applications_clocks": pynvml.nvmlClocksEventReasonApplicationsClocksSetting,
+    "sw_power_cap": pynvml.nvmlClocksEventReasonSwPowerCap,
+    "hw_slowdown": pynvml.nvmlClocksEventReasonHwSlowdown,
+    "sync_boost": pynvml.nvmlClocksEventReasonSyncBoost,
+    "sw_thermal_slowdown": pynvml.nvmlClocksEventReasonSwThermalSlowdown,
+    "hw_thermal_slowdown": pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+    "hw_power_brake": pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
+}
+
+# GPM metrics we export (values are percent) by the metric name's stem.
+GPM_METRICS: dict[str, int] = {
+    "sm_activity": pynvml.NVML_GPM_METRIC_SM_UTIL,  # share of SMs busy (DCGM SM_ACTIVE)
+    "tensor_activity": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,  # any tensor pipe busy
+    "dram_bandwidth_utilization": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+}
+
+# XIDs pre-created at zero on every GPU, so that the first occurrence is an increase
+# Prometheus can see (a series born at 1 has no increase). Others appear when seen.
+KNOWN_XIDS: dict[int, str] = {
+    13: "graphics engine exception",
+    31: "GPU memory page fault",
+    43: "GPU stopped processing",
+    45: "preemptive cleanup after previous errors",
+    48: "double-bit ECC error",
+    61: "internal micro-controller breakpoint/warning",
+    62: "internal micro-controller halt",
+    63: "ECC page retirement or row remapping recording event",
+    64: "ECC page retirement or row remapper recording failure",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+
+# Errors that mean the GPU itself is gone or unusable until reset.
+LOST_ERRORS = frozenset({pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED})
+
+KIB = 1024  # NVML's PCIe throughput is in KB/s, and NVML's KB is 1024 bytes
+
+
+def clock_event_names(mask: int) -> list[str]:
+    """Names of the active reasons in an nvmlClocksEventReason* bitmask."""
+    return [name for name, bit in CLOCK_EVENT_REASONS.items() if mask & bit]
+
+
+def percent_to_ratio(percent: float) -> float:
+    return min(max(float(percent) / 100.0, 0.0), 1.0)
+
+
+def mw_to_watts(mw: float) -> float:
+    return mw / 1000.0
+
+
+def mj_to_joules(mj: float) -> float:
+    return mj / 1000.0
+
+
+def mhz_to_hertz(mhz: float) -> float:
+    return mhz * 1e6
+
+
+def kbps_to_bytes_per_second(kbps: float) -> float:
+    return kbps * KIB
+
+
+def handle_key(handle: Any) -> int | None:
+    """An NVML device handle is a pointer that stays the same for the session: its
+    address identifies the GPU in event data."""
+    return ctypes.cast(handle, ctypes.c_void_p).value
+
+
+# --- configuration -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    gpm_interval: float = 1.0  # seconds between GPM samples (values cached meanwhile)
+    pcie_interval: float = 10.0  # seconds between PCIe throughput reads
+    init_retry_interval: float = 60.0  # seconds between nvmlInit attempts while down
+    event_timeout_ms: int = 500  # XID wait; bounds how long close() waits for the thread
+
+    def __post_init__(self) -> None:
+        for name in ("gpm_interval", "pcie_interval", "init_retry_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GpuConfig.{name} must be >= 0")
+        if self.event_timeout_ms <= 0:
+            raise ValueError("GpuConfig.event_timeout_ms must be > 0")
+
+
+# --- per-GPU state and one reading ---------------------------------------------------------
+
+
+@dataclass
+class _Gpu:
+    """What we keep about one GPU between collections."""
+
+    index: int
+    handle: Any = None
+    uuid: str = ""
+    name: str = ""
+    lost: bool = False
+    error: str | None = None
+    gpm_supported: bool | None = None  # None: not asked yet
+    gpm_samples: list[Any] = field(default_factory=list)  # [previous, spare]
+    gpm_has_previous: bool = False
+    gpm_values: dict[str, float] = field(default_factory=dict)  # stem -> ratio
+    pcie: tuple[float, float] | None = None  # (tx, rx) bytes/s
+
+
+@dataclass
+class GpuReading:
+    """One collection's measurements of one GPU; None where unsupported."""
+
+    index: int
+    uuid: str
+    name: str
+    lost: bool = False
+    error: str | None = None
+    utilization: float | None = None  # ratio
+    memory_used: int | None = None
+    memory_total: int | None = None
+    temperature: float | None = None
+    power_watts: float | None = None
+    energy_joules: float | None = None
+    sm_clock_hertz: float | None = None
+    clock_event_mask: int | None = None
+    ecc: dict[str, int] | None = None  # corrected / uncorrected
+    retired_pages: dict[str, int] | None = None  # single_bit_ecc / double_bit_ecc
+    retired_pages_pending: int | None = None
+    remapped_rows: dict[str, int] | None = None  # correctable, uncorrectable, pending, failure
+    gpm: dict[str, float] = field(default_factory=dict)
+    gpm_supported: bool | None = None
+    pcie: tuple[float, float] | None = None
+    processes: dict[int, int] = field(default_factory=dict)  # pid -> bytes
+
+
+class _GpuLost(Exception):
+    pass
+
+
+# --- XID events --------------------------------------------------------------------------
+
+
+class XidCounts:
+    """Thread-safe XID counts by (gpu index, code); they outlive NVML re-inits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[int, int], int] = {}
+
+    def add(self, gpu: int, xid: int) -> None:
+        with self._lock:
+            self._counts[(gpu, xid)] = self._counts.get((gpu, xid), 0) + 1
+
+    def snapshot(self) -> dict[tuple[int, int], int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class XidWatcher:
+    """Registers XID critical errors on every GPU and counts them from a thread that
+    waits on the NVML event set (NVML_ERROR_TIMEOUT just means nothing happened)."""
+
+    def __init__(self, nvml: Any, counts: XidCounts, timeout_ms: int):
+        self.nvml = nvml
+        self.counts = counts
+        self.timeout_ms = timeout_ms
+        self.event_set: Any = None
+        self.gpu_by_key: dict[int | None, int] = {}
+        self.unsupported: list[str] = []
+        self.thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def supported(self) -> bool:
+        return self.event_set is not None and not self.unsupported
+
+    def register(self, gpu: _Gpu) -> None:
+        nvml = self.nvml
+        try:
+            if self.event_set is None:
+                self.event_set = nvml.nvmlEventSetCreate()
+            nvml.nvmlDeviceRegisterEvents(
+                gpu.handle, nvml.nvmlEventTypeXidCriticalError, self.event_set
+            )
+        except pynvml.NVMLError as exc:
+            self.unsupported.append(f"gpu {gpu.index}: {exc}")
+            return
+        self.gpu_by_key[handle_key(gpu.handle)] = gpu.index
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="rankguard-gpu-xid", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        nvml = self.nvml
+        while not self._stop.is_set():
+            try:
+                data = nvml.nvmlEventSetWait_v2(self.event_set, self.timeout_ms)
+            except pynvml.NVMLError as exc:
+                if exc.value != pynvml.NVML_ERROR_TIMEOUT:
+                    log.warning("XID event wait failed: %s", exc)
+                    self._stop.wait(1.0)  # a persistent error must not spin
+                continue
+            except Exception:  # the thread must outlive anything NVML throws at it
+                log.exception("XID event wait raised")
+                self._stop.wait(1.0)
+                continue
+            if data.eventType & nvml.nvmlEventTypeXidCriticalError:
+                gpu = self.gpu_by_key.get(handle_key(data.device), -1)
+                self.counts.add(gpu, int(data.eventData))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join(self.timeout_ms / 1000 + 2.0)
+            if self.thread.is_alive():  # still inside NVML: freeing the set would be unsafe
+                log.warning("XID thread did not stop; leaving its event set allocated")
+                return
+        if self.event_set is not None:
+            try:
+                self.nvml.nvmlEventSetFree(self.event_set)
+            except pynvml.NVMLError as exc:
+                log.debug("nvmlEventSetFree: %s", exc)
+        self.event_set = None
+
+
+# --- the collector -------------------------------------------------------------------------
+
+
+@register
+class GpuCollector(Collector):
+    """NVML GPU metrics. Cadences come from `config`, else from `ctx.gpu_config` when
+    the agent's context carries one, else `GpuConfig()` defaults."""
+
+    name = "gpu"
+
+    def __init__(self, ctx: CollectorContext, config: GpuConfig | None = None):
+        super().__init__(ctx)
+        self.config = config or getattr(ctx, "gpu_config", None) or GpuConfig()
+        self.nvml: Any = ctx.nvml
+        self.up = False
+        self.reason: str | None = "not initialised yet"
+        self.driver = ""
+        self.gpus: list[_Gpu] = []
+        self.xids = XidCounts()
+        self.watcher: XidWatcher | None = None
+        self._next_init = float("-inf")
+        self._next_gpm = float("-inf")
+        self._next_pcie = float("-inf")
+        self._clock_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
+
+    # --- lifecycle ---
+
+    def _try_init(self, now: float) -> None:
+        if now < self._next_init:
+            return
+        self._next_init = now + self.config.init_retry_interval
+        try:
+            if self.nvml is None:
+                self.nvml = load_nvml(None)
+            self.nvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            self.reason = f"nvmlInit: {exc}"
+            return
+        except Exception as exc:  # no pynvml, unreadable double: still "NVML down"
+            self.reason = f"cannot load NVML: {exc!r}"
+            return
+        try:
+            self.driver = str(self.nvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError:
+            self.driver = ""
+        self.up, self.reason = True, None
+        self.watcher = XidWatcher(self.nvml, self.xids, self.config.event_timeout_ms)
+        log.info("NVML up, driver %s", self.driver)
+
+    def _shutdown(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
+        if self.up:
+            for gpu in self.gpus:
+                self._free_gpm(gpu)
+            try:
+                self.nvml.nvmlShutdown()
+            except pynvml.NVMLError as exc:
+                log.debug("nvmlShutdown: %s", exc)
+        self.up = False
+        self.gpus = []  # handles die with the NVML session
+
+    def _mark_down(self, now: float, reason: str) -> None:
+        log.warning("NVML down: %s", reason)
+        self._shutdown()
+        self.reason = reason
+        self._next_init = now + self.config.init_retry_interval
+
+    def close(self) -> None:
+        self._shutdown()
+        self.reason = "closed"
+        self._next_init = float("-inf")  # a collect after close starts afresh
+
+    # --- devices ---
+
+    def _sync_devices(self, count: int) -> None:
+        """Give every index a slot; resolve handles (and static facts) not yet known."""
+        while len(self.gpus) < count:
+            self.gpus.append(_Gpu(len(self.gpus)))
+        for gone in self.gpus[count:]:
+            self._free_gpm(gone)
+        del self.gpus[count:]
+        for gpu in self.gpus:
+            if gpu.handle is not None:
+                continue
+            try:
+                gpu.handle = self.nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+                gpu.uuid = str(self.nvml.nvmlDeviceGetUUID(gpu.handle))
+                gpu.name = str(self.nvml.nvmlDeviceGetName(gpu.handle))
+            except pynvml.NVMLError as exc:  # resolved again next time
+                gpu.handle, gpu.lost, gpu.error = None, exc.value in LOST_ERRORS, str(exc)
+                continue
+            if self.watcher is not None:
+                self.watcher.register(gpu)
+
+    def _optional(self, fn_name: str, *args: Any) -> Any:
+        """One NVML query a GPU may not support: None then. A lost GPU aborts the GPU."""
+        try:
+            return getattr(self.nvml, fn_name)(*args)
+        except pynvml.NVMLError as exc:
+            if exc.value in LOST_ERRORS:
+                raise _GpuLost(str(exc)) from exc
+            return None
+
+    def _clock_event_mask(self, handle: Any) -> int | None:
+        # Drivers before r535 only have the older "ThrottleReasons" name.
+        try:
+            return getattr(self.nvml, self._clock_reasons_fn)(handle)
+        except (pynvml.NVMLError_FunctionNotFound, AttributeError):
+            if self._clock_reasons_fn == "nvmlDeviceGetCurrentClocksThrottleReasons":
+                return None
+            self._clock_reasons_fn = "nvmlDeviceGetCurrentClocksThrottleReasons"
+            return self._clock_event_mask(handle)
+        except pynvml.NVMLError as exc:
+            if exc.value in LOST_ERRORS:
+                raise _GpuLost(str(exc)) from exc
+            return None
+
+    def _processes(self, handle: Any) -> dict[int, int]:
+        try:
+            procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except pynvml.NVMLLibraryMismatchError:  # driver without the _v3 call
+            procs = self._optional("nvmlDeviceGetComputeRunningProcesses_v2", handle)
+        except pynvml.NVMLError as exc:
+            if exc.value in LOST_ERRORS:
+                raise _GpuLost(str(exc)) from exc
+            procs = None
+        out: dict[int, int] = {}
+        for p in procs or []:
+            out[int(p.pid)] = out.get(int(p.pid), 0) + int(p.usedGpuMemory or 0)
+        return out
+
+    # --- GPM ---
+
+    def _free_gpm(self, gpu: _Gpu) -> None:
+        for sample in gpu.gpm_samples:
+            with contextlib.suppress(pynvml.NVMLError):
+                self.nvml.nvmlGpmSampleFree(sample)
+        gpu.gpm_samples, gpu.gpm_has_previous, gpu.gpm_values = [], False, {}
+
+    def _read_gpm(self, gpu: _Gpu) -> None:
+        """Take a GPM sample; with a previous one, let NVML compute the metrics between
+        them. The newest sample becomes the previous one for next time."""
+        nvml = self.nvml
+        if gpu.gpm_supported is None:
+            support = self._optional("nvmlGpmQueryDeviceSupport", gpu.handle)
+            gpu.gpm_supported = bool(support is not None and support.isSupportedDevice)
+        if not gpu.gpm_supported:
+            return
+        try:
+            if not gpu.gpm_samples:
+                gpu.gpm_samples = [nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()]
+            previous, current = gpu.gpm_samples
+            nvml.nvmlGpmSampleGet(gpu.handle, current)
+            if gpu.gpm_has_previous:
+                gpu.gpm_values = self._gpm_between(previous, current)
+            gpu.gpm_samples = [current, previous]
+            gpu.gpm_has_previous = True
+        except pynvml.NVMLError as exc:
+            if exc.value in LOST_ERRORS:
+                raise _GpuLost(str(exc)) from exc
+            log.debug("GPM on gpu %d: %s", gpu.index, exc)
+            gpu.gpm_has_previous, gpu.gpm_values = False, {}
+
+    def _gpm_between(self, sample1: Any, sample2: Any) -> dict[str, float]:
+        nvml = self.nvml
+        request = nvml.c_nvmlGpmMetricsGet_t()
+        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = sample1, sample2
+        for i, metric_id in enumerate(GPM_METRICS.values()):
+            request.metrics[i].metricId = metric_id
+        nvml.nvmlGpmMetricsGet(request)
+        values = {}
+        for i, stem in enumerate(GPM_METRICS):
+            metric = request.metrics[i]
+            if metric.nvmlReturn == pynvml.NVML_SUCCESS:
+                values[stem] = percent_to_ratio(metric.value)
+        return values
+
+    # --- one GPU ---
+
+    def _read(self, gpu: _Gpu, do_gpm: bool, do_pcie: bool, want_procs: bool) -> GpuReading:
+        reading = GpuReading(gpu.index, gpu.uuid, gpu.name)
+        if gpu.handle is None:
+            reading.lost, reading.error = gpu.lost, gpu.error
+            return reading
+        nvml, h, opt = self.nvml, gpu.handle, self._optional
+        try:
+            util = opt("nvmlDeviceGetUtilizationRates", h)
+            reading.utilization = percent_to_ratio(util.gpu) if util is not None else None
+            mem = opt("nvmlDeviceGetMemoryInfo", h)
+            if mem is not None:
+                reading.memory_used, reading.memory_total = int(mem.used), int(mem.total)
+            reading.temperature = opt("nvmlDeviceGetTemperature", h, nvml.NVML_TEMPERATURE_GPU)
+            power = opt("nvmlDeviceGetPowerUsage", h)
+            reading.power_watts = mw_to_watts(power) if power is not None else None
+            energy = opt("nvmlDeviceGetTotalEnergyConsumption", h)
+            reading.energy_joules = mj_to_joules(energy) if energy is not None else None
+            clock = opt("nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_SM)
+            reading.sm_clock_hertz = mhz_to_hertz(clock) if clock is not None else None
+            reading.clock_event_mask = self._clock_event_mask(h)
+            reading.ecc = self._ecc(h)
+            reading.retired_pages, reading.retired_pages_pending = self._retired_pages(h)
+            rows = opt("nvmlDeviceGetRemappedRows", h)
+            if rows is not None:
+                keys = ("correctable", "uncorrectable", "pending", "failure")
+                reading.remapped_rows = dict(zip(keys, map(int, rows), strict=True))
+            if do_gpm:
+                self._read_gpm(gpu)
+            if do_pcie:
+                tx = opt("nvmlDeviceGetPcieThroughput", h, nvml.NVML_PCIE_UTIL_TX_BYTES)
+                rx = opt("nvmlDeviceGetPcieThroughput", h, nvml.NVML_PCIE_UTIL_RX_BYTES)
+                gpu.pcie = None
+                if tx is not None and rx is not None:
+                    gpu.pcie = (kbps_to_bytes_per_second(tx), kbps_to_bytes_per_second(rx))
+            if want_procs:
+                reading.processes = self._processes(h)
+        except _GpuLost as exc:
+            if not gpu.lost:
+                log.warning("gpu %d (%s) lost: %s", gpu.index, gpu.uuid, exc)
+            gpu.lost, gpu.error = True, str(exc)
+            gpu.gpm_has_previous, gpu.gpm_values, gpu.pcie = False, {}, None
+            return GpuReading(gpu.index, gpu.uuid, gpu.name, lost=True, error=str(exc))
+        gpu.lost, gpu.error = False, None
+        # GPM and PCIe come from the cache: refreshed only on their own cadence.
+        reading.gpm = gpu.gpm_values
+        reading.gpm_supported = gpu.gpm_supported
+        reading.pcie = gpu.pcie
+        return reading
+
+    def _ecc(self, h: Any) -> dict[str, int] | None:
+        nvml = self.nvml
+        out = {}
+        for kind, error_type in (
+            ("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+            ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+        ):
+            value = self._optional(
+                "nvmlDeviceGetTotalEccErrors", h, error_type, nvml.NVML_VOLATILE_ECC
+            )
+            if value is None:
+                return None  # ECC off or unsupported
+            out[kind] = int(value)
+        return out
+
+    def _retired_pages(self, h: Any) -> tuple[dict[str, int] | None, int | None]:
+        nvml = self.nvml
+        out = {}
+        for cause, source in (
+            ("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+            ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
+        ):
+            pages = self._optional("nvmlDeviceGetRetiredPages", h, source)
+            if pages is None:
+                return None, None  # Ampere+ remap rows instead
+            out[cause] = len(pages)
+        pending = self._optional("nvmlDeviceGetRetiredPagesPendingStatus", h)
+        return out, None if pending is None else int(pending)
+
+    # --- collect ---
+
+    def collect(self) -> CollectorResult:
+        now = self.ctx.clock()
+        if not self.up:
+            self._try_init(now)
+        if self.up:
+            try:
+                count = int(self.nvml.nvmlDeviceGetCount())
+            except pynvml.NVMLError as exc:
+                self._mark_down(now, f"nvmlDeviceGetCount: {exc}")
+        if not self.up:
+            return self._down_result()
+
+        self._sync_devices(count)
+        do_gpm = now >= self._next_gpm
+        if do_gpm:
+            self._next_gpm = now + self.config.gpm_interval
+        do_pcie = now >= self._next_pcie
+        if do_pcie:
+            self._next_pcie = now + self.config.pcie_interval
+        ranks = self._rank_pids()
+        readings = [self._read(gpu, do_gpm, do_pcie, bool(ranks)) for gpu in self.gpus]
+        xids = self.xids.snapshot()
+        metrics = build_metrics(readings, self.driver, count, self.ctx.expected_gpus, xids, ranks)
+        return CollectorResult(metrics, self._facts(readings, count, xids))
+
+    def _rank_pids(self) -> dict[int, tuple[str, int]]:
+        try:
+            return {pid: (job, rank) for job, rank, pid in self.ctx.rank_processes()}
+        except Exception as exc:  # the rank table's trouble must not blind GPU monitoring
+            log.warning("rank_processes failed: %s", exc)
+            return {}
+
+    def _down_result(self) -> CollectorResult:
+        metrics = [gauge("rankguard_gpu_nvml_up", "1 if NVML answers on this node").add((), 0)]
+        if self.ctx.expected_gpus is not None:
+            metrics.append(_expected(self.ctx.expected_gpus))
+        facts = {
+            "available": False,
+            "reason": self.reason,
+            "driver": None,
+            "count": 0,
+            "expected": self.ctx.expected_gpus,
+            "gpus": [],
+            "xid_supported": False,
+        }
+        return CollectorResult(metrics, facts)
+
+    def _facts(
+        self, readings: list[GpuReading], count: int, xids: dict[tuple[int, int], int]
+    ) -> dict[str, Any]:
+        watcher = self.watcher
+        gpus = []
+        for r in readings:
+            ecc = r.ecc or {}
+            gpus.append(
+                {
+                    "index": r.index,
+                    "uuid": r.uuid,
+                    "name": r.name,
+                    "lost": r.lost,
+                    "error": r.error,
+                    "utilization": r.utilization,
+                    "memory_used": r.memory_used,
+                    "memory_total": r.memory_total,
+                    "temperature": r.temperature,
+                    "power_watts": r.power_watts,
+                    "ecc_uncorrected": ecc.get("uncorrected"),
+                    "retired_pages": sum(r.retired_pages.values()) if r.retired_pages else None,
+                    "remapped_rows": r.remapped_rows,
+                    "gpm_supported": r.gpm_supported,
+                    "xid": {str(code): n for (g, code), n in sorted(xids.items()) if g == r.index},
+                    "clock_events": clock_event_names(r.clock_event_mask or 0),
+                }
+            )
+        return {
+            "available": True,
+            "reason": None,
+            "driver": self.driver,
+            "count": count,
+            "expected": self.ctx.expected_gpus,
+            "gpus": gpus,
+            "xid_supported": bool(watcher and watcher.supported),
+            "xid_unsupported": list(watcher.unsupported) if watcher else [],
+        }
+
+
+# --- metrics from readings (pure) -----------------------------------------------------------
+
+
+def _expected(n: int) -> Metric:
+    return gauge("rankguard_gpus_expected", "GPUs this node should have").add((), n)
+
+
+def build_metrics(
+    readings: list[GpuReading],
+    driver: str,
+    count: int,
+    expected: int | None,
+    xids: dict[tuple[int, int], int],
+    ranks: dict[int, tuple[str, int]],
+) -> list[Metric]:
+    """Metric families for one collection. Lost GPUs keep info, lost and XID series."""
+    g = ("gpu", "uuid")
+    up = gauge("rankguard_gpu_nvml_up", "1 if NVML answers on this node").add((), 1)
+    count_m = gauge("rankguard_gpus", "GPUs NVML reports").add((), count)
+    info_m = info("rankguard_gpu_info", "GPU identity", (*g, "name", "driver"))
+    lost = gauge("rankguard_gpu_lost", "1 if the GPU answers GPU_IS_LOST / RESET_REQUIRED", g)
+    util = gauge("rankguard_gpu_utilization_ratio", "Time a kernel ran, 0..1 (NVML)", g)
+    mem_used = gauge("rankguard_gpu_memory_used_bytes", "GPU memory used", g)
+    mem_total = gauge("rankguard_gpu_memory_total_bytes", "GPU memory in total", g)
+    temp = gauge("rankguard_gpu_temperature_celsius", "GPU core temperature", g)
+    power = gauge("rankguard_gpu_power_watts", "Power draw", g)
+    energy = counter("rankguard_gpu_energy_joules_total", "Energy since driver load", g)
+    clock = gauge("rankguard_gpu_sm_clock_hertz", "SM clock", g)
+    events = gauge(
+        "rankguard_gpu_clock_event_active", "1 if this reason holds clocks down", (*g, "reason")
+    )
+    ecc = counter(
+        "rankguard_gpu_ecc_errors_total",
+        "ECC errors since driver load (volatile)",
+        (*g, "type"),
+    )
+    retired = gauge("rankguard_gpu_retired_pages", "Retired memory pages", (*g, "cause"))
+    retired_pending = gauge(
+        "rankguard_gpu_retired_pages_pending", "1 if a page retirement awaits reboot", g
+    )
+    rows = gauge("rankguard_gpu_remapped_rows", "Remapped memory rows", (*g, "type"))
+    rows_pending = gauge(
+        "rankguard_gpu_remapped_rows_pending", "1 if a row remap awaits GPU reset", g
+    )
+    rows_failure = gauge("rankguard_gpu_remapped_rows_failure", "1 if a row remap failed", g)
+    gpm = {
+        stem: gauge(f"rankguard_gpu_{stem}_ratio", f"GPM {stem.replace('_', ' ')}, 0..1", g)
+        for stem in GPM_METRICS
+    }
+    pcie_tx = gauge("rankguard_gpu_pcie_transmit_bytes_per_second", "PCIe TX throughput", g)
+    pcie_rx = gauge("rankguard_gpu_pcie_receive_bytes_per_second", "PCIe RX throughput", g)
+    xid = counter("rankguard_gpu_xid_errors_total", "XID critical errors by code", (*g, "xid"))
+    rank_mem = gauge(
+        "rankguard_rank_gpu_memory_bytes",
+        "GPU memory used by a training rank",
+        (JOB_LABEL, "rank", "gpu"),
+    )
+
+    uuids = {r.index: r.uuid for r in readings}
+    for r in readings:
+        labels = (r.index, r.uuid)
+        info_m.add((*labels, r.name, driver))
+        lost.add(labels, int(r.lost))
+        if r.lost:
+            continue
+        _add(util, labels, r.utilization)
+        _add(mem_used, labels, r.memory_used)
+        _add(mem_total, labels, r.memory_total)
+        _add(temp, labels, r.temperature)
+        _add(power, labels, r.power_watts)
+        _add(energy, labels, r.energy_joules)
+        _add(clock, labels, r.sm_clock_hertz)
+        if r.clock_event_mask is not None:
+            for reason, bit in CLOCK_EVENT_REASONS.items():
+                events.add((*labels, reason), int(bool(r.clock_event_mask & bit)))
+        for kind, n in (r.ecc or {}).items():
+            ecc.add((*labels, kind), n)
+        for cause, n in (r.retired_pages or {}).items():
+            retired.add((*labels, cause), n)
+        _add(retired_pending, labels, r.retired_pages_pending)
+        if r.remapped_rows is not None:
+            rows.add((*labels, "correctable"), r.remapped_rows["correctable"])
+            rows.add((*labels, "uncorrectable"), r.remapped_rows["uncorrectable"])
+            rows_pending.add(labels, r.remapped_rows["pending"])
+            rows_failure.add(labels, r.remapped_rows["failure"])
+        for stem, value in r.gpm.items():
+            gpm[stem].add(labels, value)
+        if r.pcie is not None:
+            pcie_tx.add(labels, r.pcie[0])
+            pcie_rx.add(labels, r.pcie[1])
+        for pid, used in sorted(r.processes.items()):
+            if pid in ranks:
+                job, rank = ranks[pid]
+                rank_mem.add((job, rank, r.index), used)
+
+    # XID counters: known codes at zero on every GPU, plus every code seen.
+    counts = {(r.index, code): 0 for r in readings for code in KNOWN_XIDS}
+    counts.update(xids)
+    for (index, code), n in sorted(counts.items()):
+        xid.add((index if index >= 0 else "unknown", uuids.get(index, ""), code), n)
+
+    families = [up, count_m]
+    if expected is not None:
+        families.append(_expected(expected))
+    families += [info_m, lost, util, mem_used, mem_total, temp, power, energy, clock, events]
+    families += [ecc, retired, retired_pending, rows, rows_pending, rows_failure]
+    families += [*gpm.values(), pcie_tx, pcie_rx, xid, rank_mem]
+    return families
+
+
+def _add(metric: Metric, labels: tuple, value: float | None) -> None:
+    if value is not None:
+        metric.add(labels, value)

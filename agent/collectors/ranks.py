@@ -1,0 +1,136 @@
+"""Training ranks on this node: process state and the step telemetry they send.
+
+Renders one :class:`~..ranks.RankTable` snapshot (taken after a ``refresh()``) and the
+receiver's counters. Per-rank series carry ``job`` and ``rank``; known label values
+(states, phases, reject reasons) are pre-created at 0 so panels never read "No data".
+Without a table (the generic registry builds collectors from a context alone) it
+reports no ranks, only zeroed node-level series.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..ranks import LIVE_STATES, RANK_STATES, SPLIT_FIELDS, RankTable
+from ..receiver import RECEIVER_REASONS, TelemetryReceiver
+from ..telemetry import PHASES
+from . import (
+    RANK_LABELS,
+    Collector,
+    CollectorContext,
+    CollectorResult,
+    Metric,
+    counter,
+    gauge,
+    info,
+    register,
+)
+
+RANK = RANK_LABELS
+
+# rankguard_rank_<name>: (snapshot key, help). Omitted for a rank while the key is None.
+_PER_RANK_GAUGES = (
+    ("step", "step", "Newest step the rank reported."),
+    ("heartbeat_age_seconds", "heartbeat_age_seconds",
+     "Seconds since the agent last received a record from the rank."),
+    ("last_heartbeat_timestamp_seconds", "last_heartbeat_at",
+     "Unix time the agent last received a record from the rank."),
+    ("step_seconds", "step_seconds", "Wall time of the rank's last timed step."),
+    ("comm_compute_ratio", "comm_compute_ratio",
+     "Communication time over compute time of the last timed step (may exceed 1)."),
+    ("tokens_per_second", "tokens_per_second", "Tokens per second of the last timed step."),
+    ("mfu_ratio", "mfu", "Model FLOPs utilization of the last timed step, 0..1."),
+    ("loss", "loss", "Newest training loss the rank reported (NaN when it diverged)."),
+    ("peak_memory_bytes", "peak_memory_bytes", "Peak accelerator memory of the rank."),
+    ("checkpoint_step", "checkpoint_step", "Step of the newest validated checkpoint the rank knows."),
+    ("restarts", "restart", "Restart count of the rank's worker group, as the rank reports it."),
+)  # fmt: skip
+
+
+@register
+class RanksCollector(Collector):
+    name = "ranks"
+
+    def __init__(
+        self,
+        ctx: CollectorContext,
+        *,
+        table: RankTable | None = None,
+        receiver: TelemetryReceiver | None = None,
+    ) -> None:
+        super().__init__(ctx)
+        self.table = table
+        self.receiver = receiver
+
+    def collect(self) -> CollectorResult:
+        ranks: list[dict[str, Any]] = []
+        counts = dict.fromkeys(RANK_STATES, 0)
+        if self.table is not None:
+            self.table.refresh()
+            ranks = self.table.snapshot(recent=0, json_safe=False)
+            for r in ranks:
+                counts[r["state"]] += 1
+        stats = self.receiver.stats() if self.receiver is not None else None
+        metrics = rank_metrics(ranks) + node_metrics(counts, stats)
+        facts: dict[str, Any] = {"ranks": counts, "receiver": stats}
+        if self.table is not None:
+            facts["table"] = self.table.stats()
+        return CollectorResult(metrics=metrics, facts=facts)
+
+
+def rank_metrics(ranks: list[dict[str, Any]]) -> list[Metric]:
+    """Per-rank families from a ``snapshot(json_safe=False)``."""
+    p = "rankguard_rank_"
+    rank_info = info(f"{p}info", "Identity of a training rank on this node.",
+                     (*RANK_LABELS, "local_rank", "world_size", "pid"))  # fmt: skip
+    up = gauge(f"{p}up", "1 while the rank's process is alive or stopped, 0 once it is dead.", RANK)
+    state = gauge(f"{p}process_state", "1 for the rank process's current state.", (*RANK, "state"))
+    phase = gauge(f"{p}phase", "1 for the phase the rank last reported.", (*RANK, "phase"))
+    split = gauge(f"{p}phase_seconds", "Split of the rank's last timed step.", (*RANK, "phase"))
+    comm_step = gauge(f"{p}comm_step_ratio",
+                      "Communication time (in flight, overlapped or not) over step time, 0..1.",
+                      RANK)  # fmt: skip
+    data_wait = gauge(f"{p}data_wait_ratio", "Data wait over step time, 0..1.", RANK)
+    cpu = counter(f"{p}cpu_seconds_total", "CPU time (user + system) of the rank's process.", RANK)
+    simple = {name: gauge(f"{p}{name}", help, RANK) for name, _, help in _PER_RANK_GAUGES}
+
+    for r in ranks:
+        key = (r["job"], r["rank"])
+        rank_info.add((*key, r["local_rank"], r["world_size"], r["pid"]))
+        up.add(key, 1.0 if r["state"] in LIVE_STATES else 0.0)
+        for s in RANK_STATES:
+            state.add((*key, s), 1.0 if r["state"] == s else 0.0)
+        for ph in PHASES:
+            phase.add((*key, ph), 1.0 if r["phase"] == ph else 0.0)
+        for name, field, _ in _PER_RANK_GAUGES:
+            if r[field] is not None:
+                simple[name].add(key, r[field])
+        if r["step_seconds"] is not None:
+            for field in SPLIT_FIELDS:
+                split.add((*key, field.removesuffix("_seconds")), r[field])
+            comm_step.add(key, _share(r["comm_seconds"], r["step_seconds"]))
+            data_wait.add(key, _share(r["data_wait_seconds"], r["step_seconds"]))
+        if r["cpu_seconds"] is not None:
+            cpu.add(key, r["cpu_seconds"])
+    return [rank_info, up, state, phase, *simple.values(), split, comm_step, data_wait, cpu]
+
+
+def node_metrics(counts: dict[str, int], stats: dict[str, Any] | None) -> list[Metric]:
+    """Node-level families: ranks by state and the receiver's counters (0 without one)."""
+    by_state = gauge("rankguard_ranks", "Training ranks on this node by process state.", ("state",))
+    for s in RANK_STATES:
+        by_state.add((s,), counts.get(s, 0))
+    accepted = counter("rankguard_telemetry_records_total", "Telemetry records accepted.")
+    accepted.add((), stats["accepted"] if stats else 0)
+    rejected = counter("rankguard_telemetry_rejected_total",
+                       "Telemetry datagrams rejected, by reason.", ("reason",))  # fmt: skip
+    for reason in RECEIVER_REASONS:
+        rejected.add((reason,), stats["rejected"].get(reason, 0) if stats else 0)
+    return [by_state, accepted, rejected]
+
+
+def _share(part: float, whole: float) -> float:
+    """part / whole clamped to 0..1 (timers of overlapping work can disagree a little)."""
+    if whole <= 0:
+        return 0.0
+    return min(1.0, max(0.0, part / whole))

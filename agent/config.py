@@ -1,0 +1,92 @@
+"""Agent configuration: defaults < config file (TOML) < command-line flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from .telemetry import DEFAULT_SOCKET_PATH
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+class AgentConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    bind: str = "127.0.0.1:9407"  # loopback unless the operator chooses otherwise
+    interval: float = 1.0
+    token_file: Path | None = None
+    telemetry_socket: str = DEFAULT_SOCKET_PATH
+    socket_mode: int = 0o666  # who may send telemetry: SO_PASSCRED pins each record to its pid
+    ckpt_dir: Path | None = None
+    data_dir: Path | None = None
+    expected_gpus: int | None = None
+    nvml_double: Path | None = None  # an NVML double's JSON state, for GPU-less test nodes
+    node: str = field(default_factory=socket.gethostname)
+
+    def __post_init__(self) -> None:
+        if not 0.05 <= self.interval <= 3600:
+            raise AgentConfigError("interval must be between 0.05 and 3600 seconds")
+        if self.expected_gpus is not None and self.expected_gpus < 0:
+            raise AgentConfigError("expected_gpus must be >= 0")
+        self.host_port()
+
+    def host_port(self) -> tuple[str, int]:
+        host, sep, port = self.bind.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise AgentConfigError(f"bind must be HOST:PORT, got {self.bind!r}")
+        return host.strip("[]") or "127.0.0.1", int(port)
+
+    @property
+    def watch_dirs(self) -> dict[str, Path]:
+        dirs = {"checkpoint": self.ckpt_dir, "data": self.data_dir}
+        return {role: path for role, path in dirs.items() if path is not None}
+
+
+def load_config(path: Path | None, overrides: dict) -> AgentConfig:
+    """The file's [agent] table, then every override that is not None."""
+    values: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise AgentConfigError(f"config file {path}: {exc}") from None
+        values = dict(data.get("agent", data))
+        known = {f.name for f in fields(AgentConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise AgentConfigError(f"config file {path}: unknown keys {', '.join(unknown)}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for key in ("token_file", "ckpt_dir", "data_dir", "nvml_double"):
+        if values.get(key) is not None:
+            values[key] = Path(values[key])
+    try:
+        return replace(AgentConfig(), **values)
+    except TypeError as exc:
+        raise AgentConfigError(str(exc)) from None
+
+
+def read_token(path: Path) -> str:
+    """The bearer token; the file must be readable by its owner only."""
+    try:
+        st = os.stat(path)
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise AgentConfigError(
+                f"token file {path} is accessible by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}"
+            )
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise AgentConfigError(f"token file {path}: {exc.strerror}") from None
+    if len(token) < 16:
+        raise AgentConfigError(f"token file {path}: token shorter than 16 characters")
+    return token

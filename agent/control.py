@@ -1,0 +1,91 @@
+"""Control actions on local rank processes: only registered, still-alive ranks, never a PID.
+
+The caller names a rank of a job; the rank table turns that into a PID only if the rank
+registered through telemetry (its pid verified by the kernel), is alive, and its
+process create time is unchanged (no recycled PID).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ALLOWED_SIGNALS = (
+    "SIGTERM",
+    "SIGKILL",
+    "SIGINT",
+    "SIGSTOP",
+    "SIGCONT",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGABRT",
+)
+
+
+class ControlError(Exception):
+    """A refused or failed action; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_target(body: dict) -> tuple[str, int]:
+    job, rank = body.get("job"), body.get("rank")
+    if not isinstance(job, str) or not job:
+        raise ControlError(400, "body needs 'job' (a non-empty string)")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ControlError(400, "body needs 'rank' (an integer >= 0)")
+    return job, rank
+
+
+def resolve_pid(table, job: str, rank: int) -> int:
+    from .ranks import RankLookupError
+
+    try:
+        return table.verified_pid(job, rank)
+    except RankLookupError as exc:
+        raise ControlError(404, str(exc)) from None
+
+
+def send_signal(table, body: dict) -> dict:
+    job, rank = parse_target(body)
+    name = body.get("signal", "SIGTERM")
+    if name not in ALLOWED_SIGNALS:
+        raise ControlError(400, f"signal must be one of {', '.join(ALLOWED_SIGNALS)}")
+    pid = resolve_pid(table, job, rank)
+    try:
+        os.kill(pid, getattr(signal, name))
+    except ProcessLookupError:
+        raise ControlError(404, f"rank {rank} of job {job}: process {pid} is gone") from None
+    except PermissionError:
+        raise ControlError(403, f"not permitted to signal process {pid}") from None
+    return {"job": job, "rank": rank, "pid": pid, "signal": name, "sent": True}
+
+
+def py_spy_path() -> str | None:
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def dump_stacks(table, body: dict, timeout: float = 20.0) -> dict:
+    """Python stacks of a rank with py-spy's non-blocking mode (works on stopped processes)."""
+    job, rank = parse_target(body)
+    pid = resolve_pid(table, job, rank)
+    tool = py_spy_path()
+    if tool is None:
+        raise ControlError(501, "py-spy is not installed on this node")
+    try:
+        proc = subprocess.run(
+            [tool, "dump", "--pid", str(pid), "--nonblocking"],
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise ControlError(504, f"py-spy did not answer within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise ControlError(502, f"py-spy failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+    return {"job": job, "rank": rank, "pid": pid, "stacks": proc.stdout}

@@ -1,0 +1,198 @@
+"""The agent process: collectors on an interval, telemetry receiver, HTTP, systemd hooks."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+from . import sdnotify
+from .api import RequestStats, start_http
+from .collectors import (
+    REGISTRY,
+    CollectorContext,
+    CollectorRun,
+    Metric,
+    counter,
+    gauge,
+    load_all,
+    run_collector,
+)
+from .config import AgentConfig, read_token
+from .control import dump_stacks, send_signal
+from .exposition import collector_meta, make_registry
+from .health import SEVERITIES, node_verdict
+from .nvml_double import load_nvml
+from .ranks import RankTable
+from .receiver import TelemetryReceiver
+
+log = logging.getLogger("rankguard.agent")
+
+try:
+    VERSION = version("rankguard")
+except PackageNotFoundError:  # running from a source tree
+    VERSION = "0+unknown"
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, nvml=None):
+        self.cfg = cfg
+        self.token = read_token(cfg.token_file) if cfg.token_file else None
+        self.started_at = time.time()
+        self.http_stats = RequestStats()
+        self.auth_failures = 0
+        self.control_actions: list[dict] = []  # an audit trail, newest last (bounded)
+        self.table = RankTable()
+        self.receiver = TelemetryReceiver(cfg.telemetry_socket, self.table, mode=cfg.socket_mode)
+        ctx = CollectorContext(
+            watch_dirs=cfg.watch_dirs,
+            rank_processes=self.table.processes,
+            nvml=nvml if nvml is not None else load_nvml(cfg.nvml_double and str(cfg.nvml_double)),
+            expected_gpus=cfg.expected_gpus,
+            node=cfg.node,
+        )
+        load_all()
+        self.collectors = []
+        for name, cls in sorted(REGISTRY.items()):
+            if name == "ranks":
+                self.collectors.append(cls(ctx, table=self.table, receiver=self.receiver))
+            else:
+                self.collectors.append(cls(ctx))
+        self._lock = threading.Lock()
+        self._runs: list[CollectorRun] = []
+        self.registry = make_registry(self.metrics_snapshot)
+        self._stop = threading.Event()
+        self._server = None
+
+    # -- collection ---------------------------------------------------------------
+    def collect_once(self) -> list[CollectorRun]:
+        runs = [run_collector(c) for c in self.collectors]
+        with self._lock:
+            self._runs = runs
+        return runs
+
+    def _latest(self) -> tuple[list[CollectorRun], dict]:
+        with self._lock:
+            runs = list(self._runs)
+        facts = {r.name: r.result.facts for r in runs if r.result is not None}
+        return runs, facts
+
+    def verdict(self):
+        runs, facts = self._latest()
+        return node_verdict(facts, runs, self.cfg.expected_gpus)
+
+    def metrics_snapshot(self) -> list[Metric]:
+        """Everything /metrics shows, from the last collection (one consistent snapshot)."""
+        runs, _ = self._latest()
+        metrics: list[Metric] = []
+        for run in runs:
+            if run.result is not None:
+                metrics.extend(run.result.metrics)
+        metrics.extend(collector_meta(runs))
+        metrics.extend(self._own_metrics())
+        return metrics
+
+    def _own_metrics(self) -> list[Metric]:
+        info = gauge(
+            "rankguard_agent_info", "The agent's node name and version.", ("node", "version")
+        )
+        info.add((self.cfg.node, VERSION))
+        start = gauge("rankguard_agent_start_time_seconds", "When the agent started (unix time).")
+        start.add((), self.started_at)
+        status = self.verdict().status
+        health = gauge(
+            "rankguard_node_health", "1 for the node's current health verdict.", ("status",)
+        )
+        for s in SEVERITIES:
+            health.add((s,), 1.0 if s == status else 0.0)
+        requests = counter(
+            "rankguard_agent_http_requests_total", "HTTP requests by route and status.",
+            ("route", "code"),
+        )  # fmt: skip
+        for (route, code), n in sorted(self.http_stats.items()):
+            requests.add((route, str(code)), n)
+        auth = counter(
+            "rankguard_agent_auth_failures_total", "Control requests refused for their token."
+        )
+        auth.add((), self.auth_failures)
+        return [info, start, health, requests, auth]
+
+    # -- views --------------------------------------------------------------------
+    def node_view(self) -> dict:
+        runs, facts = self._latest()
+        verdict = node_verdict(facts, runs, self.cfg.expected_gpus)
+        return {
+            "node": self.cfg.node,
+            "version": VERSION,
+            "time": time.time(),
+            "uptime_seconds": time.time() - self.started_at,
+            **verdict.to_dict(),
+            "collectors": {
+                r.name: {
+                    "success": r.success,
+                    "duration_seconds": r.duration_seconds,
+                    "error": r.error,
+                }
+                for r in runs
+            },
+            "facts": facts,
+        }
+
+    def ranks_view(self) -> dict:
+        now = time.time()
+        self.table.refresh()
+        return {"node": self.cfg.node, "time": now, "ranks": self.table.snapshot(now),
+                "telemetry": self.receiver.stats()}  # fmt: skip
+
+    # -- control --------------------------------------------------------------------
+    def _audit(self, action: str, body: dict, caller: str, result: dict) -> None:
+        entry = {"time": time.time(), "action": action, "caller": caller,
+                 "job": body.get("job"), "rank": body.get("rank"), "pid": result.get("pid")}  # fmt: skip
+        log.warning("control %s from %s: job=%s rank=%s pid=%s", action, caller,
+                    entry["job"], entry["rank"], entry["pid"])  # fmt: skip
+        self.control_actions = (self.control_actions + [entry])[-100:]
+
+    def control_signal(self, body: dict, caller: str) -> dict:
+        result = send_signal(self.table, body)
+        self._audit(f"signal {result['signal']}", body, caller, result)
+        return result
+
+    def control_stacks(self, body: dict, caller: str) -> dict:
+        result = dump_stacks(self.table, body)
+        self._audit("stacks", body, caller, result)
+        return result
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start_http(self):
+        host, port = self.cfg.host_port()
+        self._server, _ = start_http(self, host, port)
+        return self._server.server_address
+
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT: collect every interval, keep systemd's watchdog fed."""
+        self.collect_once()
+        address = self.start_http()
+        log.info("agent on %s: http %s:%s, telemetry %s", self.cfg.node, address[0], address[1],
+                 self.cfg.telemetry_socket)  # fmt: skip
+        sdnotify.notify("READY=1\nSTATUS=collecting")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        while not self._stop.wait(self.cfg.interval):
+            self.collect_once()
+            sdnotify.notify(f"WATCHDOG=1\nSTATUS={self.verdict().status}")
+        sdnotify.notify("STOPPING=1")
+        self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        self.receiver.close()
+        for c in self.collectors:
+            c.close()
+        self.table.close()

@@ -1,0 +1,118 @@
+"""The node's health verdict: a pure function of the collectors' facts and runs.
+
+healthy < degraded < unhealthy. Each reason carries a stable code, a severity and a
+message that names the GPU, directory or collector, so an operator (and the supervisor)
+knows what to do without reading metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+SEVERITIES = ("healthy", "degraded", "unhealthy")
+
+# XIDs that mean the GPU or its memory can no longer be trusted (NVIDIA's XID catalogue):
+# 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fell off the bus,
+# 92 high single-bit ECC rate, 94/95 contained/uncontained ECC, 119/120 GSP errors.
+CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
+
+DISK_UNHEALTHY_RATIO = 0.05
+DISK_DEGRADED_RATIO = 0.10
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str
+    severity: str
+    message: str
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "severity": self.severity, "message": self.message}
+
+
+@dataclass
+class Verdict:
+    status: str
+    reasons: list[Reason] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"status": self.status, "reasons": [r.to_dict() for r in self.reasons]}
+
+
+def worst(reasons: Iterable[Reason]) -> str:
+    return max((r.severity for r in reasons), key=SEVERITIES.index, default="healthy")
+
+
+def gpu_reasons(facts: dict | None, expected: int | None) -> list[Reason]:
+    if facts is None:
+        return [Reason("gpu_collector_missing", "degraded", "no GPU facts collected yet")]
+    if not facts.get("available"):
+        why = facts.get("reason") or "NVML unavailable"
+        if expected:
+            return [Reason("nvml_unavailable", "unhealthy", f"{expected} GPUs expected but {why}")]
+        return []  # a CPU node: nothing expected, nothing wrong
+    out = []
+    gpus = facts.get("gpus", [])
+    present = len([g for g in gpus if not g.get("lost")])
+    if expected is not None and present < expected:
+        out.append(
+            Reason("gpus_missing", "unhealthy", f"{present} of {expected} expected GPUs answer")
+        )
+    for g in gpus:
+        name = f"GPU {g.get('index')} ({g.get('uuid', '?')})"
+        if g.get("lost"):
+            out.append(Reason("gpu_lost", "unhealthy", f"{name} is lost (GPU_IS_LOST)"))
+        for code, count in sorted((g.get("xid") or {}).items(), key=lambda kv: int(kv[0])):
+            if count:
+                severity = "unhealthy" if int(code) in CRITICAL_XIDS else "degraded"
+                out.append(Reason(f"xid_{code}", severity, f"{name}: XID {code} seen {count}x"))
+        if g.get("ecc_uncorrected"):
+            out.append(
+                Reason(
+                    "ecc_uncorrected",
+                    "unhealthy",
+                    f"{name}: {g['ecc_uncorrected']} uncorrected ECC errors",
+                )  # fmt: skip
+            )
+    return out
+
+
+def disk_reasons(filesystems: dict | None) -> list[Reason]:
+    """`filesystems`: role -> {"path", "free_bytes", "size_bytes"} or {"path", "error"}."""
+    out = []
+    for role, fs in sorted((filesystems or {}).items()):
+        if fs.get("error"):
+            out.append(Reason(f"{role}_dir_unreadable", "degraded", f"{role} dir: {fs['error']}"))
+            continue
+        size, free = fs.get("size_bytes") or 0, fs.get("free_bytes") or 0
+        if size <= 0:
+            continue
+        ratio = free / size
+        if ratio < DISK_DEGRADED_RATIO:
+            severity = "unhealthy" if ratio < DISK_UNHEALTHY_RATIO else "degraded"
+            out.append(
+                Reason(
+                    f"{role}_disk_low",
+                    severity,
+                    f"{role} filesystem at {fs.get('path')}: {ratio:.1%} free",
+                )  # fmt: skip
+            )
+    return out
+
+
+def collector_reasons(runs) -> list[Reason]:
+    return [
+        Reason(f"collector_{r.name}_failed", "degraded", f"collector {r.name} failed: {r.error}")
+        for r in runs
+        if not r.success
+    ]
+
+
+def node_verdict(facts: dict, runs, expected_gpus: int | None) -> Verdict:
+    reasons = (
+        gpu_reasons(facts.get("gpu"), expected_gpus)
+        + disk_reasons((facts.get("storage") or {}).get("filesystems"))
+        + collector_reasons(runs)
+    )
+    return Verdict(worst(reasons), reasons)

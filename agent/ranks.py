@@ -1,0 +1,809 @@
+"""The agent's view of the training ranks on its node.
+
+:class:`RankTable` keeps, per ``(job, rank)``, the newest telemetry record, a bounded
+history and the state of the process behind it. :class:`ProcessWatcher` learns of a
+process's exit the moment it happens (pidfd + epoll), not at the next refresh: DESIGN.md
+wants a dead rank known at once. :meth:`RankTable.refresh` reads ``/proc`` for the
+slower facts (stopped, zombie, CPU time) and forgets long-dead ranks.
+
+Process identity. A PID alone is not a process: after an exit the kernel may hand the
+number to an unrelated program. On first sight of a PID the table records the
+process's start time (``/proc/<pid>/stat`` field 22, clock ticks since boot: exact and,
+unlike psutil's ``create_time()``, which adds a wall-clock boot time, unmoved by clock
+steps), and :meth:`RankTable.verified_pid` refuses a PID whose start time changed. Only
+PIDs the kernel vouched for (``SCM_CREDENTIALS``, see ``receiver.py``) enter the table.
+
+Process states (:data:`RANK_STATES`):
+
+* ``alive``: running or sleeping; uninterruptible (disk) sleep too, said in the detail;
+* ``stopped``: SIGSTOP/SIGTSTP or held by a tracer: it exists but makes no progress;
+* ``zombie``: terminated, not yet reaped by its parent (torchrun reaps at its next
+  poll). A zombie is dead: :data:`DEAD_STATES`, ``up`` false;
+* ``exited``: terminated and reaped, or its PID now belongs to another process;
+* ``finished``: terminated after its last record reported phase ``done``.
+
+A record from a new PID for a known ``(job, rank)`` (torchrun restarted the worker)
+replaces the watched process; the history is kept, each entry carrying its pid and
+restart count.
+
+Time. Every ``now`` argument and every stored time is on the table's ``clock``:
+``time.time`` by default, so callers pass ``now=time.time()`` and timestamps in the
+snapshot are Unix times. (An injected monotonic clock works too: the snapshot then
+converts its times to Unix times.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from .telemetry import TelemetryRecord
+
+__all__ = [
+    "DEAD_STATES",
+    "LIVE_STATES",
+    "RANK_STATES",
+    "SPLIT_FIELDS",
+    "HistoryEntry",
+    "ProcStat",
+    "ProcessWatcher",
+    "RankEvent",
+    "RankLookupError",
+    "RankTable",
+    "RankTableFullError",
+    "json_float",
+    "parse_proc_stat",
+    "pidfd_supported",
+    "read_proc_stat",
+]
+
+log = logging.getLogger("rankguard.agent.ranks")
+
+RANK_STATES = ("alive", "stopped", "zombie", "exited", "finished")
+LIVE_STATES = frozenset({"alive", "stopped"})
+DEAD_STATES = frozenset({"zombie", "exited", "finished"})
+
+#: The parts of a step's wall time, as the record names them.
+SPLIT_FIELDS = (
+    "data_wait_seconds",
+    "compute_seconds",
+    "comm_seconds",
+    "comm_exposed_seconds",
+    "optimizer_seconds",
+    "checkpoint_block_seconds",
+)
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+# /proc/<pid>/stat state letter -> (our state, detail). Anything else is "alive".
+_LETTER_STATES: dict[str, tuple[str, str | None]] = {
+    "D": ("alive", "disk-sleep: uninterruptible wait, usually I/O"),
+    "T": ("stopped", "stopped by a signal (SIGSTOP/SIGTSTP)"),
+    "t": ("stopped", "tracing-stop: held by a debugger or tracer"),
+    "Z": ("zombie", None),
+    "X": ("exited", None),
+    "x": ("exited", None),
+}
+
+
+class RankLookupError(LookupError):
+    """No live, verified process behind a (job, rank): control actions must not proceed."""
+
+
+class RankTableFullError(RuntimeError):
+    """The table holds max_ranks ranks and none of them is dead: a new rank is refused."""
+
+
+# --------------------------------------------------------------------------- /proc
+
+
+class ProcStat(NamedTuple):
+    state: str  # the one-letter kernel state
+    ppid: int
+    cpu_seconds: float  # user + system
+    start_ticks: int  # clock ticks after boot at which the process started
+
+
+def parse_proc_stat(text: str) -> ProcStat:
+    """Parse a ``/proc/<pid>/stat`` line (ValueError if it is not one).
+
+    The command name (field 2) may hold spaces and parentheses, so split after the
+    last ``)``.
+    """
+    _, sep, rest = text.rpartition(")")
+    fields = rest.split()
+    if not sep or len(fields) < 20:
+        raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
+    # fields[0] is field 3 (state); field n of proc(5) is fields[n - 3].
+    cpu_ticks = int(fields[11]) + int(fields[12])  # utime + stime
+    return ProcStat(fields[0], int(fields[1]), cpu_ticks / CLOCK_TICKS, int(fields[19]))
+
+
+def read_proc_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
+    """The process's stat, or None if there is no such process (any more)."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return parse_proc_stat(text)
+
+
+def _zombie_detail(stat: ProcStat) -> str:
+    return f"terminated; not yet reaped by its parent (pid {stat.ppid})"
+
+
+def pidfd_supported() -> bool:
+    """Whether ``os.pidfd_open`` works here (Linux 5.3+, not blocked by seccomp)."""
+    if not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- watcher
+
+
+class ProcessWatcher:
+    """Calls ``on_exit(pid, when)`` as soon as a watched process terminates.
+
+    Termination means "became a zombie or is gone"; ``when`` is ``clock()`` at that
+    moment; the callback runs on the watcher's thread, once per watched PID, and its
+    exceptions are logged. With pidfds the kernel wakes one epoll wait the instant a
+    process exits; a pidfd also keeps naming the process it was opened for even if the
+    PID number is reused. Without ``pidfd_open`` (old kernel, seccomp) the watcher reads
+    ``/proc`` every ``poll_interval`` seconds instead. ``use_pidfd``: None picks pidfd
+    when available, False forces polling.
+    """
+
+    def __init__(
+        self,
+        on_exit: Callable[[int, float], None],
+        *,
+        clock: Callable[[], float] = time.time,
+        use_pidfd: bool | None = None,
+        poll_interval: float = 0.05,
+        proc_root: Path = Path("/proc"),
+    ) -> None:
+        self._on_exit = on_exit
+        self._clock = clock
+        self.poll_interval = poll_interval
+        self._proc_root = proc_root
+        want_pidfd = use_pidfd is not False
+        self.mode = "pidfd" if want_pidfd and pidfd_supported() else "poll"
+        if use_pidfd and self.mode != "pidfd":
+            raise OSError("pidfd_open is not available on this system")
+        self._lock = threading.Lock()
+        self._fds: dict[int, int] = {}  # pidfd -> pid (pidfd mode)
+        self._pids: dict[int, int | None] = {}  # pid -> pidfd, or start ticks (poll mode)
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        if self.mode == "pidfd":
+            self._epoll = select.epoll()
+            self._epoll.register(self._wake_r, select.EPOLLIN)
+            target = self._run_pidfd
+        else:
+            target = self._run_poll
+        self._thread = threading.Thread(target=target, name="rankguard-watcher", daemon=True)
+        self._thread.start()
+
+    def watch(self, pid: int, start_ticks: int | None = None) -> bool:
+        """Start watching ``pid``; False if it is already gone (or the watcher is closed).
+
+        ``start_ticks`` (poll mode) lets the poller notice a reused PID.
+        """
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            if pid in self._pids:
+                return True
+            if self.mode == "poll":
+                self._pids[pid] = start_ticks
+                return True
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return False
+            self._pids[pid] = fd
+            self._fds[fd] = pid
+            self._epoll.register(fd, select.EPOLLIN)
+            return True
+
+    def unwatch(self, pid: int) -> None:
+        with self._lock:
+            handle = self._pids.pop(pid, None)
+            if self.mode == "pidfd" and handle is not None:
+                self._drop_fd(handle)
+
+    def watching(self) -> set[int]:
+        with self._lock:
+            return set(self._pids)
+
+    def _drop_fd(self, fd: int) -> None:
+        self._fds.pop(fd, None)
+        self._epoll.unregister(fd)
+        os.close(fd)
+
+    def _notify(self, pid: int) -> None:
+        try:
+            self._on_exit(pid, self._clock())
+        except Exception:  # the watcher thread must outlive any callback bug
+            log.exception("process exit callback failed for pid %d", pid)
+
+    def _run_pidfd(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self._epoll.poll()
+            except OSError as e:
+                if self._stop.is_set():
+                    return
+                log.warning("epoll wait failed: %s", e)
+                time.sleep(self.poll_interval)
+                continue
+            for fd, _mask in events:
+                if fd == self._wake_r:
+                    return
+                pid = self._take_exited(fd)
+                if pid is not None:
+                    self._notify(pid)
+
+    def _take_exited(self, fd: int) -> int | None:
+        """Stop watching the process behind a ready pidfd; None for a stale event."""
+        with self._lock:
+            pid = self._fds.get(fd)
+            # An fd number closed by unwatch() may already name a newer pidfd: only
+            # a pidfd that is readable right now belongs to a terminated process.
+            if pid is None or not _readable(fd):
+                return None
+            del self._pids[pid]
+            self._drop_fd(fd)
+            return pid
+
+    def _run_poll(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            with self._lock:
+                watched = list(self._pids.items())
+            for pid, start in watched:
+                if self._poll_exited(pid, start):
+                    with self._lock:
+                        if self._pids.pop(pid, _MISSING) is _MISSING:
+                            continue  # unwatched meanwhile
+                    self._notify(pid)
+
+    def _poll_exited(self, pid: int, start: int | None) -> bool:
+        try:
+            stat = read_proc_stat(pid, self._proc_root)
+        except (OSError, ValueError) as e:
+            log.warning("cannot read /proc/%d/stat: %s", pid, e)
+            return False
+        if stat is None or stat.state in "ZXx":
+            return True
+        return start is not None and stat.start_ticks != start
+
+    def close(self) -> None:
+        """Stop the thread and release every pidfd. Idempotent."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        with self._lock:
+            if self.mode == "pidfd":
+                for fd in list(self._fds):
+                    self._drop_fd(fd)
+                self._epoll.close()
+            self._pids.clear()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+_MISSING = object()
+
+
+def _readable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+# --------------------------------------------------------------------------- table
+
+
+@dataclass(frozen=True)
+class RankEvent:
+    """A change of a rank's process state, as passed to ``subscribe`` callbacks.
+
+    ``previous`` is None on first sight of the rank; ``at`` is on the table's clock.
+    A new process for a known rank (restart) is an event ``previous -> "alive"``.
+    """
+
+    job: str
+    rank: int
+    pid: int
+    previous: str | None
+    state: str
+    at: float
+    detail: str | None = None
+
+
+class HistoryEntry(NamedTuple):
+    """One received record, kept compact: a full record object is several times larger."""
+
+    received_at: float  # table clock (Unix time by default)
+    pid: int  # with restart: marks which process incarnation sent it
+    restart: int
+    step: int
+    phase: str
+    step_seconds: float
+    data_wait_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    loss: float | None
+
+    @classmethod
+    def of(cls, record: TelemetryRecord, now: float) -> HistoryEntry:
+        r = record
+        return cls(
+            now, r.pid, r.restart, r.step, r.phase, r.step_seconds,
+            r.data_wait_seconds, r.compute_seconds, r.comm_seconds, r.loss,
+        )  # fmt: skip
+
+    def summary(self, json_safe: bool) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "restart": self.restart,
+            "pid": self.pid,
+            "step_seconds": self.step_seconds,
+            "data_wait_seconds": self.data_wait_seconds,
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "loss": json_float(self.loss) if json_safe else self.loss,
+        }
+
+
+def json_float(x: float | None) -> float | str | None:
+    """A float for strict JSON: NaN and infinities as the strings "NaN", "Infinity",
+    "-Infinity" (a diverged loss must stay visible without breaking the document)."""
+    if x is None or math.isfinite(x):
+        return x
+    if math.isnan(x):
+        return "NaN"
+    return "Infinity" if x > 0 else "-Infinity"
+
+
+class _Rank:
+    """One rank's state. Every method runs under the table's lock."""
+
+    def __init__(self, record: TelemetryRecord, stat: ProcStat | None, now: float, history: int):
+        self.job, self.rank = record.job, record.rank
+        self.record = record
+        self.step_record: TelemetryRecord | None = None  # newest record with step timings
+        self.first_seen = self.last_seen = now
+        self.records_received = 0
+        self.process_changes = 0
+        self.history: deque[HistoryEntry] = deque(maxlen=history)
+        self.start_process(record.pid, stat, now)
+
+    def start_process(self, pid: int, stat: ProcStat | None, now: float) -> None:
+        """Watch a new process from now on (first sight, or a restart)."""
+        self.pid = pid
+        self.start_ticks = stat.start_ticks if stat else None
+        self.state, self.detail = "alive", None
+        self.exited_at: float | None = None
+        self.cpu_seconds = stat.cpu_seconds if stat else None
+        self.cpu_utilization: float | None = None
+        # CPU utilization is measured from here (first sight), then refresh to refresh.
+        self.cpu_base = (now, stat.cpu_seconds) if stat else None
+
+    def observe(self, record: TelemetryRecord, now: float) -> None:
+        self.record = record
+        # Heartbeats (phase changes) carry no timings: keep the last step's split.
+        if record.step_seconds > 0:
+            self.step_record = record
+        self.last_seen = now
+        self.records_received += 1
+        self.history.append(HistoryEntry.of(record, now))
+
+    def dead_state(self, zombie: bool) -> str:
+        if self.record.phase == "done":
+            return "finished"
+        return "zombie" if zombie else "exited"
+
+    def change(self, state: str, detail: str | None, now: float) -> RankEvent | None:
+        """Set the state; an event only when the state itself changed (not the detail)."""
+        previous = self.state
+        self.state, self.detail = state, detail
+        if state in DEAD_STATES and self.exited_at is None:
+            self.exited_at = now
+        if state == previous:
+            return None
+        return RankEvent(self.job, self.rank, self.pid, previous, state, now, detail)
+
+    def apply_stat(self, stat: ProcStat | None, now: float, cpu_window: float) -> RankEvent | None:
+        """Fold a fresh /proc reading into the state (refresh)."""
+        if stat is None or (self.start_ticks is not None and stat.start_ticks != self.start_ticks):
+            return self.change(self.dead_state(False), None, now)  # reaped, or PID reused
+        state, detail = _LETTER_STATES.get(stat.state, ("alive", None))
+        if state in DEAD_STATES:
+            zombie = state == "zombie"
+            return self.change(
+                self.dead_state(zombie), _zombie_detail(stat) if zombie else None, now
+            )
+        self._account_cpu(stat.cpu_seconds, now, cpu_window)
+        return self.change(state, detail, now)
+
+    def _account_cpu(self, cpu: float, now: float, window: float) -> None:
+        self.cpu_seconds = cpu
+        if self.cpu_base is None:
+            self.cpu_base = (now, cpu)
+            return
+        t0, c0 = self.cpu_base
+        # A minimum window, so that an extra /v1/ranks refresh does not measure
+        # utilization over a few milliseconds.
+        if now - t0 >= window:
+            self.cpu_utilization = max(0.0, (cpu - c0) / (now - t0))
+            self.cpu_base = (now, cpu)
+
+    def to_dict(self, now: float, to_unix: float, recent: int, json_safe: bool) -> dict[str, Any]:
+        rec, st = self.record, self.step_record
+        out: dict[str, Any] = {
+            "job": self.job,
+            "rank": self.rank,
+            "local_rank": rec.local_rank,
+            "world_size": rec.world_size,
+            "pid": self.pid,
+            "restart": rec.restart,
+            "process_changes": self.process_changes,
+            "state": self.state,
+            "up": self.state in LIVE_STATES,
+            "state_detail": self.detail,
+            "exited_at": None if self.exited_at is None else self.exited_at + to_unix,
+            "first_seen_at": self.first_seen + to_unix,
+            "step": rec.step,
+            "phase": rec.phase,
+            "heartbeat_age_seconds": max(0.0, now - self.last_seen),
+            "last_heartbeat_at": self.last_seen + to_unix,
+            "timed_step": st.step if st else None,
+            "step_seconds": st.step_seconds if st else None,
+        }
+        for name in SPLIT_FIELDS:
+            out[name] = getattr(st, name) if st else None
+        out.update(
+            comm_compute_ratio=st.comm_compute_ratio if st else None,
+            tokens_per_second=st.tokens_per_second if st else None,
+            mfu=st.mfu if st else None,
+            loss=json_float(rec.loss) if json_safe else rec.loss,
+            peak_memory_bytes=rec.peak_memory_bytes,
+            checkpoint_step=rec.checkpoint_step,
+            cpu_seconds=self.cpu_seconds,
+            cpu_utilization=self.cpu_utilization,
+            records_received=self.records_received,
+            recent=self._recent(recent, json_safe),
+        )
+        return out
+
+    def _recent(self, n: int, json_safe: bool) -> list[dict[str, Any]]:
+        """The last n step records (heartbeats without timings left out), oldest first."""
+        picked: list[HistoryEntry] = []
+        for entry in reversed(self.history):
+            if len(picked) >= n:
+                break
+            if entry.step_seconds > 0:
+                picked.append(entry)
+        return [e.summary(json_safe) for e in reversed(picked)]
+
+
+class RankTable:
+    """Thread-safe table of the training ranks on this node, keyed by (job, rank).
+
+    Fed by the telemetry receiver (:meth:`update`), kept current by a
+    :class:`ProcessWatcher` (exits, at once) and :meth:`refresh` (stops, zombies, CPU;
+    forgetting), read by the collector and ``/v1/ranks`` (:meth:`snapshot`) and by
+    control actions (:meth:`verified_pid`). One lock guards all state; subscriber
+    callbacks run outside it.
+
+    ``max_ranks`` bounds the table (and the metrics' label sets): a new rank beyond it
+    takes the place of the longest-dead rank, or is refused (:class:`RankTableFullError`,
+    counted) when every rank is live. Dead ranks are forgotten ``forget_after`` seconds
+    after their exit.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_ranks: int = 1024,
+        history: int = 512,
+        recent: int = 64,
+        forget_after: float = 3600.0,
+        cpu_window: float = 1.0,
+        clock: Callable[[], float] = time.time,
+        wall_clock: Callable[[], float] = time.time,
+        proc_root: Path = Path("/proc"),
+        use_pidfd: bool | None = None,
+    ) -> None:
+        if max_ranks < 1 or history < 1 or recent < 0 or forget_after < 0:
+            raise ValueError("max_ranks and history must be >= 1; recent, forget_after >= 0")
+        self.max_ranks = max_ranks
+        self.history = history
+        self.recent = recent
+        self.forget_after = forget_after
+        self.cpu_window = cpu_window
+        self._clock = clock
+        self._wall = wall_clock
+        self._proc_root = proc_root
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], _Rank] = {}
+        self._subscribers: list[Callable[[RankEvent], None]] = []
+        self._offset = wall_clock() - clock()
+        self.refused = 0  # new ranks refused because the table was full of live ones
+        self.evicted = 0  # dead ranks dropped early to make room
+        self.forgotten = 0  # dead ranks dropped after forget_after
+        self._watcher = ProcessWatcher(
+            self._on_exit, clock=clock, use_pidfd=use_pidfd, proc_root=proc_root
+        )
+
+    @property
+    def watcher_mode(self) -> str:
+        return self._watcher.mode
+
+    # -- feeding ----------------------------------------------------------------------
+    def update(self, record: TelemetryRecord, sender_pid: int, now: float | None = None) -> None:
+        """Take one record whose sender the kernel identified as ``sender_pid``.
+
+        Raises ValueError if the record's pid is not the sender's, and
+        :class:`RankTableFullError` for a new rank that does not fit.
+        """
+        if record.pid != sender_pid:
+            raise ValueError(f"record pid {record.pid} is not the sender's pid {sender_pid}")
+        now = self._now(now)
+        key = (record.job, record.rank)
+        with self._lock:
+            rank = self._ranks.get(key)
+            if rank is None:
+                self._make_room(key)
+                rank = _Rank(record, self._identify(sender_pid), now, self.history)
+                self._ranks[key] = rank
+                events = [RankEvent(rank.job, rank.rank, sender_pid, None, "alive", now)]
+            elif rank.pid == sender_pid and self._same_process(rank):
+                events = []
+            else:
+                events = [self._replace_process(rank, sender_pid, now)]
+            rank.observe(record, now)
+            events.append(self._settle(rank, now))
+        self._emit(events)
+
+    def _identify(self, pid: int) -> ProcStat | None:
+        """Identity of a process seen for the first time, now watched; None if gone."""
+        stat = read_proc_stat(pid, self._proc_root)
+        if stat is None or not self._watcher.watch(pid, stat.start_ticks):
+            return None
+        return stat
+
+    def _same_process(self, rank: _Rank) -> bool:
+        """Whether rank.pid still names the process the rank was registered with.
+
+        A live rank: yes (the watcher would have said otherwise). A dead one: a late
+        record from it (sent just before exiting, read after the watcher's news), unless
+        the PID now belongs to a newer process.
+        """
+        if rank.state in LIVE_STATES:
+            return True
+        stat = read_proc_stat(rank.pid, self._proc_root)
+        return stat is None or stat.start_ticks == rank.start_ticks
+
+    def _replace_process(self, rank: _Rank, pid: int, now: float) -> RankEvent:
+        """A new process for a known rank: torchrun restarted it. History is kept."""
+        old_pid, previous = rank.pid, rank.state
+        if not any(r.pid == old_pid for r in self._ranks.values() if r is not rank):
+            self._watcher.unwatch(old_pid)
+        rank.start_process(pid, self._identify(pid), now)
+        rank.process_changes += 1
+        detail = f"new process {pid} replaces {old_pid}"
+        return RankEvent(rank.job, rank.rank, pid, previous, "alive", now, detail)
+
+    def _settle(self, rank: _Rank, now: float) -> RankEvent | None:
+        """Dead-state bookkeeping after a record: a process already gone when first seen
+        is dead at once; a late "done" record turns "exited" into "finished"."""
+        if rank.state in LIVE_STATES and rank.start_ticks is None:
+            return rank.change(rank.dead_state(False), "exited before it was watched", now)
+        if rank.state in DEAD_STATES:
+            return rank.change(rank.dead_state(rank.state == "zombie"), rank.detail, now)
+        return None
+
+    def _make_room(self, key: tuple[str, int]) -> None:
+        if len(self._ranks) < self.max_ranks:
+            return
+        dead = [(r.exited_at or 0.0, k) for k, r in self._ranks.items() if r.state in DEAD_STATES]
+        if dead:
+            del self._ranks[min(dead)[1]]
+            self.evicted += 1
+            return
+        self.refused += 1
+        raise RankTableFullError(
+            f"rank table full ({self.max_ranks} live ranks): refusing job {key[0]!r} rank {key[1]}"
+        )
+
+    def _on_exit(self, pid: int, when: float) -> None:
+        """ProcessWatcher callback: every live rank of this process is now dead."""
+        try:
+            stat = read_proc_stat(pid, self._proc_root)
+        except (OSError, ValueError):
+            stat = None
+        events = []
+        with self._lock:
+            for rank in self._ranks.values():
+                if rank.pid != pid or rank.state not in LIVE_STATES:
+                    continue
+                zombie = (
+                    stat is not None and stat.state == "Z" and stat.start_ticks == rank.start_ticks
+                )
+                detail = _zombie_detail(stat) if zombie and stat else None
+                events.append(rank.change(rank.dead_state(zombie), detail, when))
+        self._emit(events)
+
+    # -- keeping current ----------------------------------------------------------------
+    def refresh(self, now: float | None = None) -> None:
+        """Read /proc for every live or zombie rank (state, CPU); forget long-dead ranks."""
+        now = self._now(now)
+        with self._lock:
+            self._forget(now)
+            targets = [
+                (key, r.pid)
+                for key, r in self._ranks.items()
+                if r.state in LIVE_STATES or r.state == "zombie"
+            ]
+        stats: dict[tuple[str, int], ProcStat | None] = {}
+        for key, pid in targets:  # /proc reads outside the lock
+            try:
+                stats[key] = read_proc_stat(pid, self._proc_root)
+            except (OSError, ValueError) as e:
+                log.warning("cannot read /proc/%d/stat: %s", pid, e)
+        events = []
+        with self._lock:
+            for key, pid in targets:
+                rank = self._ranks.get(key)
+                if rank is None or rank.pid != pid or key not in stats:
+                    continue  # forgotten or restarted meanwhile, or unreadable
+                events.append(rank.apply_stat(stats[key], now, self.cpu_window))
+        self._emit(events)
+
+    def _forget(self, now: float) -> None:
+        for key, rank in list(self._ranks.items()):
+            if rank.exited_at is not None and now - rank.exited_at > self.forget_after:
+                del self._ranks[key]
+                self.forgotten += 1
+
+    # -- listeners ----------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[RankEvent], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` on every rank state change; returns an unsubscribe.
+
+        Callbacks run outside the lock, on whichever thread saw the change (the
+        watcher's for exits, the refresher's for stops, the receiver's for new ranks);
+        their exceptions are logged and never propagate.
+        """
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _emit(self, events: list[RankEvent | None]) -> None:
+        events = [e for e in events if e is not None]
+        if not events:
+            return
+        with self._lock:
+            callbacks = list(self._subscribers)
+        for event in events:
+            for callback in callbacks:
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("rank event subscriber failed on %s", event)
+
+    # -- reading ------------------------------------------------------------------------
+    def snapshot(
+        self, now: float | None = None, *, recent: int | None = None, json_safe: bool = True
+    ) -> list[dict[str, Any]]:
+        """Per-rank state, sorted by (job, rank), for ``/v1/ranks`` and the collector.
+
+        ``recent``: how many step records to summarise (default: the table's ``recent``).
+        ``json_safe``: render a non-finite loss as "NaN"/"Infinity"/"-Infinity".
+        """
+        now = self._now(now)
+        n = self.recent if recent is None else recent
+        with self._lock:
+            to_unix = self._unix_offset()
+            return [
+                self._ranks[key].to_dict(now, to_unix, n, json_safe) for key in sorted(self._ranks)
+            ]
+
+    def _unix_offset(self) -> float:
+        """Table clock -> Unix time. Re-based only when the wall clock was stepped, so a
+        rank's timestamps stay the same from one snapshot to the next."""
+        offset = self._wall() - self._clock()
+        if abs(offset - self._offset) > 1.0:
+            self._offset = offset
+        return self._offset
+
+    def processes(self) -> list[tuple[str, int, int]]:
+        """(job, rank, pid) of every live (alive or stopped) rank."""
+        with self._lock:
+            return [
+                (r.job, r.rank, r.pid)
+                for _, r in sorted(self._ranks.items())
+                if r.state in LIVE_STATES
+            ]
+
+    def counts(self) -> dict[str, int]:
+        """Number of ranks in each state, every state present."""
+        out = dict.fromkeys(RANK_STATES, 0)
+        with self._lock:
+            for rank in self._ranks.values():
+                out[rank.state] += 1
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            size = len(self._ranks)
+        return {
+            "ranks": size,
+            "max_ranks": self.max_ranks,
+            "refused": self.refused,
+            "evicted": self.evicted,
+            "forgotten": self.forgotten,
+            "watcher": self.watcher_mode,
+        }
+
+    def verified_pid(self, job: str, rank: int) -> int:
+        """The PID of a registered, live rank whose process is still the one registered.
+
+        Raises :class:`RankLookupError` otherwise: unknown rank, process dead (or
+        zombie), or the PID now names a process with another start time. Control
+        actions use this and never an arbitrary PID.
+        """
+        with self._lock:
+            entry = self._ranks.get((job, rank))
+            if entry is None:
+                raise RankLookupError(f"no rank {rank} of job {job!r} on this node")
+            pid, start, state = entry.pid, entry.start_ticks, entry.state
+        if state not in LIVE_STATES:
+            raise RankLookupError(f"rank {rank} of job {job!r}: process {pid} is {state}")
+        stat = read_proc_stat(pid, self._proc_root)
+        if stat is None or stat.state in "ZXx":
+            raise RankLookupError(f"rank {rank} of job {job!r}: process {pid} is gone")
+        if start is None or stat.start_ticks != start:
+            raise RankLookupError(
+                f"rank {rank} of job {job!r}: pid {pid} now belongs to another process "
+                f"(start time changed); refusing"
+            )
+        return pid
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def _now(self, now: float | None) -> float:
+        return self._clock() if now is None else now
+
+    def close(self) -> None:
+        self._watcher.close()
+
+    def __enter__(self) -> RankTable:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,280 @@
+"""The agent's end of the telemetry socket: receive, verify the sender, feed the table.
+
+One ``AF_UNIX`` ``SOCK_DGRAM`` socket; one daemon thread drains it. Every datagram is
+either accepted into the :class:`~.ranks.RankTable` or counted as rejected under a
+bounded reason (:data:`RECEIVER_REASONS`); no input stops the thread.
+
+Trust. ``SO_PASSCRED`` makes the kernel attach the sender's credentials to every
+datagram, and a record is accepted only if its ``pid`` is that kernel-verified PID
+(reason ``pid_mismatch`` otherwise). So a local user allowed to write to the socket
+cannot register someone else's process (pid 1, say) as a rank and later have the agent
+signal it. Only a sender with CAP_SYS_ADMIN can forge credentials, and it needs no
+agent to signal anything. A trainer in another PID namespace (a container without
+``--pid=host``) shows up as ``pid_mismatch`` too: its own idea of its PID is not the
+agent's.
+
+Queueing. The kernel bounds a Unix datagram queue by ``net.unix.max_dgram_qlen``
+(often 10 datagrams) as well as by buffer space; senders drop on a full queue without
+blocking, so this thread only decodes and hands over, nothing slow.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import logging
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+from .ranks import RankTable, RankTableFullError
+from .telemetry import MAX_DATAGRAM_BYTES, REASONS, TelemetryError, decode
+
+__all__ = ["RECEIVER_REASONS", "SocketInUseError", "TelemetryReceiver"]
+
+log = logging.getLogger("rankguard.agent.receiver")
+
+#: Every reason a datagram can be rejected for (a bounded label set).
+RECEIVER_REASONS: tuple[str, ...] = (
+    *REASONS,
+    "pid_mismatch",  # the record's pid is not the kernel-verified sender's
+    "no_credentials",  # no SCM_CREDENTIALS attached (should not happen with SO_PASSCRED)
+    "table_full",  # a new rank beyond the table's cap
+    "internal_error",  # a bug on our side; logged with its traceback
+)
+
+_UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
+_ANC_BUFSIZE = socket.CMSG_SPACE(_UCRED.size)  # room for credentials and nothing more
+_RECV_BUFSIZE = MAX_DATAGRAM_BYTES + 1  # one byte more than allowed reveals oversize
+_DRAIN_BATCH = 256  # datagrams per wake-up before checking for close()
+_MAX_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
+
+
+class SocketInUseError(OSError):
+    """Another process is listening on the telemetry socket path."""
+
+
+class TelemetryReceiver:
+    """Receives telemetry datagrams on ``path`` and feeds ``table``.
+
+    Binds at construction and starts the receiving thread. ``mode`` is the socket
+    file's permission (who may send: owner and group by default). ``rcvbuf`` is asked
+    for as SO_RCVBUF (the kernel may cap it). Raises :class:`SocketInUseError` if
+    another receiver answers on ``path``, ``FileExistsError`` if ``path`` exists and is
+    not a socket (it is never deleted), ``ValueError`` for a path too long for a Unix
+    socket.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        table: RankTable,
+        mode: int = 0o660,
+        *,
+        rcvbuf: int = 4 << 20,
+    ) -> None:
+        self.path = Path(path)
+        self.table = table
+        self.mode = mode
+        self._lock = threading.Lock()
+        self._accepted = 0
+        self._rejected = dict.fromkeys(RECEIVER_REASONS, 0)
+        self._last_error: dict[str, str] = {}
+        self._closed = False
+        self._sock = self._bind(rcvbuf)
+        self._inode = os.stat(self.path).st_ino
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(
+            target=self._run, name="rankguard-telemetry-receiver", daemon=True
+        )
+        self._thread.start()
+
+    # -- socket set-up ----------------------------------------------------------------
+    def _bind(self, rcvbuf: int) -> socket.socket:
+        if len(os.fsencode(self.path)) > _MAX_PATH_BYTES - 8:  # room for the temp suffix
+            raise ValueError(f"telemetry socket path too long for a Unix socket: {self.path}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_socket(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            # Before bind, so that no datagram is ever queued without credentials.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setblocking(False)
+            # Bind under a temporary name, chmod, then rename into place: the socket is
+            # never reachable with the umask's (possibly wider) permissions.
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(os.lstat(tmp).st_mode):
+                    os.unlink(tmp)
+            sock.bind(str(tmp))
+            os.chmod(tmp, self.mode)
+            os.rename(tmp, self.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    # -- receiving --------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._closed:
+            try:
+                ready = {fd for fd, _ in poller.poll()}
+            except OSError as e:  # not expected; never let the thread die
+                log.warning("telemetry poll failed: %s", e)
+                continue
+            if self._wake_r in ready:
+                return
+            self._drain()
+
+    def _drain(self) -> None:
+        for _ in range(_DRAIN_BATCH):
+            try:
+                data, ancdata, flags, _addr = self._sock.recvmsg(_RECV_BUFSIZE, _ANC_BUFSIZE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno != errno.EAGAIN:
+                    self._reject("internal_error", f"recvmsg failed: {e}")
+                return
+            try:
+                sender = _sender_pid(ancdata)
+                self.handle(data, sender, truncated=bool(flags & socket.MSG_TRUNC))
+            except Exception as e:
+                log.exception("telemetry datagram handling failed")
+                self._reject("internal_error", repr(e))
+
+    def handle(self, data: bytes, sender_pid: int | None, truncated: bool = False) -> str | None:
+        """Judge one datagram from ``sender_pid`` (None: no credentials came with it).
+
+        Returns None when the record was accepted into the table, else the reason it
+        was rejected (also counted). The receiving thread calls this for each datagram.
+        """
+        if truncated or len(data) > MAX_DATAGRAM_BYTES:
+            return self._reject("too_large", f"datagram larger than {MAX_DATAGRAM_BYTES} bytes")
+        if sender_pid is None:
+            return self._reject("no_credentials", "datagram arrived without sender credentials")
+        try:
+            record = decode(data)
+        except TelemetryError as e:
+            return self._reject(e.reason, str(e))
+        if record.pid != sender_pid:
+            return self._reject("pid_mismatch", _mismatch_message(record.pid, sender_pid))
+        try:
+            self.table.update(record, sender_pid)
+        except RankTableFullError as e:
+            return self._reject("table_full", str(e))
+        with self._lock:
+            self._accepted += 1
+        return None
+
+    def _reject(self, reason: str, message: str) -> str:
+        with self._lock:
+            self._rejected[reason] += 1
+            self._last_error[reason] = message[:300]
+        return reason
+
+    # -- reading ------------------------------------------------------------------------
+    @property
+    def accepted(self) -> int:
+        with self._lock:
+            return self._accepted
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: accepted, rejected by reason (every reason present), the last error
+        message of each reason seen, and the socket path."""
+        with self._lock:
+            return {
+                "path": str(self.path),
+                "accepted": self._accepted,
+                "rejected": dict(self._rejected),
+                "rejected_total": sum(self._rejected.values()),
+                "last_error": dict(self._last_error),
+            }
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the thread, close the socket and remove its file. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        # Remove the file only if it is still ours (not a successor's socket).
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+
+    def __enter__(self) -> TelemetryReceiver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Remove a socket file nobody listens on; refuse anything else that is in the way."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(
+            f"{path} exists and is not a socket; refusing to delete it "
+            "(choose another telemetry socket path or remove the file)"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        os.unlink(path)  # stale: left by an agent that did not shut down cleanly
+        return
+    finally:
+        probe.close()
+    raise SocketInUseError(
+        errno.EADDRINUSE, f"another process is receiving telemetry on {path}", str(path)
+    )
+
+
+def _sender_pid(ancdata: list[tuple[int, int, bytes]]) -> int | None:
+    """The kernel-verified sender PID from SCM_CREDENTIALS; None if absent.
+
+    Any file descriptors passed along (SCM_RIGHTS) are closed at once: the ancillary
+    buffer only has room for credentials, but an fd that slipped in must not leak.
+    """
+    pid = None
+    for level, kind, payload in ancdata:
+        if level != socket.SOL_SOCKET:
+            continue
+        if kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
+            pid = _UCRED.unpack_from(payload)[0]
+        elif kind == socket.SCM_RIGHTS:
+            fds = array.array("i")
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+    return pid
+
+
+def _mismatch_message(claimed: int, sender: int) -> str:
+    if sender == 0:  # the sender's PID has no number in the agent's PID namespace
+        return (
+            f"record claims pid {claimed}, but the sender runs in another PID namespace "
+            "(a container without the host's PID namespace?)"
+        )
+    return f"record claims pid {claimed}, but the kernel says the sender is pid {sender}"

@@ -1,0 +1,53 @@
+"""`rankguard agent`: the per-node daemon."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+Opt = typer.Option
+
+
+def agent(
+    bind: Annotated[str, Opt(help="HOST:PORT for /metrics and /v1 (loopback by default; 0.0.0.0:PORT exposes it)")] = None,
+    interval: Annotated[float, Opt(help="seconds between collections")] = None,
+    token_file: Annotated[Path, Opt(help="bearer token for control endpoints (owner-only file, >= 16 chars)")] = None,
+    telemetry_socket: Annotated[str, Opt(help="Unix datagram socket the trainer's ranks send to")] = None,
+    ckpt_dir: Annotated[Path, Opt(help="checkpoint directory: its filesystem's space is watched")] = None,
+    data_dir: Annotated[Path, Opt(help="training data directory: its filesystem's space is watched")] = None,
+    expected_gpus: Annotated[int, Opt(help="GPUs this node should have (fewer is unhealthy)")] = None,
+    nvml_double: Annotated[Path, Opt(help="JSON state of an NVML double (GPU-less test nodes)")] = None,
+    node: Annotated[str, Opt(help="node name in metrics and the API (default: hostname)")] = None,
+    config: Annotated[Path, Opt(help="TOML config file ([agent] table, same keys as the flags)")] = None,
+    log_level: Annotated[str, Opt(help="debug, info, warning, error")] = "info",
+) -> None:
+    """Run the node agent: GPU, host, storage, network and rank telemetry collection,
+    Prometheus /metrics, the /v1 JSON API and token-guarded control of local ranks.
+
+    Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad configuration.
+    """
+    from rankguard.agent.config import AgentConfigError, load_config
+
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    overrides = dict(
+        bind=bind, interval=interval, token_file=token_file, telemetry_socket=telemetry_socket,
+        ckpt_dir=ckpt_dir, data_dir=data_dir, expected_gpus=expected_gpus,
+        nvml_double=nvml_double, node=node,
+    )  # fmt: skip
+    try:
+        cfg = load_config(config, overrides)
+        from rankguard.agent.daemon import Agent
+
+        daemon = Agent(cfg)
+    except (AgentConfigError, OSError) as exc:
+        typer.echo(f"rankguard agent: {exc}", err=True)
+        raise typer.Exit(2) from None
+    daemon.run()

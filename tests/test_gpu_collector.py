@@ -1,0 +1,479 @@
+"""GPU collector against the NVML double (everywhere) and real NVML (`gpu` marker)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pynvml
+import pytest
+from rankguard.agent.collectors import CollectorContext, CollectorResult
+from rankguard.agent.collectors.gpu import (
+    GpuCollector,
+    GpuConfig,
+    clock_event_names,
+    kbps_to_bytes_per_second,
+    mhz_to_hertz,
+    mj_to_joules,
+    mw_to_watts,
+    percent_to_ratio,
+)
+from rankguard.agent.nvml_double import ENV_VAR, NvmlDouble, load_nvml, make_double, write_state
+
+GIB = 2**30
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def make():
+    """make(state | NvmlDouble, ranks=..., expected=..., **GpuConfig) -> (collector, double, clock)."""
+    made = []
+
+    def _make(state=None, *, ranks=list, expected=None, **config):
+        nvml = state if isinstance(state, NvmlDouble) else NvmlDouble(state or make_double(2))
+        clock = FakeClock()
+        ctx = CollectorContext(nvml=nvml, clock=clock, rank_processes=ranks, expected_gpus=expected)
+        collector = GpuCollector(ctx, GpuConfig(event_timeout_ms=50, **config))
+        made.append(collector)
+        return collector, nvml, clock
+
+    yield _make
+    for collector in made:
+        collector.close()
+
+
+def samples(result: CollectorResult, name: str) -> dict[tuple, float]:
+    """{label values: value} of one family (empty when absent)."""
+    for metric in result.metrics:
+        if metric.name == name:
+            return dict(metric.samples)
+    return {}
+
+
+def value(result: CollectorResult, name: str, *labels) -> float:
+    return samples(result, name)[tuple(str(v) for v in labels)]
+
+
+def wait_for(predicate, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+# --- pure helpers --------------------------------------------------------------------------
+
+
+def test_unit_helpers():
+    assert percent_to_ratio(97) == 0.97
+    assert percent_to_ratio(250) == 1.0
+    assert mw_to_watts(512_000) == 512.0
+    assert mj_to_joules(1_500) == 1.5
+    assert mhz_to_hertz(1980) == 1.98e9
+    assert kbps_to_bytes_per_second(1000) == 1_024_000
+
+
+def test_clock_event_names_from_bitmask():
+    mask = pynvml.nvmlClocksEventReasonSwPowerCap | pynvml.nvmlClocksEventReasonHwThermalSlowdown
+    assert clock_event_names(mask) == ["sw_power_cap", "hw_thermal_slowdown"]
+    assert clock_event_names(0) == []
+    assert clock_event_names(pynvml.nvmlClocksEventReasonDisplayClockSetting) == []
+
+
+# --- the double ----------------------------------------------------------------------------
+
+
+def test_double_raises_real_nvml_errors():
+    nvml = NvmlDouble(make_double(1))
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        nvml.nvmlDeviceGetCount()
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert isinstance(handle, pynvml.c_nvmlDevice_t)
+    nvml.set_lost(0)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        nvml.nvmlDeviceGetUtilizationRates(handle)
+    event_set = nvml.nvmlEventSetCreate()
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        nvml.nvmlEventSetWait_v2(event_set, 1)
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):  # pynvml has it, the double not
+        nvml.nvmlDeviceGetFanSpeed(handle)
+    assert nvml.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM  # constants pass through
+    unavailable = NvmlDouble(make_double(1, unavailable="library_not_found"))
+    with pytest.raises(pynvml.NVMLError_LibraryNotFound):
+        unavailable.nvmlInit()
+
+
+def test_load_nvml(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert load_nvml(None) is pynvml
+    path = tmp_path / "nvml.json"
+    write_state(path, make_double(3))
+    assert isinstance(load_nvml(str(path)), NvmlDouble)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    double = load_nvml(None)
+    double.nvmlInit()
+    assert double.nvmlDeviceGetCount() == 3
+
+
+# --- the collector against the double ------------------------------------------------------
+
+
+def test_all_metrics_with_base_units(make):
+    state = make_double(
+        2,
+        util=97,
+        mem_used=70 * GIB,
+        mem_total=80 * GIB,
+        temp=63,
+        power_mw=512_345,
+        energy_mj=2_000_500,
+        sm_clock_mhz=1980,
+        clock_event_reasons=pynvml.nvmlClocksEventReasonSwPowerCap
+        | pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+        ecc={"corrected": 5, "uncorrected": 1},
+        retired_pages={"single_bit": 2, "double_bit": 1},
+        retired_pages_pending=True,
+        remapped_rows={"correctable": 3, "uncorrectable": 1, "pending": True, "failure": False},
+        pcie_tx_kbps=1000,
+        pcie_rx_kbps=2000,
+    )
+    collector, nvml, _ = make(state, expected=2)
+    r = collector.collect()
+    uuid0 = state["gpus"][0]["uuid"]
+    g0 = (0, uuid0)
+
+    assert value(r, "rankguard_gpu_nvml_up") == 1
+    assert value(r, "rankguard_gpus") == 2
+    assert value(r, "rankguard_gpus_expected") == 2
+    assert value(r, "rankguard_gpu_info", 0, uuid0, "NVIDIA H100 80GB HBM3", "550.54.15") == 1
+    assert value(r, "rankguard_gpu_lost", *g0) == 0
+    assert value(r, "rankguard_gpu_utilization_ratio", *g0) == pytest.approx(0.97)
+    assert value(r, "rankguard_gpu_memory_used_bytes", *g0) == 70 * GIB
+    assert value(r, "rankguard_gpu_memory_total_bytes", *g0) == 80 * GIB
+    assert value(r, "rankguard_gpu_temperature_celsius", *g0) == 63
+    assert value(r, "rankguard_gpu_power_watts", *g0) == pytest.approx(512.345)
+    assert value(r, "rankguard_gpu_energy_joules_total", *g0) == pytest.approx(2000.5)
+    assert value(r, "rankguard_gpu_sm_clock_hertz", *g0) == 1.98e9
+    events = {
+        k[2]: v for k, v in samples(r, "rankguard_gpu_clock_event_active").items() if k[0] == "0"
+    }
+    assert {k for k, v in events.items() if v == 1} == {"sw_power_cap", "hw_thermal_slowdown"}
+    assert len(events) == 8
+    assert value(r, "rankguard_gpu_ecc_errors_total", *g0, "corrected") == 5
+    assert value(r, "rankguard_gpu_ecc_errors_total", *g0, "uncorrected") == 1
+    assert value(r, "rankguard_gpu_retired_pages", *g0, "single_bit_ecc") == 2
+    assert value(r, "rankguard_gpu_retired_pages", *g0, "double_bit_ecc") == 1
+    assert value(r, "rankguard_gpu_retired_pages_pending", *g0) == 1
+    assert value(r, "rankguard_gpu_remapped_rows", *g0, "correctable") == 3
+    assert value(r, "rankguard_gpu_remapped_rows", *g0, "uncorrectable") == 1
+    assert value(r, "rankguard_gpu_remapped_rows_pending", *g0) == 1
+    assert value(r, "rankguard_gpu_remapped_rows_failure", *g0) == 0
+    assert value(r, "rankguard_gpu_pcie_transmit_bytes_per_second", *g0) == 1_024_000
+    assert value(r, "rankguard_gpu_pcie_receive_bytes_per_second", *g0) == 2_048_000
+    assert value(r, "rankguard_gpu_xid_errors_total", *g0, 79) == 0  # pre-created
+
+    facts = r.facts
+    assert facts["available"] is True and facts["count"] == 2 and facts["expected"] == 2
+    assert facts["driver"] == "550.54.15" and facts["xid_supported"] is True
+    f0 = facts["gpus"][0]
+    assert f0["uuid"] == uuid0 and f0["lost"] is False and f0["utilization"] == pytest.approx(0.97)
+    assert f0["memory_total"] == 80 * GIB and f0["power_watts"] == pytest.approx(512.345)
+    assert f0["ecc_uncorrected"] == 1 and f0["retired_pages"] == 3 and f0["xid"] == {}
+    assert f0["clock_events"] == ["sw_power_cap", "hw_thermal_slowdown"]
+    assert f0["remapped_rows"]["pending"] == 1
+
+
+def test_unsupported_queries_are_left_out(make):
+    # Consumer-style GPU: ECC off, no page retirement, no row remapping, no GPM.
+    state = make_double(1, ecc=None, retired_pages=None, remapped_rows=None, gpm=False)
+    collector, _, clock = make(state)
+    collector.collect()
+    clock.t += 2
+    r = collector.collect()
+    for name in (
+        "rankguard_gpu_ecc_errors_total",
+        "rankguard_gpu_retired_pages",
+        "rankguard_gpu_remapped_rows",
+        "rankguard_gpu_sm_activity_ratio",
+    ):
+        assert samples(r, name) == {}, name
+    assert samples(r, "rankguard_gpu_utilization_ratio")
+    gpu = r.facts["gpus"][0]
+    assert gpu["ecc_uncorrected"] is None and gpu["retired_pages"] is None
+    assert gpu["gpm_supported"] is False
+
+
+def test_old_driver_clock_reasons_fallback(make):
+    class OldDriver(NvmlDouble):
+        def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    double = OldDriver(make_double(1, clock_event_reasons=pynvml.nvmlClocksEventReasonGpuIdle))
+    collector, _, _ = make(double)
+    r = collector.collect()
+    assert r.facts["gpus"][0]["clock_events"] == ["gpu_idle"]
+    assert double.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 1
+
+
+def test_nvml_unavailable_reports_down_and_retries_slowly(make):
+    collector, nvml, clock = make(make_double(2, unavailable="driver_not_loaded"), expected=8)
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_nvml_up") == 0
+    assert value(r, "rankguard_gpus_expected") == 8
+    assert r.facts["available"] is False and "Driver Not Loaded" in r.facts["reason"]
+    assert nvml.calls["nvmlInit"] == 1
+    nvml.set_unavailable(None)
+    clock.t += 59
+    assert value(collector.collect(), "rankguard_gpu_nvml_up") == 0
+    assert nvml.calls["nvmlInit"] == 1  # not retried within the interval
+    clock.t += 2
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_nvml_up") == 1 and value(r, "rankguard_gpus") == 2
+    assert nvml.calls["nvmlInit"] == 2
+
+    # NVML failing mid-run: down, handles dropped, back after the retry interval.
+    nvml.set_unavailable("driver_not_loaded")
+    assert value(collector.collect(), "rankguard_gpu_nvml_up") == 0
+    nvml.set_unavailable(None)
+    clock.t += 61
+    assert value(collector.collect(), "rankguard_gpu_nvml_up") == 1
+
+
+def test_no_gpu_machine_real_pynvml_never_raises(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    collector = GpuCollector(CollectorContext(nvml=None))
+    try:
+        r = collector.collect()
+        if value(r, "rankguard_gpu_nvml_up") == 1:
+            pytest.skip("this machine has working NVML")
+        assert r.facts["available"] is False and r.facts["reason"]
+    finally:
+        collector.close()
+
+
+def test_gpu_lost_mid_run(make):
+    collector, nvml, _ = make(make_double(3))
+    collector.collect()
+    nvml.set_lost(1)
+    r = collector.collect()
+    uuids = [g["uuid"] for g in nvml.state()["gpus"]]
+    assert value(r, "rankguard_gpu_lost", 1, uuids[1]) == 1
+    assert value(r, "rankguard_gpu_lost", 0, uuids[0]) == 0
+    util = samples(r, "rankguard_gpu_utilization_ratio")
+    assert set(util) == {("0", uuids[0]), ("2", uuids[2])}
+    assert ("1", uuids[1], "79") in samples(r, "rankguard_gpu_xid_errors_total")
+    assert r.facts["gpus"][1]["lost"] is True and "lost" in r.facts["gpus"][1]["error"]
+    assert r.facts["gpus"][1]["utilization"] is None
+    nvml.set_lost(1, False)  # e.g. after a reset
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_lost", 1, uuids[1]) == 0
+    assert len(samples(r, "rankguard_gpu_utilization_ratio")) == 3
+
+
+def test_gpu_lost_before_start(make):
+    state = make_double(2)
+    state["gpus"][1]["lost"] = True
+    collector, _, _ = make(state)
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_lost", 1, "") == 1
+    assert value(r, "rankguard_gpus") == 2
+    assert len(samples(r, "rankguard_gpu_utilization_ratio")) == 1
+
+
+def test_xid_counted_by_code_once_per_event_and_thread_stops(make):
+    collector, nvml, _ = make(make_double(2))
+    uuids = [g["uuid"] for g in nvml.state()["gpus"]]
+    r = collector.collect()
+    thread = collector.watcher.thread
+    assert thread.is_alive()
+    assert value(r, "rankguard_gpu_xid_errors_total", 0, uuids[0], 79) == 0
+
+    def xid(gpu, code):
+        r = collector.collect()
+        return samples(r, "rankguard_gpu_xid_errors_total").get((str(gpu), uuids[gpu], str(code)))
+
+    nvml.inject_xid(0, 79)
+    wait_for(lambda: xid(0, 79) == 1)
+    time.sleep(0.15)  # more wait cycles: the event is not counted again
+    assert xid(0, 79) == 1 and xid(1, 79) == 0
+    nvml.inject_xid(0, 79)
+    nvml.inject_xid(1, 31)
+    nvml.inject_xid(1, 150)  # a code outside the pre-created set
+    wait_for(lambda: xid(0, 79) == 2 and xid(1, 31) == 1 and xid(1, 150) == 1)
+    assert collector.collect().facts["gpus"][1]["xid"] == {"31": 1, "150": 1}
+
+    collector.close()
+    assert not thread.is_alive()
+    assert nvml.calls["nvmlEventSetFree"] == 1 and nvml.calls["nvmlShutdown"] == 1
+    assert not any(t.name == "rankguard-gpu-xid" and t.is_alive() for t in threading.enumerate())
+
+
+def test_xid_registration_unsupported_is_a_fact_not_a_crash(make):
+    collector, _, _ = make(make_double(2, xid_supported=False))
+    r = collector.collect()
+    assert r.facts["xid_supported"] is False and r.facts["xid_unsupported"]
+    assert value(r, "rankguard_gpu_nvml_up") == 1
+
+
+def test_gpm_between_two_collections_on_its_own_cadence(make):
+    collector, nvml, clock = make(make_double(2), gpm_interval=1.0)
+    uuid0 = nvml.state()["gpus"][0]["uuid"]
+    r = collector.collect()
+    assert samples(r, "rankguard_gpu_sm_activity_ratio") == {}  # one sample: nothing yet
+    assert r.facts["gpus"][0]["gpm_supported"] is True
+    clock.t += 1.0
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_sm_activity_ratio", 0, uuid0) == pytest.approx(0.88)
+    assert value(r, "rankguard_gpu_tensor_activity_ratio", 0, uuid0) == pytest.approx(0.615)
+    assert value(r, "rankguard_gpu_dram_bandwidth_utilization_ratio", 0, uuid0) == pytest.approx(
+        0.42
+    )
+    assert nvml.calls["nvmlGpmSampleGet"] == 4
+
+    nvml.update_gpu(0, gpm_metrics={"sm_util": 10.0, "any_tensor_util": 5.0, "dram_bw_util": 1.0})
+    clock.t += 0.5  # within the interval: cached values, no NVML calls
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_sm_activity_ratio", 0, uuid0) == pytest.approx(0.88)
+    assert nvml.calls["nvmlGpmSampleGet"] == 4
+    clock.t += 0.5
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_sm_activity_ratio", 0, uuid0) == pytest.approx(0.10)
+    collector.close()
+    assert nvml.calls["nvmlGpmSampleFree"] == 4  # two per GPU
+
+
+def test_pcie_read_on_its_slower_cadence(make):
+    collector, nvml, clock = make(make_double(2), pcie_interval=10.0)
+    collector.collect()
+    assert nvml.calls["nvmlDeviceGetPcieThroughput"] == 4  # tx + rx on 2 GPUs
+    for _ in range(9):
+        clock.t += 1
+        r = collector.collect()
+    assert nvml.calls["nvmlDeviceGetPcieThroughput"] == 4
+    assert len(samples(r, "rankguard_gpu_pcie_transmit_bytes_per_second")) == 2  # cached
+    assert nvml.calls["nvmlDeviceGetUtilizationRates"] == 20  # cheap reads every time
+    clock.t += 1
+    collector.collect()
+    assert nvml.calls["nvmlDeviceGetPcieThroughput"] == 8
+
+
+def test_double_rereads_its_file(make, tmp_path):
+    path = tmp_path / "nvml.json"
+    state = make_double(2)
+    write_state(path, state)
+    collector, nvml, _ = make(NvmlDouble.from_file(path))
+    uuids = [g["uuid"] for g in state["gpus"]]
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_utilization_ratio", 0, uuids[0]) == pytest.approx(0.97)
+
+    state["gpus"][0]["util"] = 50
+    state["gpus"][1]["lost"] = True
+    state["xid_events"].append({"gpu": 0, "xid": 79})
+    write_state(path, state)
+    r = collector.collect()
+    assert value(r, "rankguard_gpu_utilization_ratio", 0, uuids[0]) == pytest.approx(0.5)
+    assert value(r, "rankguard_gpu_lost", 1, uuids[1]) == 1
+
+    def xid79():
+        return value(collector.collect(), "rankguard_gpu_xid_errors_total", 0, uuids[0], 79)
+
+    wait_for(lambda: xid79() == 1)
+    state["gpus"][0]["util"] = 40  # rewriting the file does not redeliver old events
+    write_state(path, state)
+    time.sleep(0.15)
+    assert xid79() == 1
+    state["xid_events"].append({"gpu": 0, "xid": 79})
+    write_state(path, state)
+    wait_for(lambda: xid79() == 2)
+
+
+def test_rank_process_gpu_memory(make):
+    state = make_double(2)
+    state["gpus"][0]["processes"] = [
+        {"pid": 100, "used_memory": 10 * GIB},
+        {"pid": 999, "used_memory": GIB},  # not a rank
+    ]
+    state["gpus"][1]["processes"] = [{"pid": 101, "used_memory": 20 * GIB}]
+    ranks = [("job1", 0, 100), ("job1", 1, 101)]
+    collector, nvml, _ = make(state, ranks=lambda: ranks)
+    r = collector.collect()
+    assert samples(r, "rankguard_rank_gpu_memory_bytes") == {
+        ("job1", "0", "0"): 10 * GIB,
+        ("job1", "1", "1"): 20 * GIB,
+    }
+    ranks = []  # no ranks on the node: the process query is skipped
+    calls = nvml.calls["nvmlDeviceGetComputeRunningProcesses"]
+    assert samples(collector.collect(), "rankguard_rank_gpu_memory_bytes") == {}
+    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == calls
+
+
+NAME = re.compile(r"^rankguard_[a-z0-9_]+$")
+ALLOWED_LABELS = {"gpu", "uuid", "training_job", "rank", "name", "driver", "reason", "type", "cause", "xid"}
+
+
+def test_metric_names_follow_the_conventions(make):
+    state = make_double(2, retired_pages={"single_bit": 1, "double_bit": 0})
+    state["gpus"][0]["processes"] = [{"pid": 7, "used_memory": GIB}]
+    collector, _, clock = make(state, ranks=lambda: [("j", 0, 7)], expected=2)
+    collector.collect()
+    clock.t += 1
+    r = collector.collect()
+    names = [m.name for m in r.metrics]
+    assert len(names) == len(set(names))
+    for m in r.metrics:
+        assert NAME.match(m.name), m.name
+        assert (m.kind == "counter") == m.name.endswith("_total"), m.name
+        assert set(m.labels) <= ALLOWED_LABELS, m.labels
+        assert m.samples, f"{m.name} has no samples with every feature on"
+        if m.name.endswith("_ratio"):
+            assert all(0 <= v <= 1 for _, v in m.samples), m.name
+
+
+# --- real NVML --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+class TestRealNvml:
+    @pytest.fixture
+    def collector(self):
+        try:
+            pynvml.nvmlInit()
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            pytest.skip(f"NVML unavailable: {exc}")
+        collector = GpuCollector(
+            CollectorContext(nvml=pynvml), GpuConfig(gpm_interval=0.1, pcie_interval=0)
+        )
+        yield collector
+        collector.close()
+
+    def test_reads_real_gpus(self, collector):
+        first = collector.collect()
+        time.sleep(0.3)
+        r = collector.collect()
+        assert value(r, "rankguard_gpu_nvml_up") == 1
+        count = value(r, "rankguard_gpus")
+        assert count > 0 and r.facts["count"] == count
+        for _, ratio in samples(r, "rankguard_gpu_utilization_ratio").items():
+            assert 0 <= ratio <= 1
+        assert all(v > 0 for v in samples(r, "rankguard_gpu_memory_total_bytes").values())
+        for gpu in r.facts["gpus"]:
+            assert gpu["name"] and gpu["uuid"].startswith(("GPU-", "MIG-"))
+            assert gpu["lost"] is False
+            # GPM works (values in 0..1) or the GPU says it is unsupported.
+            sm = samples(r, "rankguard_gpu_sm_activity_ratio").get((str(gpu["index"]), gpu["uuid"]))
+            if gpu["gpm_supported"]:
+                assert sm is not None and 0 <= sm <= 1
+            else:
+                assert sm is None
+        assert isinstance(r.facts["xid_supported"], bool)
+        assert first.facts["driver"]
