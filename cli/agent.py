@@ -13,16 +13,33 @@ Opt = typer.Option
 
 
 def agent(
-    bind: Annotated[str, Opt(help="HOST:PORT for /metrics and /v1 (loopback by default; 0.0.0.0:PORT exposes it)")] = None,
+    bind: Annotated[
+        str,
+        Opt(help="HOST:PORT for /metrics and /v1 (loopback by default; 0.0.0.0:PORT exposes it)"),
+    ] = None,
     interval: Annotated[float, Opt(help="seconds between collections")] = None,
-    token_file: Annotated[Path, Opt(help="bearer token for control endpoints (owner-only file, >= 16 chars)")] = None,
-    telemetry_socket: Annotated[str, Opt(help="Unix datagram socket the trainer's ranks send to")] = None,
-    ckpt_dir: Annotated[Path, Opt(help="checkpoint directory: its filesystem's space is watched")] = None,
-    data_dir: Annotated[Path, Opt(help="training data directory: its filesystem's space is watched")] = None,
-    expected_gpus: Annotated[int, Opt(help="GPUs this node should have (fewer is unhealthy)")] = None,
-    nvml_double: Annotated[Path, Opt(help="JSON state of an NVML double (GPU-less test nodes)")] = None,
+    token_file: Annotated[
+        Path, Opt(help="bearer token for control endpoints (owner-only file, >= 16 chars)")
+    ] = None,
+    telemetry_socket: Annotated[
+        str, Opt(help="Unix datagram socket the trainer's ranks send to")
+    ] = None,
+    ckpt_dir: Annotated[
+        Path, Opt(help="checkpoint directory: its filesystem's space is watched")
+    ] = None,
+    data_dir: Annotated[
+        Path, Opt(help="training data directory: its filesystem's space is watched")
+    ] = None,
+    expected_gpus: Annotated[
+        int, Opt(help="GPUs this node should have (fewer is unhealthy)")
+    ] = None,
+    nvml_double: Annotated[
+        Path, Opt(help="JSON state of an NVML double (GPU-less test nodes)")
+    ] = None,
     node: Annotated[str, Opt(help="node name in metrics and the API (default: hostname)")] = None,
-    config: Annotated[Path, Opt(help="TOML config file ([agent] table, same keys as the flags)")] = None,
+    config: Annotated[
+        Path, Opt(help="TOML config file ([agent] table, same keys as the flags)")
+    ] = None,
     log_level: Annotated[str, Opt(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Run the node agent: GPU, host, storage, network and rank telemetry collection,

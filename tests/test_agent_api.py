@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rankguard.agent.config import AgentConfig, AgentConfigError, load_config, read_token
 from rankguard.agent.daemon import Agent
 from rankguard.agent.nvml_double import NvmlDouble, make_double

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from harness import run_ok
+
 from rankguard.agent.nvml_double import make_double
 
 pytestmark = pytest.mark.slow

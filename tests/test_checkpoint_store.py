@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
+
 from rankguard.cli.checkpoints import app
 from rankguard.trainer import checkpoint_store as cs
 from rankguard.trainer.checkpoint_store import CheckpointError, FileEntry
-from typer.testing import CliRunner
 
 # --------------------------------------------------------------------------- helpers
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from rankguard.agent import procfs
 from rankguard.agent.collectors import CollectorContext, CollectorResult, run_collector
 from rankguard.agent.collectors.host import HostCollector

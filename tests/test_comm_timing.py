@@ -19,7 +19,7 @@ def test_comm_hook_agrees_with_profiler_and_sees_injected_delay(tmp_path):
     out = tmp_path / "comm.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(BENCH), "--steps", "6", "--delay", "0.03", "--json", str(out)],
+         str(BENCH), "--steps", "10", "--delay", "0.05", "--json", str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -28,6 +28,6 @@ def test_comm_hook_agrees_with_profiler_and_sees_injected_delay(tmp_path):
     assert base["allreduce_calls_per_step"] >= 1
     # Same steps, two instruments: generous bounds for a noisy shared 2-core machine.
     assert 0.5 < r["hook_over_profiler"] < 2.0, r
-    # 30 ms injected per all-reduce shows up as (most of) 30 ms more communication.
+    # 50 ms injected per all-reduce shows up as (most of) 50 ms more communication.
     assert r["added_ms_per_allreduce"] > 0.6 * r["injected_ms_per_allreduce"], r
     assert delayed["comm_compute_ratio"] > base["comm_compute_ratio"] * 1.1, r

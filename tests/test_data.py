@@ -14,6 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
+
 from rankguard.cli.main import app as cli_app
 from rankguard.trainer.data import (
     VOCAB_SIZE_BYTES,
@@ -25,7 +27,6 @@ from rankguard.trainer.data import (
     prepare_corpus,
     rank_slice,
 )
-from typer.testing import CliRunner
 
 # ----------------------------------------------------------------------------- helpers
 

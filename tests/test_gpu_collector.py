@@ -8,6 +8,7 @@ import time
 
 import pynvml
 import pytest
+
 from rankguard.agent.collectors import CollectorContext, CollectorResult
 from rankguard.agent.collectors.gpu import (
     GpuCollector,
@@ -417,7 +418,18 @@ def test_rank_process_gpu_memory(make):
 
 
 NAME = re.compile(r"^rankguard_[a-z0-9_]+$")
-ALLOWED_LABELS = {"gpu", "uuid", "training_job", "rank", "name", "driver", "reason", "type", "cause", "xid"}
+ALLOWED_LABELS = {
+    "gpu",
+    "uuid",
+    "training_job",
+    "rank",
+    "name",
+    "driver",
+    "reason",
+    "type",
+    "cause",
+    "xid",
+}
 
 
 def test_metric_names_follow_the_conventions(make):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rankguard.agent import procfs
 from rankguard.agent.procfs import ProcParseError
 

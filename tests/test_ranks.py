@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rankguard.agent.collectors import CollectorContext
 from rankguard.agent.collectors.ranks import RanksCollector
 from rankguard.agent.ranks import (

@@ -15,6 +15,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rankguard.agent import telemetry as tm
 from rankguard.agent.telemetry import (
     DEFAULT_SOCKET_PATH,

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from harness import read_json, run_ok, torchrun
-from rankguard.trainer import checkpoint_store as store
 from telemetry_sink import TelemetrySink
+
+from rankguard.trainer import checkpoint_store as store
 
 pytestmark = pytest.mark.slow
 

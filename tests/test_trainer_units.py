@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from rankguard.trainer.config import BatchConfig, ConfigError, config_from_args
 from rankguard.trainer.faults import FaultInjector, FaultSpec, FaultSpecError, parse_fault_spec
 from rankguard.trainer.model import GPT, parameter_digest
