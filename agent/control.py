@@ -7,6 +7,7 @@ process create time is unchanged (no recycled PID).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -89,3 +90,37 @@ def dump_stacks(table, body: dict, timeout: float = 20.0) -> dict:
     if proc.returncode != 0:
         raise ControlError(502, f"py-spy failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
     return {"job": job, "rank": rank, "pid": pid, "stacks": proc.stdout}
+
+
+def _is_launcher(pid: int) -> bool:
+    """Whether `pid` is a torchrun / torch.distributed.run elastic agent."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"torch.distributed.run" in cmdline or b"torchrun" in cmdline
+
+
+def stop_job(table, body: dict) -> dict:
+    """End a job on this node: SIGTERM its torchrun launcher(s), so the elastic agent tears
+    the workers down and does not restart them; ranks without a launcher get SIGTERM."""
+    from .ranks import read_proc_stat
+
+    job = body.get("job")
+    if not isinstance(job, str) or not job:
+        raise ControlError(400, "body needs 'job' (a non-empty string)")
+    ranks = [rank for j, rank, _ in table.processes() if j == job]
+    if not ranks:
+        raise ControlError(404, f"no live rank of job {job} on this node")
+    launchers, orphans = set(), []
+    for rank in ranks:
+        verified = resolve_pid(table, job, rank)
+        stat = read_proc_stat(verified)
+        if stat is not None and _is_launcher(stat.ppid):
+            launchers.add(stat.ppid)
+        else:
+            orphans.append(verified)
+    for pid in sorted(launchers) + orphans:
+        with contextlib.suppress(ProcessLookupError):  # already gone: that is the goal
+            os.kill(pid, signal.SIGTERM)
+    return {"job": job, "launchers": sorted(launchers), "ranks_signalled": orphans}

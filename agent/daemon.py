@@ -9,7 +9,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 from . import sdnotify
-from .api import RequestStats, start_http
+from .api import agent_service, start_http
 from .collectors import (
     REGISTRY,
     CollectorContext,
@@ -21,7 +21,7 @@ from .collectors import (
     run_collector,
 )
 from .config import AgentConfig, read_token
-from .control import dump_stacks, send_signal
+from .control import dump_stacks, send_signal, stop_job
 from .exposition import collector_meta, make_registry
 from .health import SEVERITIES, node_verdict
 from .nvml_double import load_nvml
@@ -41,8 +41,6 @@ class Agent:
         self.cfg = cfg
         self.token = read_token(cfg.token_file) if cfg.token_file else None
         self.started_at = time.time()
-        self.http_stats = RequestStats()
-        self.auth_failures = 0
         self.control_actions: list[dict] = []  # an audit trail, newest last (bounded)
         self.table = RankTable()
         self.receiver = TelemetryReceiver(cfg.telemetry_socket, self.table, mode=cfg.socket_mode)
@@ -63,6 +61,7 @@ class Agent:
         self._lock = threading.Lock()
         self._runs: list[CollectorRun] = []
         self.registry = make_registry(self.metrics_snapshot)
+        self.service = agent_service(self)
         self._stop = threading.Event()
         self._server = None
 
@@ -111,12 +110,12 @@ class Agent:
             "rankguard_agent_http_requests_total", "HTTP requests by route and status.",
             ("route", "code"),
         )  # fmt: skip
-        for (route, code), n in sorted(self.http_stats.items()):
+        for (route, code), n in sorted(self.service.stats.items()):
             requests.add((route, str(code)), n)
         auth = counter(
             "rankguard_agent_auth_failures_total", "Control requests refused for their token."
         )
-        auth.add((), self.auth_failures)
+        auth.add((), self.service.auth_failures)
         return [info, start, health, requests, auth]
 
     # -- views --------------------------------------------------------------------
@@ -164,10 +163,17 @@ class Agent:
         self._audit("stacks", body, caller, result)
         return result
 
+    def control_stop_job(self, body: dict, caller: str) -> dict:
+        result = stop_job(self.table, body)
+        self._audit(
+            "stop-job", body, caller, {"pid": result["launchers"] or result["ranks_signalled"]}
+        )
+        return result
+
     # -- lifecycle ------------------------------------------------------------------
     def start_http(self):
         host, port = self.cfg.host_port()
-        self._server, _ = start_http(self, host, port)
+        self._server = start_http(self, host, port)
         return self._server.server_address
 
     def run(self) -> None:

@@ -126,3 +126,13 @@ def test_parameter_digest_is_order_independent_and_sensitive():
     assert parameter_digest(a) != parameter_digest(
         [("w", torch.ones(3) * 2), ("b", torch.zeros(2))]
     )
+
+
+def test_fault_file_is_picked_up_when_it_changes(tmp_path):
+    f = tmp_path / "faults"
+    inj = FaultInjector((), rank=1, restart_count=2, fault_file=str(f))
+    inj.poll_file()  # no file yet: nothing
+    assert not inj.corrupt_loss(7)
+    f.write_text("nan:step=7:rank=1:restart=2\nbogus line\nnan:step=8:rank=0\n")
+    inj.poll_file()
+    assert inj.corrupt_loss(7) and not inj.corrupt_loss(8)

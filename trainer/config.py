@@ -128,6 +128,7 @@ class TrainConfig:
     fsdp: bool = False
     peak_flops: float | None = None
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
+    fault_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -179,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints every N steps")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard")
     p.add_argument("--peak-flops", type=float, help="device peak FLOP/s for MFU")
+    p.add_argument(
+        "--fault-file",
+        default=None,
+        help="file of fault specs (one per line) re-read during training; default $RANKGUARD_FAULT_FILE",
+    )
     p.add_argument(
         "--fault",
         action="append",
@@ -245,4 +251,5 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         fsdp=args.fsdp,
         peak_flops=args.peak_flops,
         faults=parse_fault_specs(fault_text),
+        fault_file=args.fault_file or environ.get("RANKGUARD_FAULT_FILE") or None,
     )

@@ -13,6 +13,10 @@ A spec is `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`:
 
 A fault fires only in the incarnation whose torchrun restart count is `restart`
 (default 0), so a crash at step 27 does not crash again after the resume.
+
+Faults can also arrive while training runs (`rankguard inject`): a fault file (one spec
+per line) named by `--fault-file` / `$RANKGUARD_FAULT_FILE` is re-read when it changes,
+checked with one stat() per step.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 KINDS = ("crash", "exception", "hang", "spin", "slow", "nan", "comm-delay", "ckpt-delay")
 
@@ -86,8 +92,47 @@ def parse_fault_specs(texts: list[str]) -> tuple[FaultSpec, ...]:
 class FaultInjector:
     """The faults that apply to this rank in this incarnation, asked at fixed points."""
 
-    def __init__(self, specs: tuple[FaultSpec, ...], rank: int, restart_count: int):
-        self.specs = [s for s in specs if s.rank == rank and s.restart in (None, restart_count)]
+    def __init__(
+        self,
+        specs: tuple[FaultSpec, ...],
+        rank: int,
+        restart_count: int,
+        fault_file: str | None = None,
+    ):
+        self.rank, self.restart_count = rank, restart_count
+        self.static = list(specs)
+        self.fault_file = fault_file
+        self._file_mtime: float | None = None
+        self._file_specs: list[FaultSpec] = []
+        self.specs = self._mine(self.static)
+
+    def _mine(self, specs) -> list[FaultSpec]:
+        return [s for s in specs if s.rank == self.rank and s.restart in (None, self.restart_count)]
+
+    def poll_file(self) -> None:
+        """Pick up faults injected at run time; a bad line is reported and skipped."""
+        if not self.fault_file:
+            return
+        try:
+            mtime = os.stat(self.fault_file).st_mtime_ns
+        except OSError:
+            return
+        if mtime == self._file_mtime:
+            return
+        self._file_mtime = mtime
+        specs = []
+        try:
+            lines = Path(self.fault_file).read_text().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            if line.strip() and not line.startswith("#"):
+                try:
+                    specs.append(parse_fault_spec(line))
+                except FaultSpecError as exc:
+                    print(f"rankguard trainer: ignoring fault {line!r}: {exc}", file=sys.stderr)
+        self._file_specs = specs
+        self.specs = self._mine(self.static + specs)
 
     def _active(self, kind: str, step: int, *, from_step: bool) -> FaultSpec | None:
         for s in self.specs:
@@ -96,6 +141,7 @@ class FaultInjector:
         return None
 
     def at_step_start(self, step: int) -> None:
+        self.poll_file()
         if self._active("crash", step, from_step=False):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._active("exception", step, from_step=False):

@@ -79,7 +79,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 class Trainer:
     def __init__(self, cfg: TrainConfig, info: DistInfo):
         self.cfg, self.info = cfg, info
-        self.faults = FaultInjector(cfg.faults, info.rank, info.restart_count)
+        self.faults = FaultInjector(cfg.faults, info.rank, info.restart_count, cfg.fault_file)
         self.telemetry = TelemetrySender(cfg.telemetry_socket)
         self.phase = "init"
         self.step = 0

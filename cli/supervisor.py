@@ -1,0 +1,155 @@
+"""`rankguard supervisor` and the query commands `health`, `ranks`, `incidents`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+Opt = typer.Option
+DEFAULT_SUPERVISOR = "http://127.0.0.1:9408"
+SupervisorUrl = Annotated[
+    str, Opt("--supervisor", envvar="RANKGUARD_SUPERVISOR", help="the supervisor's URL")
+]
+JsonOpt = Annotated[bool, Opt("--json", help="machine-readable output")]
+
+EXIT = {"healthy": 0, "degraded": 1, "unhealthy": 2}
+
+
+def supervisor(
+    agents: Annotated[list[str], Opt("--agents", help="agent URL (repeat for each node)")] = None,
+    agents_file: Annotated[
+        Path, Opt(help="file with one agent URL per line, re-read when it changes")
+    ] = None,
+    db: Annotated[Path, Opt(help="SQLite file for incidents (kept across restarts)")] = Path(
+        "rankguard.db"
+    ),
+    token_file: Annotated[Path, Opt(help="bearer token for the agents' control endpoints")] = None,
+    bind: Annotated[str, Opt(help="HOST:PORT for /metrics and /v1")] = "127.0.0.1:9408",
+    interval: Annotated[float, Opt(help="seconds between reconcile passes")] = 0.25,
+    log_level: Annotated[str, Opt(help="debug, info, warning, error")] = "info",
+) -> None:
+    """Watch every agent, detect dead, hung and straggling ranks, bad numerics and node
+    faults, and restart the job through torchrun from the newest validated checkpoint.
+    Incidents are recorded in --db and survive a supervisor restart.
+
+    Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad configuration.
+    """
+    from rankguard.agent.config import AgentConfigError, read_token
+    from rankguard.supervisor.agents import AgentsFile
+    from rankguard.supervisor.daemon import run_supervisor
+    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+    from rankguard.supervisor.store import IncidentStore
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s", stream=sys.stderr)  # fmt: skip
+    if not agents and not agents_file:
+        typer.echo("rankguard supervisor: give --agents URL... or --agents-file FILE", err=True)
+        raise typer.Exit(2)
+    host, _, port = bind.rpartition(":")
+    if not port.isdigit():
+        typer.echo(f"rankguard supervisor: --bind must be HOST:PORT, got {bind!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        token = read_token(token_file) if token_file else None
+        store = IncidentStore(db)
+    except (AgentConfigError, OSError, ValueError) as exc:
+        typer.echo(f"rankguard supervisor: {exc}", err=True)
+        raise typer.Exit(2) from None
+    source = AgentsFile(agents_file).urls if agents_file else (lambda: list(agents))
+    sup = Supervisor(store, source, token, SupervisorConfig(interval=interval))
+    run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port))
+
+
+def fetch(url: str, path: str) -> dict:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=5) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError) as exc:
+        typer.echo(
+            f"rankguard: supervisor at {url} unreachable: {getattr(exc, 'reason', exc)}", err=True
+        )
+        raise typer.Exit(2) from None
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(rows: list[list], headers: list[str]) -> str:
+    cells = [headers] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def health(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False) -> None:
+    """The cluster verdict and its reasons.
+
+    Exit codes: 0 healthy, 1 degraded, 2 unhealthy or the supervisor unreachable.
+    """
+    view = fetch(url, "/v1/cluster")
+    if as_json:
+        typer.echo(json.dumps(view, indent=2))
+    else:
+        typer.echo(f"cluster: {view['status']}")
+        for r in view["reasons"]:
+            typer.echo(f"  [{r['severity']}] {r['message']}")
+        for job, j in view["jobs"].items():
+            typer.echo(f"job {job}: {j['state']}, step {j['max_step']}, {j['ranks']} ranks, "
+                       f"restart {j['restart']}, goodput {j['goodput']:.1%}"
+                       + (f" ({j['verdict']})" if j.get("verdict") else ""))  # fmt: skip
+        for n in view["nodes"]:
+            typer.echo(f"node {n['node']}: {n['status'] if n['reachable'] else 'UNREACHABLE'}")
+    raise typer.Exit(EXIT.get(view["status"], 2))
+
+
+def ranks(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False) -> None:
+    """Every rank the agents report: state, step, phase, heartbeat age, comm/compute."""
+    view = fetch(url, "/v1/ranks")
+    if as_json:
+        typer.echo(json.dumps(view, indent=2))
+        return
+    rows = [[r["job"], r["rank"], r["node"], r["restart"], r["state"], r["step"], r["phase"],
+             r["heartbeat_age_seconds"], r["step_seconds"], r["comm_compute_ratio"], r["loss"]]
+            for r in view["ranks"]]  # fmt: skip
+    typer.echo(table(rows, ["JOB", "RANK", "NODE", "RESTART", "STATE", "STEP", "PHASE",
+                            "HEARTBEAT_S", "STEP_S", "COMM/COMPUTE", "LOSS"]))  # fmt: skip
+
+
+def incidents(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False) -> None:
+    """The incident timeline: what was detected, what was done, and each recovery's phases."""
+    view = fetch(url, "/v1/incidents")
+    if as_json:
+        typer.echo(json.dumps(view, indent=2))
+        return
+    for inc in view["incidents"]:
+        when = time.strftime("%H:%M:%S", time.localtime(inc["detected_at"]))
+        typer.echo(f"#{inc['id']} {when} {inc['kind']} job={inc['job']} rank={_fmt(inc['rank'])} "
+                   f"node={inc['node']} [{inc['state']}] action={inc['action']}")  # fmt: skip
+        typer.echo(f"    {inc['summary']}")
+        phases = [(k, inc.get(k)) for k in ("time_to_detect", "time_to_act", "time_to_restart",
+                                            "time_to_first_step", "time_to_recover")]  # fmt: skip
+        shown = ", ".join(
+            f"{k.removeprefix('time_to_')} {v:.2f}s" for k, v in phases if v is not None
+        )
+        if shown:
+            typer.echo(
+                f"    {shown}"
+                + (f", lost steps {inc['lost_steps']}" if inc.get("lost_steps") is not None else "")
+            )
+        if inc.get("verdict"):
+            typer.echo(f"    verdict: {inc['verdict']}")

@@ -1,0 +1,67 @@
+"""The supervisor's vocabulary: findings (detect), decisions (decide), incidents (record).
+
+Everything here is plain data. Detectors turn a `ClusterObs` (+ `History`) into
+`Finding`s; the policy turns findings and the recorded incidents into `Decision`s;
+the loop carries decisions out through the agents and records them as incidents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Finding kinds, one per detector file (supervisor/detectors/<kind-ish>.py).
+RANK_DEAD = "rank_dead"
+RANK_HUNG = "rank_hung"
+STRAGGLER = "straggler"
+BAD_NUMERICS = "bad_numerics"
+NODE_FAULT = "node_fault"
+CHECKPOINT_STALE = "checkpoint_stale"
+AGENT_UNREACHABLE = "agent_unreachable"
+CRASH_LOOP = "crash_loop"
+KINDS = (RANK_DEAD, RANK_HUNG, STRAGGLER, BAD_NUMERICS, NODE_FAULT, CHECKPOINT_STALE,
+         AGENT_UNREACHABLE, CRASH_LOOP)  # fmt: skip
+
+SEVERITIES = ("info", "warning", "critical")
+
+# Actions the policy may decide on.
+ACT_NONE = "none"  # record only (e.g. torchrun restarts a dead rank's group by itself)
+ACT_KILL_RANK = "kill_rank"  # capture stacks, then SIGKILL the culprit: torchrun restarts the group
+ACT_STOP_JOB = "stop_job"  # end the job with a verdict (crash loop, budget exhausted)
+ACT_EXCLUDE_NODE = "exclude_node"  # stop the job's processes on a faulty node (elastic jobs go on)
+ACTIONS = (ACT_NONE, ACT_KILL_RANK, ACT_STOP_JOB, ACT_EXCLUDE_NODE)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One detected fault. `key` identifies the fault itself, so the same fault seen in
+    many polls (or again after a supervisor restart) maps to one incident."""
+
+    kind: str
+    key: str
+    severity: str
+    summary: str
+    job: str | None = None
+    node: str | None = None
+    rank: int | None = None
+    occurred_at: float | None = None  # best estimate of when it happened (exit time, last heartbeat)
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do about one finding."""
+
+    finding: Finding
+    action: str
+    reason: str
+    target: dict[str, Any] = field(default_factory=dict)  # e.g. {"node_url", "job", "rank"}
+
+
+@dataclass
+class History:
+    """What the detectors need beyond one poll; advanced by the loop after every poll."""
+
+    unreachable_since: dict[str, float] = field(default_factory=dict)  # agent url -> first failure
+    # job -> (newest validated checkpoint step, training step when it last advanced, time)
+    checkpoint_progress: dict[str, tuple[int | None, int, float]] = field(default_factory=dict)

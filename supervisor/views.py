@@ -1,0 +1,155 @@
+"""What the supervisor shows: the cluster verdict, ranks, incidents, and /metrics.
+
+Pure functions of the last observation, the job bookkeeping and the incident store.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import CollectorRegistry
+
+from ..agent.collectors import JOB_LABEL
+from .model import KINDS
+
+VERDICTS = ("healthy", "degraded", "unhealthy")
+JOB_STATES = ("running", "recovering", "finished", "stopped")
+TIME_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300)
+
+
+def _worst(a: str, b: str) -> str:
+    return max(a, b, key=VERDICTS.index)
+
+
+def cluster_view(sup) -> dict:
+    """The verdict with reasons, per job and per node."""
+    obs, now = sup.last_obs, sup.clock()
+    reasons: list[dict] = []
+    status = "healthy"
+
+    def add(severity: str, code: str, message: str) -> None:
+        nonlocal status
+        reasons.append({"severity": severity, "code": code, "message": message})
+        status = _worst(status, severity)
+
+    if obs is None:
+        add("unhealthy", "no_observation", "the supervisor has not polled its agents yet")
+        return {"status": status, "reasons": reasons, "jobs": {}, "nodes": []}
+    for n in obs.nodes:
+        if not n.reachable:
+            add("degraded", "agent_unreachable", f"agent {n.url}: {n.error}")
+        elif n.status in ("degraded", "unhealthy"):
+            for r in n.reasons:
+                add(n.status if r.get("severity") == "unhealthy" else "degraded",
+                    f"node_{r.get('code')}", f"{n.node}: {r.get('message')}")  # fmt: skip
+    jobs = {}
+    for job, progress in sorted(sup.jobs.items()):
+        ranks = obs.current_ranks(job)
+        jobs[job] = {
+            "state": progress.state,
+            "verdict": progress.verdict,
+            "goodput": progress.goodput(now),
+            "max_step": progress.max_step,
+            "ranks": len(ranks),
+            "world_size": max((r.world_size for r in ranks), default=0),
+            "restart": max((r.restart for r in ranks), default=0),
+            "newest_checkpoint_step": max((r.checkpoint_step or 0 for r in ranks), default=None),
+        }
+        if progress.state == "stopped":
+            add("unhealthy", "job_stopped", f"job {job} stopped: {progress.verdict}")
+        elif progress.state == "recovering":
+            add("degraded", "job_recovering", f"job {job} is recovering from a fault")
+    for inc in sup.store.open_incidents():
+        if inc.kind in ("straggler", "checkpoint_stale") and inc.state in ("open", "reported"):
+            add("degraded", inc.kind, inc.summary)
+    nodes = [
+        {"node": n.node, "url": n.url, "reachable": n.reachable, "status": n.status,
+         "error": n.error, "reasons": list(n.reasons), "ranks": len(n.ranks)}
+        for n in obs.nodes
+    ]  # fmt: skip
+    return {"status": status, "reasons": reasons, "jobs": jobs, "nodes": nodes,
+            "loop_seconds": sup.loop_seconds, "time": obs.time}  # fmt: skip
+
+
+def ranks_view(sup) -> dict:
+    obs = sup.last_obs
+    ranks = [] if obs is None else obs.ranks()
+    return {
+        "ranks": [
+            {"node": r.node, "job": r.job, "rank": r.rank, "restart": r.restart, "pid": r.pid,
+             "state": r.state, "step": r.step, "phase": r.phase,
+             "heartbeat_age_seconds": r.heartbeat_age_seconds, "step_seconds": r.step_seconds,
+             "comm_compute_ratio": r.comm_compute_ratio, "loss": r.loss,
+             "checkpoint_step": r.checkpoint_step}
+            for r in sorted(ranks, key=lambda r: (r.job, r.rank))
+        ]
+    }  # fmt: skip
+
+
+def incidents_view(sup, limit: int = 200) -> dict:
+    return {"incidents": [i.to_dict() for i in sup.store.list_incidents(limit=limit)]}
+
+
+class SupervisorCollector:
+    """Prometheus families built fresh from the store and the last pass on every scrape."""
+
+    def __init__(self, sup):
+        self.sup = sup
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        sup = self.sup
+        incidents = sup.store.list_incidents(limit=100_000)
+        total = CounterMetricFamily("rankguard_supervisor_incidents", "Incidents by kind.", labels=["kind"])
+        restarts = CounterMetricFamily(
+            "rankguard_supervisor_restarts", "Job restarts that followed an incident, by kind.", labels=["kind"]
+        )
+        open_ = GaugeMetricFamily("rankguard_supervisor_open_incidents", "Incidents not yet resolved.", labels=["kind"])
+        for kind in KINDS:
+            mine = [i for i in incidents if i.kind == kind]
+            total.add_metric([kind], len(mine))
+            restarts.add_metric([kind], sum(1 for i in mine if i.restarted_at is not None))
+            open_.add_metric([kind], sum(1 for i in mine if i.state not in ("resolved", "stopped", "failed")))
+        yield from (total, restarts, open_)
+        for name, attr, help_ in (
+            ("rankguard_supervisor_time_to_detect_seconds", "time_to_detect", "Fault to detection."),
+            ("rankguard_supervisor_time_to_recover_seconds", "time_to_recover", "Fault to the first step after recovery."),
+        ):
+            hist = HistogramMetricFamily(name, help_, labels=["kind"])
+            for kind in KINDS:
+                values = [v for i in incidents if i.kind == kind and (v := getattr(i, attr)) is not None]
+                buckets = [(str(b), sum(1 for v in values if v <= b)) for b in TIME_BUCKETS]
+                hist.add_metric([kind], buckets + [("+Inf", len(values))], sum_value=sum(values))
+            yield hist
+        now = sup.clock()
+        goodput = GaugeMetricFamily("rankguard_supervisor_goodput_ratio",
+                                    "Productive step time over wall time.", labels=[JOB_LABEL])  # fmt: skip
+        state = GaugeMetricFamily("rankguard_supervisor_job_state", "1 for the job's state.",
+                                  labels=[JOB_LABEL, "state"])  # fmt: skip
+        for job, progress in sorted(sup.jobs.items()):
+            goodput.add_metric([job], progress.goodput(now))
+            for s in JOB_STATES:
+                state.add_metric([job, s], 1.0 if progress.state == s else 0.0)
+        yield from (goodput, state)
+        up = GaugeMetricFamily("rankguard_supervisor_agent_up", "1 if the agent answered the last poll.",
+                               labels=["node", "url"])  # fmt: skip
+        for n in sup.last_obs.nodes if sup.last_obs else ():
+            up.add_metric([n.node, n.url], 1.0 if n.reachable else 0.0)
+        yield up
+        loop = GaugeMetricFamily("rankguard_supervisor_loop_seconds", "Duration of the last reconcile pass.")
+        loop.add_metric([], sup.loop_seconds)
+        passes = CounterMetricFamily("rankguard_supervisor_passes", "Reconcile passes run.")
+        passes.add_metric([], sup.passes)
+        verdict = GaugeMetricFamily("rankguard_supervisor_cluster_health", "1 for the cluster verdict.",
+                                    labels=["status"])  # fmt: skip
+        current = cluster_view(sup)["status"]
+        for v in VERDICTS:
+            verdict.add_metric([v], 1.0 if v == current else 0.0)
+        yield from (loop, passes, verdict)
+
+
+def make_registry(sup) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SupervisorCollector(sup))
+    return registry

@@ -1,0 +1,186 @@
+"""Fault injection, end to end: real torchrun (gloo, 2 ranks), a real agent and a real
+supervisor as processes. Every faulty run must finish all its steps with the parameter
+digest of an uninterrupted run, and the incident must be recorded with its timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import http_json, read_json, start_agent, start_supervisor, torchrun, wait_until
+
+pytestmark = pytest.mark.slow
+
+STEPS = 300
+BASE = ["--steps", str(STEPS), "--ckpt-every", "10", "--keep", "0"]
+
+
+class Rig:
+    """An agent and a supervisor watching one node, and the trainer run under torchrun."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.agent = start_agent(tmp)
+        self.supervisor = start_supervisor(tmp, [self.agent.url])
+
+    def train(self, *args: str, max_restarts: int = 3, job: str = "job", timeout: float = 300):
+        return torchrun(
+            [*BASE, "--ckpt-dir", str(self.tmp / "ckpt"), "--summary", str(self.tmp / "s.json"),
+             "--job", job, *args],
+            cwd=self.tmp, max_restarts=max_restarts,
+            env={"RANKGUARD_TELEMETRY_SOCKET": str(self.agent.socket)}, timeout=timeout,
+        )  # fmt: skip
+
+    def incidents(self, kind: str | None = None) -> list[dict]:
+        found = http_json(self.supervisor.url + "/v1/incidents")["incidents"]
+        return [i for i in found if kind is None or i["kind"] == kind]
+
+    def ranks(self) -> list[dict]:
+        return http_json(self.agent.url + "/v1/ranks")["ranks"]
+
+    def summary(self) -> dict:
+        return read_json(self.tmp / "s.json")
+
+    def close(self) -> None:
+        self.supervisor.stop()
+        self.agent.stop()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    r = Rig(tmp_path)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The uninterrupted reference run, supervised: it must raise no alarm at all."""
+    rig = Rig(tmp_path_factory.mktemp("clean"))
+    try:
+        proc = rig.train()
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        time.sleep(1)  # one more pass after the end
+        return {"summary": rig.summary(), "incidents": rig.incidents()}
+    finally:
+        rig.close()
+
+
+def when_step(rig: Rig, rank: int, step: int, timeout: float = 120) -> dict:
+    return wait_until(
+        lambda: next((r for r in rig.ranks() if r["rank"] == rank and (r["step"] or 0) >= step
+                      and r["state"] == "alive"), None),
+        timeout, f"rank {rank} to reach step {step}",
+    )  # fmt: skip
+
+
+def in_background(fn):
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def assert_exact(rig: Rig, clean: dict) -> None:
+    s = rig.summary()
+    assert s["final_step"] == STEPS
+    assert s["param_digest"] == clean["summary"]["param_digest"]
+
+
+def test_clean_run_raises_no_alarm(clean):
+    assert clean["incidents"] == [], clean["incidents"]
+
+
+def test_sigkilled_rank_detected_within_a_second_and_job_resumes_exactly(rig, clean):
+    proc = rig.train("--fault", "crash:step=57:rank=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(rig, clean)
+    (inc,) = rig.incidents("rank_dead")
+    assert inc["rank"] == 1 and inc["time_to_detect"] < 1.0, inc
+    assert inc["restarted_at"] and inc["first_step_at"] and inc["state"] == "resolved"
+    assert inc["resumed_step"] == 50 and inc["lost_steps"] >= 6
+
+
+@pytest.mark.parametrize("how", ["sigstop", "spin", "sleep"])
+def test_hung_rank_is_found_named_and_ended(rig, clean, how):
+    args = {"spin": ["--fault", "spin:step=120:rank=1"], "sleep": ["--fault", "hang:step=120:rank=1"]}
+    if how == "sigstop":
+        in_background(lambda: os.kill(when_step(rig, 1, 120)["pid"], signal.SIGSTOP))
+    proc = rig.train(*args.get(how, []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(rig, clean)
+    (inc,) = rig.incidents("rank_hung")
+    assert inc["rank"] == 1, inc
+    p99 = inc["evidence"].get("p99_step_seconds") or 0
+    assert inc["time_to_detect"] <= max(10 * p99, 3.0) + 1.5, inc  # + one poll and scheduling
+    stacks = json.dumps(inc["evidence"].get("stacks") or {}) + json.dumps(inc.get("actions", []))
+    assert "Thread" in stacks or "stacks" in stacks, "the culprit's stack must be captured"
+    assert inc["state"] == "resolved"
+
+
+def test_straggler_named_within_30_steps(rig, clean):
+    proc = rig.train("--fault", "slow:step=100:rank=1:factor=1.2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (inc,) = rig.incidents("straggler")
+    assert inc["rank"] == 1, inc
+    assert inc["step_at_detect"] - 100 <= 30, inc
+    assert rig.incidents("rank_hung") == [] and rig.incidents("rank_dead") == []
+
+
+def test_nan_loss_resumes_from_a_checkpoint_before_it(rig, clean):
+    proc = rig.train("--fault", "nan:step=155:rank=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(rig, clean)
+    (inc,) = rig.incidents("bad_numerics")
+    assert inc["resumed_step"] is not None and inc["resumed_step"] < 155, inc
+
+
+def test_corrupt_newest_checkpoint_at_restart_falls_back(rig, clean):
+    def corrupt_then_wait():
+        when_step(rig, 0, 153)
+        shard = rig.tmp / "ckpt" / "step-00000150" / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+    in_background(corrupt_then_wait)
+    proc = rig.train("--fault", "crash:step=158:rank=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(rig, clean)
+    (inc,) = rig.incidents("rank_dead")
+    assert inc["resumed_step"] == 140, inc
+    assert any(p.name.startswith("step-00000150") for p in (rig.tmp / "ckpt" / "quarantine").iterdir())
+
+
+def test_crash_loop_is_stopped_with_a_verdict(rig):
+    proc = rig.train("--fault", "crash:step=25:rank=1:restart=any", max_restarts=10)
+    assert proc.returncode != 0
+    (loop,) = rig.incidents("crash_loop")
+    assert "crash loop" in (loop["verdict"] or loop["summary"]).lower(), loop
+    assert len(rig.incidents("rank_dead")) == 3
+    cluster = http_json(rig.supervisor.url + "/v1/cluster")
+    assert cluster["status"] == "unhealthy" and cluster["jobs"]["job"]["state"] == "stopped"
+
+
+def test_supervisor_restart_mid_run_never_acts_twice(rig, clean):
+    def kill_supervisor_after_it_acts():
+        wait_until(lambda: any(i["state"] in ("recovering", "resolved") for i in rig.incidents("rank_hung")),
+                   120, "the hang to be acted on")  # fmt: skip
+        rig.supervisor.kill()
+        rig.supervisor = start_supervisor(rig.tmp, [rig.agent.url], db=rig.tmp / "rankguard.db")
+
+    in_background(kill_supervisor_after_it_acts)
+    proc = rig.train("--fault", "spin:step=120:rank=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(rig, clean)
+    wait_until(lambda: rig.incidents("rank_hung")[0]["state"] == "resolved", 30, "recovery recorded")
+    (inc,) = rig.incidents("rank_hung")
+    with sqlite3.connect(rig.tmp / "rankguard.db") as db:
+        kills = db.execute("SELECT COUNT(*) FROM actions WHERE incident_id = ? AND kind = 'kill_rank'",
+                           (inc["id"],)).fetchone()[0]  # fmt: skip
+    assert kills == 1
