@@ -30,7 +30,9 @@ class AgentClient:
 
     def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
+        req = urllib.request.Request(
+            self.url + path, data=data, method="GET" if body is None else "POST"
+        )
         if body is not None:
             req.add_header("Content-Type", "application/json")
             if self.token:
@@ -64,24 +66,45 @@ class AgentClient:
         return self.post("/v1/control/stop-job", {"job": job})
 
 
-def poll_node(client: AgentClient, now: float) -> NodeObs:
+def poll_node(
+    client: AgentClient, now: float, node_json: dict | None = None
+) -> tuple[NodeObs, dict | None]:
+    """Ranks every poll; the node verdict only when `node_json` (a recent copy) is None."""
     try:
-        node = client.get("/v1/node")
+        if node_json is None:
+            node_json = client.get("/v1/node")
         ranks = client.get("/v1/ranks")
     except AgentError as exc:
-        return NodeObs.unreachable(client.url, str(exc), now)
-    return NodeObs.from_json(client.url, node, ranks, now)
+        return NodeObs.unreachable(client.url, str(exc), now), None
+    return NodeObs.from_json(client.url, node_json, ranks, now), node_json
 
 
 class Poller:
-    """Polls every agent concurrently; the same threads are reused from poll to poll."""
+    """Polls every agent concurrently; the same threads are reused from poll to poll.
 
-    def __init__(self, max_workers: int = 64):
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rankguard-poll")
+    Ranks change every step and are read on every poll; a node's hardware verdict changes
+    rarely and is re-read every `node_interval` seconds, which halves the load the
+    supervisor puts on each agent (and on the training node's CPUs).
+    """
+
+    def __init__(self, max_workers: int = 64, node_interval: float = 1.0):
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="rankguard-poll"
+        )
+        self.node_interval = node_interval
+        self._node_cache: dict[str, tuple[float, dict]] = {}
+
+    def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
+        cached = self._node_cache.get(client.url)
+        fresh = cached[1] if cached and now - cached[0] < self.node_interval else None
+        obs, node_json = poll_node(client, now, fresh)
+        if node_json is not None and fresh is None:
+            self._node_cache[client.url] = (now, node_json)
+        return obs
 
     def poll(self, clients: list[AgentClient], now: float | None = None) -> ClusterObs:
         now = time.time() if now is None else now
-        futures = {self._pool.submit(poll_node, c, now): c for c in clients}
+        futures = {self._pool.submit(self._poll_one, c, now): c for c in clients}
         deadline = max((c.timeout for c in clients), default=0) * 2 + 1  # node + ranks requests
         done, _ = wait(futures, timeout=deadline)
         nodes = []

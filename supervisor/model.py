@@ -44,7 +44,9 @@ class Finding:
     job: str | None = None
     node: str | None = None
     rank: int | None = None
-    occurred_at: float | None = None  # best estimate of when it happened (exit time, last heartbeat)
+    occurred_at: float | None = (
+        None  # best estimate of when it happened (exit time, last heartbeat)
+    )
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
@@ -65,3 +67,7 @@ class History:
     unreachable_since: dict[str, float] = field(default_factory=dict)  # agent url -> first failure
     # job -> (newest validated checkpoint step, training step when it last advanced, time)
     checkpoint_progress: dict[str, tuple[int | None, int, float]] = field(default_factory=dict)
+    # f"{job}:{restart}" -> the first training step seen of that incarnation
+    incarnation_start: dict[str, int] = field(default_factory=dict)
+    # straggler finding key -> (time, training step) since when the rank has looked slow
+    straggler_since: dict[str, tuple[float, int]] = field(default_factory=dict)

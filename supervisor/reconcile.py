@@ -15,27 +15,30 @@ import time
 from dataclasses import dataclass, field
 
 from .agents import AgentClient, AgentError, Poller
-from .detectors import DetectorConfig, run_all
-from .detectors.checkpoint import advance_history
-from .detectors.hang import pick_culprit_from_stacks
+from .detectors import DetectorConfig, advance_history, pick_culprit_from_stacks, run_all
 from .model import (
     ACT_EXCLUDE_NODE,
     ACT_KILL_RANK,
     ACT_NONE,
     ACT_STOP_JOB,
+    BAD_NUMERICS,
     CRASH_LOOP,
+    RANK_DEAD,
     RANK_HUNG,
     Decision,
     Finding,
     History,
 )
-from .policy import PolicyConfig, decide
+from .policy import CULPRIT_UNKNOWN, PolicyConfig, decide
 from .state import ClusterObs, RankObs
-from .store import IncidentStore, build_view
+from .store import ActionExists, IncidentStore, build_view
 
 log = logging.getLogger("rankguard.supervisor")
 
-RESTARTING_ACTIONS = (ACT_KILL_RANK,)
+STACKS_RETRY_SECONDS = 2.0
+RESTARTING_ACTIONS = (ACT_KILL_RANK, ACT_EXCLUDE_NODE)
+# Faults torchrun itself recovers from (the group restarts): the loop follows the recovery.
+RECOVERING_KINDS = (RANK_DEAD, RANK_HUNG, BAD_NUMERICS)
 
 
 @dataclass
@@ -75,6 +78,8 @@ class Supervisor:
         self.passes = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.clock = time.time
+        self._stacks_tried: dict[str, float] = {}
 
     def clients(self) -> list[AgentClient]:
         return [AgentClient(u, self.token, self.cfg.agent_timeout) for u in self._urls()]
@@ -87,15 +92,17 @@ class Supervisor:
         start = time.perf_counter()
         now = time.time() if now is None else now
         obs = self.poller.poll(self.clients(), now)
-        self.history = advance_history(self.history, obs)
+        self.history = advance_history(self.history, obs, self.cfg.detectors)
         findings = [self._refine(f, obs) for f in run_all(obs, self.history, self.cfg.detectors)]
         for f in findings:
             self._record(f, obs, now)
-        view = build_view(self.store, findings, now)
+        checkpoints = {j: self._checkpoint_step(obs, j) for j in obs.jobs()}
+        view = build_view(self.store, findings, self.cfg.policy, now, checkpoints)
         decisions = decide(findings, view, self.cfg.policy, now)
         for d in decisions:
             self._act(d, obs, now)
         self._track_recoveries(obs, now)
+        self._resolve_gone({f.key for f in findings}, now)
         self._track_progress(obs, now)
         with self._lock:
             self.last_obs = obs
@@ -110,10 +117,16 @@ class Supervisor:
         existing = self.store.by_key(finding.key)
         if existing is not None and existing.rank is not None:
             return dataclasses.replace(finding, rank=existing.rank, node=existing.node)
+        last = self._stacks_tried.get(finding.key)
+        if last is not None and time.monotonic() - last < STACKS_RETRY_SECONDS:
+            return finding  # py-spy costs ~0.1 s per rank: not on every pass
+        self._stacks_tried[finding.key] = time.monotonic()
         stacks, nodes = {}, {}
         for r in obs.current_ranks(finding.job):
             try:
-                stacks[r.rank] = self.client_for(self._url_of(obs, r)).stacks(r.job, r.rank)["stacks"]
+                stacks[r.rank] = self.client_for(self._url_of(obs, r)).stacks(r.job, r.rank)[
+                    "stacks"
+                ]
                 nodes[r.rank] = r.node
             except AgentError as exc:
                 log.warning("stacks of rank %s: %s", r.rank, exc)
@@ -128,104 +141,121 @@ class Supervisor:
     def _url_of(obs: ClusterObs, rank: RankObs) -> str:
         return next(n.url for n in obs.nodes if n.node == rank.node)
 
+    @staticmethod
+    def _checkpoint_step(obs: ClusterObs, job: str | None) -> int | None:
+        steps = [r.checkpoint_step for r in obs.current_ranks(job)] if job else []
+        return max((c for c in steps if c is not None), default=None)
+
     def _record(self, finding: Finding, obs: ClusterObs, now: float) -> None:
         ranks = obs.current_ranks(finding.job) if finding.job else []
-        restart = max((r.restart for r in ranks), default=0)
-        step = max((r.step or 0 for r in ranks), default=0)
-        incident, created = self.store.upsert_finding(finding, now, restart, step)
+        incident, created = self.store.upsert_finding(
+            finding, now,
+            restart_before=max((r.restart for r in ranks), default=None),
+            step_at_detect=max((r.step or 0 for r in ranks), default=None),
+            checkpoint_step=self._checkpoint_step(obs, finding.job),
+        )  # fmt: skip
         if created:
             log.warning("incident %s: %s", incident.id, finding.summary)
-            self.store.add_event(incident.id, now, "detected", finding.summary)
-            if finding.job in self.jobs and finding.kind in ("rank_dead", "rank_hung", "bad_numerics"):
+            if finding.job in self.jobs and finding.kind in RECOVERING_KINDS:
                 self.jobs[finding.job].state = "recovering"
 
     # -- act ----------------------------------------------------------------------
     def _act(self, decision: Decision, obs: ClusterObs, now: float) -> None:
         f = decision.finding
-        incident, _ = self.store.upsert_finding(f, now, 0, 0)
+        incident = self.store.by_key(f.key)
+        if incident is None:  # a finding the policy made itself (crash loop)
+            incident, _ = self.store.upsert_finding(
+                f, now, checkpoint_step=f.evidence.get("checkpoint_step")
+            )
         if decision.action == ACT_NONE:
-            if incident.action is None:
-                self.store.set_state(incident.id, incident.state, now, action=ACT_NONE,
-                                     action_reason=decision.reason)  # fmt: skip
+            deferred = decision.reason == CULPRIT_UNKNOWN or decision.reason.startswith("backoff")
+            if incident.state == "open" and not deferred:
+                state = "recovering" if f.kind in RECOVERING_KINDS else "reported"
+                self.store.set_state(
+                    incident.id, state, now, action=ACT_NONE, action_reason=decision.reason
+                )
             return
-        if self.store.has_action(incident.id, decision.action):
-            return  # acted already (maybe by our previous life): never twice
-        action_id = self.store.begin_action(incident.id, decision.action, decision.target, now)
-        self.store.set_state(incident.id, "acting", now, action=decision.action,
-                             action_reason=decision.reason)  # fmt: skip
+        try:
+            action_id = self.store.begin_action(incident.id, decision.action, decision.target, now)
+        except ActionExists:
+            return  # acted already (maybe in our previous life): never twice
+        self.store.set_state(
+            incident.id, "acting", now, action=decision.action, action_reason=decision.reason
+        )
         try:
             result = self._execute(decision, obs)
-        except AgentError as exc:
-            log.error("action %s for incident %s failed: %s", decision.action, incident.id, exc)
-            self.store.complete_action(action_id, False, error=str(exc), now=time.time())
-            self.store.set_state(incident.id, "failed", time.time())
+        except (AgentError, StopIteration, KeyError) as exc:
+            log.error("action %s for incident %s failed: %r", decision.action, incident.id, exc)
+            self.store.complete_action(action_id, False, time.time(), error=repr(exc))
+            self.store.set_state(
+                incident.id, "failed", time.time(), verdict=f"action failed: {exc!r}"
+            )
             return
         done = time.time()
-        self.store.complete_action(action_id, True, result=result, now=done)
-        self.store.add_event(incident.id, done, decision.action, decision.reason)
-        if decision.action in RESTARTING_ACTIONS:
+        self.store.complete_action(action_id, True, done, result=result)
+        log.warning("incident %s: %s (%s)", incident.id, decision.action, decision.reason)
+        if decision.action in RESTARTING_ACTIONS and f.kind != CRASH_LOOP:
             self.store.set_state(incident.id, "recovering", done, acted_at=done)
         else:
-            self.store.set_state(incident.id, "stopped" if decision.action == ACT_STOP_JOB else "resolved",
-                                 done, acted_at=done, verdict=decision.reason)  # fmt: skip
+            state = "stopped" if decision.action == ACT_STOP_JOB else "resolved"
+            self.store.set_state(incident.id, state, done, acted_at=done, verdict=decision.reason)
         if decision.action == ACT_STOP_JOB and f.job in self.jobs:
             self.jobs[f.job].state = "stopped"
             self.jobs[f.job].verdict = decision.reason
 
     def _execute(self, decision: Decision, obs: ClusterObs) -> dict:
-        t = decision.target
-        f = decision.finding
+        t, f = decision.target, decision.finding
         if decision.action == ACT_KILL_RANK:
             rank = next(r for r in obs.current_ranks(t["job"]) if r.rank == t["rank"])
             client = self.client_for(self._url_of(obs, rank))
-            result = {}
+            result: dict = {}
             if f.kind == RANK_HUNG and "stacks" not in f.evidence:
-                try:  # the culprit's stacks before it is gone
-                    result["stacks"] = client.stacks(rank.job, rank.rank)["stacks"]
+                try:  # the culprit's stacks, before it is gone
+                    result["stacks"] = {rank.rank: client.stacks(rank.job, rank.rank)["stacks"]}
                 except AgentError as exc:
                     result["stacks_error"] = str(exc)
-            if rank.state == "stopped":
-                client.signal(rank.job, rank.rank, "SIGCONT")  # a stopped process dies only when run
             result["signal"] = client.signal(rank.job, rank.rank, "SIGKILL")
             return result
-        if decision.action in (ACT_STOP_JOB, ACT_EXCLUDE_NODE):
-            nodes = {r.node for r in obs.current_ranks(t["job"]) if not r.dead}
-            if decision.action == ACT_EXCLUDE_NODE:
-                nodes &= {t["node"]}
-            results = {}
-            for node in sorted(nodes):
-                url = next(n.url for n in obs.nodes if n.node == node)
-                results[node] = self.client_for(url).stop_job(t["job"])
-            return results
-        raise ValueError(f"unknown action {decision.action}")
+        # stop_job: every node of the job; exclude_node: that node, every job on it
+        if decision.action == ACT_STOP_JOB:
+            targets = {(r.node, r.job) for r in obs.current_ranks(t["job"]) if not r.dead}
+        else:
+            targets = {(r.node, r.job) for r in obs.ranks() if r.node == t["node"] and not r.dead}
+        results = {}
+        for node, job in sorted(targets):
+            url = next(n.url for n in obs.nodes if n.node == node)
+            results[f"{node}/{job}"] = self.client_for(url).stop_job(job)
+        return results
 
     # -- recovery and progress ------------------------------------------------------------
     def _track_recoveries(self, obs: ClusterObs, now: float) -> None:
-        """Fill in restarted / first step / lost steps for incidents that restart the job."""
+        """Restarted and first-step times, resumed step and lost steps of each recovery."""
         for inc in self.store.open_incidents():
-            if inc.kind == CRASH_LOOP or inc.job is None or inc.restart_before is None:
+            if (
+                inc.kind not in RECOVERING_KINDS
+                or inc.state != "recovering"
+                or inc.restart_before is None
+            ):
                 continue
-            ranks = obs.current_ranks(inc.job)
-            newer = [r for r in ranks if r.restart > inc.restart_before]
+            newer = [r for r in obs.current_ranks(inc.job) if r.restart > inc.restart_before]
             if not newer:
                 continue
-            fields: dict = {}
             if inc.restarted_at is None:
-                fields["restarted_at"] = now
-                self.store.add_event(inc.id, now, "restarted", f"incarnation {newer[0].restart}")
+                self.store.set_state(inc.id, "recovering", now, restarted_at=now)
             samples = [s for r in newer for s in r.recent if s.restart > inc.restart_before]
-            if samples and inc.first_step_at is None:
+            if samples:
                 resumed = min(s.step for s in samples) - 1
-                fields.update(first_step_at=now, resumed_step=resumed,
-                              lost_steps=max(0, (inc.step_at_detect or 0) - resumed))  # fmt: skip
-                self.store.add_event(inc.id, now, "first step", f"resumed from step {resumed}")
-                fields["state"] = "resolved"
-                fields["resolved_at"] = now
-            if fields:
-                state = fields.pop("state", "recovering" if inc.state != "reported" else inc.state)
-                self.store.set_state(inc.id, state, now, **fields)
-                if state == "resolved" and inc.job in self.jobs:
+                self.store.set_state(
+                    inc.id, "resolved", now, first_step_at=now, resumed_step=resumed
+                )
+                if inc.job in self.jobs and self.jobs[inc.job].state == "recovering":
                     self.jobs[inc.job].state = "running"
+
+    def _resolve_gone(self, keys: set[str], now: float) -> None:
+        """A reported fault that is no longer seen (agent back, straggler gone) is resolved."""
+        for inc in self.store.open_incidents():
+            if inc.state == "reported" and inc.key not in keys:
+                self.store.set_state(inc.id, "resolved", now)
 
     def _track_progress(self, obs: ClusterObs, now: float) -> None:
         for job in obs.jobs():

@@ -129,7 +129,9 @@ class NodeObs:
         )
 
     @classmethod
-    def unreachable(cls, url: str, error: str, observed_at: float, node: str | None = None) -> NodeObs:
+    def unreachable(
+        cls, url: str, error: str, observed_at: float, node: str | None = None
+    ) -> NodeObs:
         return cls(node=node or url, url=url, reachable=False, observed_at=observed_at, error=error)
 
 

@@ -101,24 +101,42 @@ class SupervisorCollector:
     def collect(self):
         sup = self.sup
         incidents = sup.store.list_incidents(limit=100_000)
-        total = CounterMetricFamily("rankguard_supervisor_incidents", "Incidents by kind.", labels=["kind"])
-        restarts = CounterMetricFamily(
-            "rankguard_supervisor_restarts", "Job restarts that followed an incident, by kind.", labels=["kind"]
+        total = CounterMetricFamily(
+            "rankguard_supervisor_incidents", "Incidents by kind.", labels=["kind"]
         )
-        open_ = GaugeMetricFamily("rankguard_supervisor_open_incidents", "Incidents not yet resolved.", labels=["kind"])
+        restarts = CounterMetricFamily(
+            "rankguard_supervisor_restarts",
+            "Job restarts that followed an incident, by kind.",
+            labels=["kind"],
+        )
+        open_ = GaugeMetricFamily(
+            "rankguard_supervisor_open_incidents", "Incidents not yet resolved.", labels=["kind"]
+        )
         for kind in KINDS:
             mine = [i for i in incidents if i.kind == kind]
             total.add_metric([kind], len(mine))
             restarts.add_metric([kind], sum(1 for i in mine if i.restarted_at is not None))
-            open_.add_metric([kind], sum(1 for i in mine if i.state not in ("resolved", "stopped", "failed")))
+            open_.add_metric(
+                [kind], sum(1 for i in mine if i.state not in ("resolved", "stopped", "failed"))
+            )
         yield from (total, restarts, open_)
         for name, attr, help_ in (
-            ("rankguard_supervisor_time_to_detect_seconds", "time_to_detect", "Fault to detection."),
-            ("rankguard_supervisor_time_to_recover_seconds", "time_to_recover", "Fault to the first step after recovery."),
+            (
+                "rankguard_supervisor_time_to_detect_seconds",
+                "time_to_detect",
+                "Fault to detection.",
+            ),
+            (
+                "rankguard_supervisor_time_to_recover_seconds",
+                "time_to_recover",
+                "Fault to the first step after recovery.",
+            ),
         ):
             hist = HistogramMetricFamily(name, help_, labels=["kind"])
             for kind in KINDS:
-                values = [v for i in incidents if i.kind == kind and (v := getattr(i, attr)) is not None]
+                values = [
+                    v for i in incidents if i.kind == kind and (v := getattr(i, attr)) is not None
+                ]
                 buckets = [(str(b), sum(1 for v in values if v <= b)) for b in TIME_BUCKETS]
                 hist.add_metric([kind], buckets + [("+Inf", len(values))], sum_value=sum(values))
             yield hist
@@ -137,7 +155,9 @@ class SupervisorCollector:
         for n in sup.last_obs.nodes if sup.last_obs else ():
             up.add_metric([n.node, n.url], 1.0 if n.reachable else 0.0)
         yield up
-        loop = GaugeMetricFamily("rankguard_supervisor_loop_seconds", "Duration of the last reconcile pass.")
+        loop = GaugeMetricFamily(
+            "rankguard_supervisor_loop_seconds", "Duration of the last reconcile pass."
+        )
         loop.add_metric([], sup.loop_seconds)
         passes = CounterMetricFamily("rankguard_supervisor_passes", "Reconcile passes run.")
         passes.add_metric([], sup.passes)

@@ -50,7 +50,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(url: str, timeout: float = 5, body: dict | None = None, token: str | None = None) -> dict:
+def http_json(
+    url: str, timeout: float = 5, body: dict | None = None, token: str | None = None
+) -> dict:
     import urllib.request
 
     req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode())
@@ -112,7 +114,7 @@ def start_agent(tmp: Path, name: str = "node-a", extra: list[str] | None = None)
         token.chmod(0o600)
     port = free_port()
     d = Daemon(
-        ["agent", "--bind", f"127.0.0.1:{port}", "--interval", "0.25", "--token-file", str(token),
+        ["agent", "--bind", f"127.0.0.1:{port}", "--interval", "1", "--token-file", str(token),
          "--telemetry-socket", str(tmp / f"{name}.sock"), "--node", name, *(extra or [])],
         tmp / f"agent-{name}.log", f"http://127.0.0.1:{port}",
     )  # fmt: skip

@@ -18,7 +18,11 @@ from harness import http_json, read_json, start_agent, start_supervisor, torchru
 pytestmark = pytest.mark.slow
 
 STEPS = 300
-BASE = ["--steps", str(STEPS), "--ckpt-every", "10", "--keep", "0"]
+# A heavier step (~75 ms here) than the tiny default (~12 ms): on a 2-core machine shared
+# with the agent and the supervisor, a 12 ms step is one scheduler hiccup long, and the
+# straggler window would measure the scheduler rather than the ranks.
+MODEL = ["--d-model", "128", "--n-layer", "4", "--n-head", "4"]
+BASE = ["--steps", str(STEPS), "--ckpt-every", "10", "--keep", "0", *MODEL]
 
 
 class Rig:
@@ -67,7 +71,8 @@ def clean(tmp_path_factory):
         proc = rig.train()
         assert proc.returncode == 0, proc.stderr[-3000:]
         time.sleep(1)  # one more pass after the end
-        return {"summary": rig.summary(), "incidents": rig.incidents()}
+        cluster = http_json(rig.supervisor.url + "/v1/cluster")
+        return {"summary": rig.summary(), "incidents": rig.incidents(), "cluster": cluster}
     finally:
         rig.close()
 
@@ -93,7 +98,19 @@ def assert_exact(rig: Rig, clean: dict) -> None:
 
 
 def test_clean_run_raises_no_alarm(clean):
+    """300 steps with a checkpoint every 10: no hang, no straggler, nothing."""
+    job = clean["cluster"]["jobs"]["job"]  # the supervisor really watched it to the end
+    assert (job["state"], job["max_step"]) == ("finished", STEPS), clean["cluster"]
     assert clean["incidents"] == [], clean["incidents"]
+
+
+def test_clean_500_steps_report_no_straggler(rig):
+    proc = torchrun(["--steps", "500", *MODEL, "--job", "long"], cwd=rig.tmp,
+                    env={"RANKGUARD_TELEMETRY_SOCKET": str(rig.agent.socket)}, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    time.sleep(0.5)
+    assert http_json(rig.supervisor.url + "/v1/cluster")["jobs"]["long"]["max_step"] == 500
+    assert rig.incidents() == []
 
 
 def test_sigkilled_rank_detected_within_a_second_and_job_resumes_exactly(rig, clean):
@@ -108,7 +125,10 @@ def test_sigkilled_rank_detected_within_a_second_and_job_resumes_exactly(rig, cl
 
 @pytest.mark.parametrize("how", ["sigstop", "spin", "sleep"])
 def test_hung_rank_is_found_named_and_ended(rig, clean, how):
-    args = {"spin": ["--fault", "spin:step=120:rank=1"], "sleep": ["--fault", "hang:step=120:rank=1"]}
+    args = {
+        "spin": ["--fault", "spin:step=120:rank=1"],
+        "sleep": ["--fault", "hang:step=120:rank=1"],
+    }
     if how == "sigstop":
         in_background(lambda: os.kill(when_step(rig, 1, 120)["pid"], signal.SIGSTOP))
     proc = rig.train(*args.get(how, []))
@@ -154,7 +174,9 @@ def test_corrupt_newest_checkpoint_at_restart_falls_back(rig, clean):
     assert_exact(rig, clean)
     (inc,) = rig.incidents("rank_dead")
     assert inc["resumed_step"] == 140, inc
-    assert any(p.name.startswith("step-00000150") for p in (rig.tmp / "ckpt" / "quarantine").iterdir())
+    assert any(
+        p.name.startswith("step-00000150") for p in (rig.tmp / "ckpt" / "quarantine").iterdir()
+    )
 
 
 def test_crash_loop_is_stopped_with_a_verdict(rig):
@@ -178,7 +200,9 @@ def test_supervisor_restart_mid_run_never_acts_twice(rig, clean):
     proc = rig.train("--fault", "spin:step=120:rank=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(rig, clean)
-    wait_until(lambda: rig.incidents("rank_hung")[0]["state"] == "resolved", 30, "recovery recorded")
+    wait_until(
+        lambda: rig.incidents("rank_hung")[0]["state"] == "resolved", 30, "recovery recorded"
+    )
     (inc,) = rig.incidents("rank_hung")
     with sqlite3.connect(rig.tmp / "rankguard.db") as db:
         kills = db.execute("SELECT COUNT(*) FROM actions WHERE incident_id = ? AND kind = 'kill_rank'",

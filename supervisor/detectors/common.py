@@ -1,0 +1,65 @@
+"""Small helpers the detectors share: the current incarnation and robust statistics."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from ..state import ClusterObs, RankObs, StepSample
+
+
+def incarnation(obs: ClusterObs, job: str) -> tuple[int, list[RankObs]]:
+    """The job's newest torchrun incarnation: its restart count and its ranks.
+
+    `current_ranks` keeps each rank's newest process; a rank whose new process has not
+    reported yet still shows its old one, which belongs to an earlier incarnation (torchrun
+    ended it on purpose) and is left out here.
+    """
+    ranks = obs.current_ranks(job)
+    if not ranks:
+        return 0, []
+    restart = max(r.restart for r in ranks)
+    return restart, [r for r in ranks if r.restart == restart]
+
+
+def node_url(obs: ClusterObs, node: str) -> str | None:
+    """The agent URL of a node, so a finding can say where to act."""
+    return next((n.url for n in obs.nodes if n.node == node), None)
+
+
+def samples_of(rank: RankObs, restart: int, phase: str | None = None) -> list[StepSample]:
+    """The rank's timed samples of one incarnation (optionally one phase), oldest first."""
+    return [
+        s
+        for s in rank.recent
+        if s.restart == restart and s.step_seconds > 0 and (phase is None or s.phase == phase)
+    ]
+
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("median of nothing")
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("quantile of nothing")
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def mad(values: Sequence[float], center: float) -> float:
+    """Median absolute deviation: a spread that a few outliers cannot inflate."""
+    return median([abs(v - center) for v in values])
+
+
+def finite(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v)]

@@ -1,0 +1,57 @@
+"""RANK_DEAD: a rank of the job's current incarnation exited or is a zombie.
+
+The agent learns of an exit at once (pidfd), so this is the fastest and surest finding.
+A "finished" rank exited cleanly after phase "done" and is not dead; processes of an
+earlier incarnation were ended by torchrun itself and are not news.
+
+One finding per failed incarnation, naming the first rank to die: when one rank dies,
+torchrun tears down the others within a moment, and those deaths are consequences, not
+faults of their own (they are listed in the evidence).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..model import RANK_DEAD, Finding, History
+from ..state import DEAD_STATES, ClusterObs, RankObs
+from .common import incarnation, node_url
+
+if TYPE_CHECKING:
+    from . import DetectorConfig
+
+
+def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
+    out = []
+    for job in obs.jobs():
+        _, ranks = incarnation(obs, job)
+        dead = [r for r in ranks if r.state in DEAD_STATES]
+        if dead:
+            first = min(
+                dead, key=lambda r: (r.exited_at if r.exited_at is not None else obs.time, r.rank)
+            )
+            out.append(_finding(first, node_url(obs, first.node), dead))
+    return out
+
+
+def _finding(r: RankObs, url: str | None, dead: list[RankObs]) -> Finding:
+    return Finding(
+        kind=RANK_DEAD,
+        key=f"rank_dead:{r.job}:{r.restart}",
+        severity="critical",
+        summary=f"job {r.job} rank {r.rank} on {r.node} is {r.state} (pid {r.pid}, "
+        f"step {r.step}, phase {r.phase}, restart {r.restart})",
+        job=r.job,
+        node=r.node,
+        rank=r.rank,
+        occurred_at=r.exited_at,
+        evidence={
+            "state": r.state,
+            "pid": r.pid,
+            "step": r.step,
+            "phase": r.phase,
+            "restart": r.restart,
+            "node_url": url,
+            "dead_ranks": {str(d.rank): {"state": d.state, "exited_at": d.exited_at} for d in dead},
+        },
+    )

@@ -1,0 +1,209 @@
+"""RANK_HUNG: every live rank of a job stopped making progress for longer than its phase
+normally takes, judged against this job's own step times (DESIGN: adaptive, quantile
+based, with a floor).
+
+With DDP every rank must finish a step's all-reduce before any starts the next, so one
+hung rank stops them all; the culprit is the rank that has not reached the collective
+the others wait in. Telemetry names it when it can (a stopped process, a lower step, a
+rank spinning while the others sleep); otherwise the loop dumps every rank's stack and
+asks `pick_culprit_from_stacks`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+from ..model import RANK_HUNG, Finding, History
+from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
+from .common import incarnation, node_url, quantile, samples_of
+
+if TYPE_CHECKING:
+    from . import DetectorConfig
+
+# Frames of a rank that waits in (or on its way into) a collective, matched against
+# function names of the main thread's frames in a py-spy dump.
+COLLECTIVE_MARKERS = (
+    "all_reduce",
+    "allreduce",
+    "backward",
+    "_engine_run_backward",
+    "barrier",
+    "broadcast",
+    "all_gather",
+    "wait",
+)
+
+
+def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
+    out = []
+    for job in obs.jobs():
+        finding = _job_hang(obs, job, cfg)
+        if finding is not None:
+            out.append(finding)
+    return out
+
+
+def train_budget(step_seconds: list[float], cfg: DetectorConfig) -> tuple[float, float | None]:
+    """(budget of a training step, the quantile it came from). Until the job has shown
+    a few steps, a generous warm-up budget covers compilation and first data loads."""
+    if len(step_seconds) < cfg.hang_min_samples:
+        return cfg.hang_warmup_seconds, None
+    q = quantile(step_seconds, cfg.hang_quantile)
+    return max(cfg.hang_floor_seconds, cfg.hang_quantile_factor * q), q
+
+
+def phase_budget(phase: str | None, train: float, cfg: DetectorConfig) -> float:
+    if phase == "done":
+        return math.inf  # the job is ending; an exit will tell the rest
+    if phase in ("init", "checkpoint_load"):
+        return cfg.hang_startup_seconds
+    if phase == "checkpoint_save":
+        return max(cfg.hang_checkpoint_floor_seconds, train)
+    if phase == "eval":
+        return cfg.hang_eval_seconds
+    return train
+
+
+def _overdue(r: RankObs, budget: float) -> bool:
+    return r.heartbeat_age_seconds is not None and r.heartbeat_age_seconds > budget
+
+
+def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
+    restart, ranks = incarnation(obs, job)
+    if any(r.state in DEAD_STATES for r in ranks):
+        return None  # a death explains the stop: the dead detector reports it
+    live = [r for r in ranks if r.state in LIVE_STATES]
+    if not live:
+        return None
+    step_seconds = [s.step_seconds for r in ranks for s in samples_of(r, restart)]
+    train, q = train_budget(step_seconds, cfg)
+    budgets = {r.rank: phase_budget(r.phase, train, cfg) for r in live}
+    # A stopped rank is overdue by nature; the hang shows in the ranks that wait for it.
+    judged = [r for r in live if r.state != "stopped"] or live
+    if not all(_overdue(r, budgets[r.rank]) for r in judged):
+        return None
+
+    culprit, reason = pick_culprit(live, cfg)
+    steps = [r.step for r in live if r.step is not None]
+    min_step = min(steps) if steps else None
+    ages = [r.heartbeat_age_seconds for r in live if r.heartbeat_age_seconds is not None]
+    quiet = min(ages) if ages else 0.0
+    phases = [r.phase for r in live]
+    phase = max(set(phases), key=lambda p: (phases.count(p), str(p)))
+    blame = f"culprit rank {culprit.rank} ({reason})" if culprit else f"no culprit yet: {reason}"
+    return Finding(
+        kind=RANK_HUNG,
+        key=f"rank_hung:{job}:{restart}:{min_step}",
+        severity="critical",
+        summary=f"job {job} hung at step {min_step} (phase {phase}): no progress for "
+        f"{quiet:.1f}s; {blame}",
+        job=job,
+        node=culprit.node if culprit else None,
+        rank=culprit.rank if culprit else None,
+        occurred_at=obs.time - quiet,
+        evidence={
+            "restart": restart,
+            "phase": phase,
+            "budgets": {str(p): phase_budget(p, train, cfg) for p in sorted(set(map(str, phases)))},
+            "train_budget_seconds": train,
+            "step_seconds_quantile": cfg.hang_quantile,
+            "p99_step_seconds": q,
+            "sample_count": len(step_seconds),
+            "heartbeat_ages": {str(r.rank): r.heartbeat_age_seconds for r in live},
+            "steps": {str(r.rank): r.step for r in live},
+            "states": {str(r.rank): r.state for r in live},
+            "phases": {str(r.rank): r.phase for r in live},
+            "cpu_utilization": {str(r.rank): r.cpu_utilization for r in live},
+            "culprit_reason": reason,
+            "stacks_needed": culprit is None,
+            **_culprit_process(obs, culprit),
+        },
+    )
+
+
+def _culprit_process(obs: ClusterObs, culprit: RankObs | None) -> dict:
+    """Where the culprit runs, so the policy can target exactly that process."""
+    if culprit is None:
+        return {}
+    return {"pid": culprit.pid, "node_url": node_url(obs, culprit.node)}
+
+
+def pick_culprit(live: list[RankObs], cfg: DetectorConfig) -> tuple[RankObs | None, str]:
+    """The rank the others wait for, from telemetry alone, strongest evidence first."""
+    stopped = [r for r in live if r.state == "stopped"]
+    if stopped:
+        return stopped[0], "stopped (SIGSTOP): the process cannot progress"
+    if len(live) == 1:
+        return live[0], "the only live rank: nobody else to wait for"
+    lagging = _unique_lowest_step(live)
+    if lagging is not None:
+        return lagging, f"at step {lagging.step}, behind the step the others wait in"
+    spinning = _cpu_outlier(live, cfg)
+    if spinning is not None:
+        return spinning, (
+            f"busy at {spinning.cpu_utilization:.2f} cores while the others idle in the collective"
+        )
+    return None, "stacks needed: telemetry does not single out a rank"
+
+
+def _unique_lowest_step(live: list[RankObs]) -> RankObs | None:
+    known = [r for r in live if r.step is not None]
+    if len(known) < 2:
+        return None
+    low = min(r.step for r in known)
+    lowest = [r for r in known if r.step == low]
+    return lowest[0] if len(lowest) == 1 else None
+
+
+def _cpu_outlier(live: list[RankObs], cfg: DetectorConfig) -> RankObs | None:
+    if any(r.cpu_utilization is None for r in live):
+        return None  # without every rank's figure, "stands out" means nothing
+    top = max(live, key=lambda r: r.cpu_utilization)
+    others_idle = all(r.cpu_utilization < cfg.hang_idle_cpu_cores for r in live if r is not top)
+    return top if top.cpu_utilization >= cfg.hang_spin_cpu_cores and others_idle else None
+
+
+# -- stacks -----------------------------------------------------------------------------
+
+_THREAD = re.compile(r'^Thread \S+ \(([^)]*)\): "(?P<name>[^"]*)"')
+
+
+def main_thread_functions(dump: str) -> list[str]:
+    """Function names of the main thread's frames in a `py-spy dump` text (all threads'
+    frames when the dump names no threads). Other threads (checkpoint writers, data
+    loaders, threading's own waits) must not make an idle main thread look busy in a
+    collective, so only the main thread counts."""
+    blocks: dict[str, list[str]] = {}
+    current: str | None = "" if "Thread " not in dump else None
+    for line in dump.splitlines():
+        header = _THREAD.match(line.strip())
+        if header:
+            current = header.group("name")
+            blocks.setdefault(current, [])
+            continue
+        # frames are indented "function (file:line)" lines under a thread header
+        if current is not None and line.startswith((" ", "\t")) and " (" in line:
+            blocks.setdefault(current, []).append(line.strip().split(" (", 1)[0])
+    if "MainThread" in blocks:
+        return blocks["MainThread"]
+    return [f for frames in blocks.values() for f in frames]
+
+
+def _waits_in_collective(functions: list[str]) -> bool:
+    return any(m in f.lower() for f in functions for m in COLLECTIVE_MARKERS)
+
+
+def pick_culprit_from_stacks(stacks: dict[int, str]) -> int | None:
+    """The single rank whose main thread is NOT in a collective while every other rank's
+    is; None when that is not clear-cut (several such ranks, none, or an unreadable
+    dump: blaming the wrong rank is worse than saying we do not know)."""
+    outside = []
+    for rank, dump in stacks.items():
+        functions = main_thread_functions(dump or "")
+        if not functions:
+            return None  # no frames: the dump failed, nothing can be said about this rank
+        if not _waits_in_collective(functions):
+            outside.append(rank)
+    return outside[0] if len(outside) == 1 else None

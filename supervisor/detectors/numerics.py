@@ -1,0 +1,136 @@
+"""BAD_NUMERICS: a non-finite loss, or a loss spike far outside the job's recent range.
+
+One finding per job and incarnation: the remedy (resume from a checkpoint that
+predates the anomaly) is per job, so the evidence carries the first bad step and the
+newest validated checkpoint step for the policy to compare.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ..model import BAD_NUMERICS, Finding, History
+from ..state import ClusterObs, RankObs
+from .common import finite, incarnation, mad, median, node_url, samples_of
+
+if TYPE_CHECKING:
+    from . import DetectorConfig
+
+
+def _bad(x: float | None) -> bool:
+    return x is not None and not math.isfinite(x)
+
+
+def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
+    out = []
+    for job in obs.jobs():
+        restart, ranks = incarnation(obs, job)
+        hit = _non_finite(ranks, restart) or _spike(ranks, restart, cfg)
+        if hit is None:
+            continue
+        rank, step, loss, how = hit
+        out.append(_finding(obs, job, restart, ranks, rank, step, loss, how))
+    return out
+
+
+Hit = tuple[RankObs, int | None, float | None, dict]
+
+
+def _non_finite(ranks: list[RankObs], restart: int) -> Hit | None:
+    """The earliest non-finite loss of any rank: in its recent samples, or its latest."""
+    first: tuple[int, RankObs, float | None] | None = None
+    for r in ranks:
+        candidates = [(s.step, s.loss) for s in samples_of(r, restart) if _bad(s.loss)]
+        if _bad(r.loss) and r.step is not None:
+            candidates.append((r.step, r.loss))
+        for step, loss in candidates:
+            if first is None or step < first[0]:
+                first = (step, r, loss)
+    if first is None:
+        return None
+    step, r, loss = first
+    return r, step, loss, {"reason": "non_finite"}
+
+
+def _spike(ranks: list[RankObs], restart: int, cfg: DetectorConfig) -> Hit | None:
+    """A rank's latest loss far above the job's recent losses: both many MADs above the
+    median (robust to a few outliers) and a multiple of it (a tiny MAD once the loss
+    flattens must not turn noise into a spike)."""
+    losses = finite(s.loss for r in ranks for s in samples_of(r, restart))
+    if len(losses) < cfg.spike_min_samples:
+        return None
+    center = median(losses)
+    spread = mad(losses, center)
+    limit = max(center + cfg.spike_mads * spread, cfg.spike_min_ratio * center)
+    spiking = [r for r in ranks if r.loss is not None and math.isfinite(r.loss) and r.loss > limit]
+    if not spiking:
+        return None
+    r = max(spiking, key=lambda r: r.loss)
+    how = {"reason": "spike", "median_loss": center, "mad": spread, "limit": limit}
+    how["samples"] = len(losses)
+    return r, _spike_start(r, restart, limit), r.loss, how
+
+
+def _spike_start(r: RankObs, restart: int, limit: float) -> int | None:
+    """The first step of the rank's trailing run of losses above the limit."""
+    start = r.step
+    for s in reversed(samples_of(r, restart)):
+        if s.loss is None or not (s.loss > limit):
+            break
+        start = s.step
+    return start
+
+
+def _json_float(x: float | None) -> float | str | None:
+    """NaN and infinities as the agents spell them, so evidence stays strict JSON."""
+    if x is None or math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _estimated_time(obs: ClusterObs, r: RankObs, restart: int, step: int | None) -> float:
+    """When `step` ran: the rank's last record time, minus the steps since at its median
+    step time. The observation time when that cannot be derived."""
+    if r.heartbeat_age_seconds is None or step is None or r.step is None:
+        return obs.time
+    last = obs.time - r.heartbeat_age_seconds
+    times = [s.step_seconds for s in samples_of(r, restart)]
+    per_step = median(times) if times else 0.0
+    return last - max(0, r.step - step) * per_step
+
+
+def _finding(
+    obs: ClusterObs,
+    job: str,
+    restart: int,
+    ranks: list[RankObs],
+    r: RankObs,
+    step: int | None,
+    loss: float | None,
+    how: dict,
+) -> Finding:
+    ckpts = [x.checkpoint_step for x in ranks if x.checkpoint_step is not None]
+    ckpt = max(ckpts) if ckpts else None
+    what = "non-finite loss" if how["reason"] == "non_finite" else "loss spike"
+    return Finding(
+        kind=BAD_NUMERICS,
+        key=f"bad_numerics:{job}:{restart}",
+        severity="critical",
+        summary=f"job {job}: {what} ({loss}) on rank {r.rank} from step {step}; newest "
+        f"validated checkpoint: {ckpt}",
+        job=job,
+        node=r.node,
+        rank=r.rank,
+        occurred_at=_estimated_time(obs, r, restart, step),
+        evidence={
+            **how,
+            "restart": restart,
+            "pid": r.pid,
+            "node_url": node_url(obs, r.node),
+            "anomaly_step": step,
+            "loss": _json_float(loss),
+            "checkpoint_step": ckpt,
+            "checkpoint_predates_anomaly": None if ckpt is None or step is None else ckpt < step,
+        },
+    )

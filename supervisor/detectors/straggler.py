@@ -1,0 +1,147 @@
+"""STRAGGLER: a rank whose compute time stands out from its peers', corroborated by the
+peers' communication time (they wait in the all-reduce for it: DESIGN's comm/compute tell).
+
+Medians over a window of training steps, never means: one slow step (a checkpoint
+stage, a page fault) must not make a straggler, nor normal jitter. And the suspect must be
+slower step by step, not just in the median: on an oversubscribed host the scheduler
+slows either rank for a while, which shifts a median but does not make one rank slower
+at (almost) every step, as a real straggler is. Its peers must also wait for it: their
+communication exceeds its own by a good part of the compute gap.
+
+Two more guards against transient slowness: the first steps of an incarnation (warm-up,
+allocator, a restart's page faults) are not judged, and a suspect becomes a finding only
+once it has looked slow for `straggler_persist_steps` consecutive steps (tracked in
+`History.straggler_since` by `advance_history`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..model import STRAGGLER, Finding, History
+from ..state import LIVE_STATES, ClusterObs, RankObs
+from .common import incarnation, median, node_url, samples_of
+
+if TYPE_CHECKING:
+    from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class _Window:
+    rank: RankObs
+    compute: float  # median compute seconds over the window
+    comm: float  # median communication seconds over the window
+    by_step: dict[int, float]  # compute seconds of each step in the window
+
+
+def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
+    """Suspects that have stayed suspect for long enough."""
+    out = []
+    for f in suspects(obs, cfg, history):
+        since = history.straggler_since.get(f.key)
+        if since is not None and f.evidence["step"] - since[1] >= cfg.straggler_persist_steps:
+            out.append(f)
+    return out
+
+
+def suspects(obs: ClusterObs, cfg: DetectorConfig, history: History) -> list[Finding]:
+    """Ranks that look like stragglers in this observation alone."""
+    out = []
+    for job in obs.jobs():
+        restart, ranks = incarnation(obs, job)
+        start = history.incarnation_start.get(f"{job}:{restart}", 0)
+        windows = [
+            w for r in ranks if r.state in LIVE_STATES if (w := _window(r, restart, start, cfg))
+        ]
+        if len(windows) < 2:
+            continue
+        for suspect in windows:
+            others = [w for w in windows if w is not suspect]
+            finding = _judge(obs, job, restart, suspect, others, cfg)
+            if finding is not None:
+                out.append(finding)
+    return out
+
+
+def _window(r: RankObs, restart: int, start: int, cfg: DetectorConfig) -> _Window | None:
+    # training steps only, past the incarnation's warm-up
+    samples = [
+        s
+        for s in samples_of(r, restart, phase="train")
+        if s.step >= start + cfg.straggler_warmup_steps
+    ][-cfg.straggler_window :]
+    if len(samples) < cfg.straggler_window:
+        return None
+    return _Window(
+        r,
+        median([s.compute_seconds for s in samples]),
+        median([s.comm_seconds for s in samples]),
+        {s.step: s.compute_seconds for s in samples},
+    )
+
+
+def _judge(
+    obs: ClusterObs,
+    job: str,
+    restart: int,
+    suspect: _Window,
+    others: list[_Window],
+    cfg: DetectorConfig,
+) -> Finding | None:
+    peers_compute = median([w.compute for w in others])
+    peers_comm = median([w.comm for w in others])
+    if peers_compute <= 0:
+        return None
+    ratio = suspect.compute / peers_compute
+    slower = ratio >= 1 + cfg.straggler_threshold
+    consistency = _slower_steps_fraction(suspect, others, 1 + cfg.straggler_threshold)
+    # the peers sit in the all-reduce for it, for a good part of the gap
+    waited_for = peers_comm - suspect.comm >= cfg.straggler_wait_share * (
+        suspect.compute - peers_compute
+    )
+    if not (slower and consistency >= cfg.straggler_consistency and waited_for):
+        return None
+    r = suspect.rank
+    return Finding(
+        kind=STRAGGLER,
+        key=f"straggler:{job}:{r.rank}:{restart}",
+        severity="warning",
+        summary=f"job {job} rank {r.rank} on {r.node} is a straggler: compute "
+        f"{suspect.compute:.3f}s vs peers' {peers_compute:.3f}s ({ratio:.2f}x); peers wait "
+        f"{peers_comm:.3f}s in communication vs its {suspect.comm:.3f}s",
+        job=job,
+        node=r.node,
+        rank=r.rank,
+        occurred_at=obs.time,
+        evidence={
+            "restart": restart,
+            "step": max(suspect.by_step),
+            "pid": r.pid,
+            "node_url": node_url(obs, r.node),
+            "ratio": ratio,
+            "slower_steps_fraction": consistency,
+            "threshold": 1 + cfg.straggler_threshold,
+            "window": cfg.straggler_window,
+            "median_compute_seconds": suspect.compute,
+            "peers_median_compute_seconds": peers_compute,
+            "median_comm_seconds": suspect.comm,
+            "peers_median_comm_seconds": peers_comm,
+            "rank_medians": {
+                str(w.rank.rank): {"compute": w.compute, "comm": w.comm}
+                for w in sorted([suspect, *others], key=lambda w: w.rank.rank)
+            },
+        },
+    )
+
+
+def _slower_steps_fraction(suspect: _Window, others: list[_Window], factor: float) -> float:
+    """Of the steps every rank reported, the share where the suspect's compute is at
+    least `factor` times the peers' median compute of that same step."""
+    steps = set(suspect.by_step).intersection(*(w.by_step for w in others))
+    if not steps:
+        return 0.0
+    slower = sum(
+        1 for s in steps if suspect.by_step[s] >= factor * median([w.by_step[s] for w in others])
+    )
+    return slower / len(steps)

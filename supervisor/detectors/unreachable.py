@@ -1,0 +1,45 @@
+"""AGENT_UNREACHABLE: an agent has not answered for longer than a grace period.
+
+A monitoring fault, not a training fault (DESIGN): the evidence says so, and it is never
+by itself a reason to touch training.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..model import AGENT_UNREACHABLE, Finding, History
+from ..state import ClusterObs
+
+if TYPE_CHECKING:
+    from . import DetectorConfig
+
+
+def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
+    out = []
+    for n in obs.nodes:
+        if n.reachable:
+            continue
+        # history is advanced after the poll: a first failure is not in it yet
+        since = history.unreachable_since.get(n.url, n.observed_at)
+        down = obs.time - since
+        if down <= cfg.unreachable_grace_seconds:
+            continue
+        out.append(
+            Finding(
+                kind=AGENT_UNREACHABLE,
+                key=f"agent_unreachable:{n.url}:{int(since)}",
+                severity="warning",
+                summary=f"agent {n.url} ({n.node}) unreachable for {down:.1f}s: {n.error}",
+                node=n.node,
+                occurred_at=since,
+                evidence={
+                    "url": n.url,
+                    "error": n.error,
+                    "since": since,
+                    "unreachable_seconds": down,
+                    "monitoring_only": True,
+                },
+            )
+        )
+    return out

@@ -1,0 +1,412 @@
+"""The decision: a pure function from findings and what the incident store knows to actions.
+
+`decide(findings, view, cfg, now)` does no I/O and reads no clock, so every rule is tested
+from literal data. The loop builds the `PolicyView` from the store (`store.build_view`),
+calls `decide` on every pass with the findings the detectors still report, and carries out
+the decisions. Like a Kubernetes reconcile it is level based: a fault that is still there is
+decided again on the next pass, and one whose incident already has an action is not acted
+on twice (it gets no decision at all), so calling `decide` twice acts once.
+
+Rules, per finding kind:
+
+- RANK_DEAD: none, torchrun restarts the worker group by itself (crash-loop guard aside).
+- RANK_HUNG: kill the culprit (the rank that never reached the collective the others wait
+  in). Without a culprit the decision is ACT_NONE "culprit unknown: capture stacks": the
+  loop captures the stacks of the job's ranks, re-runs culprit selection, and calls
+  `decide` again with the refined finding (same key, `evidence["culprit"]` filled in).
+- BAD_NUMERICS: kill a rank (the finding's, else rank 0) so torchrun restarts the group and
+  the trainer resumes from its newest validated checkpoint. The trainer never validates a
+  checkpoint holding a non-finite loss, so for NaN/Inf that checkpoint predates the anomaly.
+  Known limitation: a *finite* loss spike may already be inside the newest checkpoint (the
+  trainer validates files, not loss values), so a spike at or before the newest checkpoint
+  step is only reported.
+- STRAGGLER: reported; its node is excluded only if `cfg.exclude_stragglers`.
+- NODE_FAULT: a critical hardware fault (`evidence["hardware"]`) excludes the node; other
+  node faults (disk, memory pressure, ...) are reported.
+- AGENT_UNREACHABLE, CHECKPOINT_STALE: always reported. Monitoring faults never kill training.
+
+Restart-causing actions (kill_rank, exclude_node: both make torchrun restart the group) of a
+job go through, in order: the job's stop (nothing more for a stopped job), the crash-loop
+guard, the restart budget (exhausted: stop the job with a verdict), the backoff (a deferral,
+ACT_NONE "backoff until T", decided again on a later pass), and at most one per job per pass.
+The budget lives in the store (actions rows), so it survives supervisor restarts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .model import (
+    ACT_EXCLUDE_NODE,
+    ACT_KILL_RANK,
+    ACT_NONE,
+    ACT_STOP_JOB,
+    AGENT_UNREACHABLE,
+    BAD_NUMERICS,
+    CHECKPOINT_STALE,
+    CRASH_LOOP,
+    NODE_FAULT,
+    RANK_DEAD,
+    RANK_HUNG,
+    STRAGGLER,
+    Decision,
+    Finding,
+)
+
+RESTART_ACTIONS = frozenset({ACT_KILL_RANK, ACT_EXCLUDE_NODE})
+MONITORING_KINDS = frozenset({AGENT_UNREACHABLE, CHECKPOINT_STALE})
+CULPRIT_UNKNOWN = "culprit unknown: capture stacks"
+SPIKE_IN_CHECKPOINT = "report only: newest checkpoint may include the spike"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_restarts: int = 10  # restart-causing actions per job within the budget window
+    budget_window_seconds: float = 3600.0
+    backoff_base_seconds: float = 1.0  # wait after the n-th action: base * 2**(n-1) ...
+    backoff_max_seconds: float = 60.0  # ... capped here
+    crash_loop_restarts: int = 3  # restarts in a row without checkpoint progress -> stop
+    exclude_stragglers: bool = False
+    stop_on_budget_exhausted: bool = True  # else defer (ACT_NONE) until the window frees up
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 1:
+            raise ValueError(f"max_restarts must be >= 1, got {self.max_restarts}")
+        if not self.budget_window_seconds > 0:
+            raise ValueError(f"budget_window_seconds must be > 0, got {self.budget_window_seconds}")
+        if not 0 <= self.backoff_base_seconds <= self.backoff_max_seconds:
+            raise ValueError(
+                "need 0 <= backoff_base_seconds <= backoff_max_seconds, got "
+                f"{self.backoff_base_seconds} and {self.backoff_max_seconds}"
+            )
+        if self.crash_loop_restarts < 1:
+            raise ValueError(f"crash_loop_restarts must be >= 1, got {self.crash_loop_restarts}")
+
+
+@dataclass(frozen=True)
+class IncidentInfo:
+    """What the policy needs to know about the incident recorded for one finding key."""
+
+    id: int
+    actions: tuple[str, ...] = ()  # kinds of the actions recorded (intents included)
+
+    @property
+    def acted(self) -> bool:
+        return any(a != ACT_NONE for a in self.actions)
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    """One incident that restarted a job: a dead rank, or one we killed or excluded."""
+
+    key: str
+    at: float  # detected_at, supervisor clock
+    restart: int | None  # torchrun restart count when detected (same count = same restart)
+    checkpoint_step: int | None  # the job's newest validated checkpoint step at detection
+
+
+@dataclass(frozen=True)
+class JobView:
+    restarts: tuple[RestartRecord, ...] = ()  # oldest first
+    restart_actions: tuple[float, ...] = ()  # requested_at of kill/exclude actions, oldest first
+    stopped_at: float | None = None  # newest stop_job action; earlier history no longer counts
+    checkpoint_step: int | None = None  # newest validated checkpoint step now, if observed
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    incidents: Mapping[str, IncidentInfo] = field(default_factory=dict)  # by Finding.key
+    jobs: Mapping[str, JobView] = field(default_factory=dict)
+
+    def job(self, job: str | None) -> JobView:
+        return self.jobs.get(job or "", JobView())
+
+
+# --------------------------------------------------------------------------- decide
+
+
+def decide(
+    findings: list[Finding], incidents: PolicyView, cfg: PolicyConfig, now: float
+) -> list[Decision]:
+    """One decision per finding that has no action yet (in input order), then one
+    CRASH_LOOP stop per job whose guard tripped."""
+    ctx = _Pass(incidents, cfg, now)
+    out: list[Decision] = []
+    for f in findings:
+        info = incidents.incidents.get(f.key)
+        if info is not None and info.acted:
+            continue  # idempotent: this fault was already acted on
+        out.append(ctx.gate(_wanted(f, ctx.view, cfg)))
+    return out + list(ctx.crash_loops.values())
+
+
+def _wanted(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    """What a finding calls for on its own, before budgets and guards."""
+    rule = _RULES.get(f.kind, _report)
+    return rule(f, view, cfg)
+
+
+def _report(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    if f.kind in MONITORING_KINDS:
+        return Decision(f, ACT_NONE, "report only: monitoring fault, never a reason to kill")
+    return Decision(f, ACT_NONE, f"report only: {f.kind}")
+
+
+def _dead(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    return Decision(f, ACT_NONE, "torchrun restarts the worker group by itself")
+
+
+def _hung(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    culprit = _culprit(f)
+    if culprit is None:
+        return Decision(f, ACT_NONE, CULPRIT_UNKNOWN)
+    return Decision(f, ACT_KILL_RANK, f"hung: rank {culprit['rank']} is the culprit", culprit)
+
+
+def _numerics(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    ev = f.evidence
+    target = _rank_target(f, f.rank if f.rank is not None else 0, same_node=f.rank is not None)
+    if _nonfinite(ev):
+        return Decision(
+            f, ACT_KILL_RANK, "non-finite loss: resume from the newest checkpoint", target
+        )
+    anomaly = _int(ev.get("anomaly_step", ev.get("step")))
+    ckpt = _int(ev.get("checkpoint_step"))
+    if ckpt is None:
+        ckpt = view.job(f.job).checkpoint_step
+    if anomaly is None or ckpt is None or anomaly <= ckpt:
+        return Decision(f, ACT_NONE, SPIKE_IN_CHECKPOINT)
+    reason = f"loss spike at step {anomaly}: resume from checkpoint step {ckpt}"
+    return Decision(f, ACT_KILL_RANK, reason, target)
+
+
+def _straggler(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    if cfg.exclude_stragglers and f.node:
+        return Decision(f, ACT_EXCLUDE_NODE, "straggler: exclude its node", _node_target(f))
+    return Decision(f, ACT_NONE, "report only: straggler")
+
+
+def _node_fault(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    if f.evidence.get("hardware") is True and f.severity == "critical" and f.node:
+        return Decision(
+            f, ACT_EXCLUDE_NODE, "critical hardware fault: exclude node", _node_target(f)
+        )
+    return Decision(f, ACT_NONE, "report only: node fault is not a critical hardware fault")
+
+
+_RULES = {
+    RANK_DEAD: _dead,
+    RANK_HUNG: _hung,
+    BAD_NUMERICS: _numerics,
+    STRAGGLER: _straggler,
+    NODE_FAULT: _node_fault,
+}
+
+
+# --------------------------------------------------------------------------- guards
+
+
+class _Pass:
+    """State of one `decide` call: restarts planned so far and the crash loops found."""
+
+    def __init__(self, view: PolicyView, cfg: PolicyConfig, now: float) -> None:
+        self.view, self.cfg, self.now = view, cfg, now
+        self.planned: set[str] = set()  # jobs with a restart decided in this pass
+        self.stopping: set[str] = set()  # jobs stopped in this pass
+        self.crash_loops: dict[str, Decision] = {}  # CRASH_LOOP key -> decision
+
+    def gate(self, d: Decision) -> Decision:
+        f, job = d.finding, d.finding.job
+        if job is None:
+            return d  # node-level (no job): no job budget to charge
+        if f.kind == RANK_DEAD:  # the restart already happened: only the guard applies
+            if job in self.stopping:
+                return _defer(d, f"{d.reason}; the job is being stopped")
+            if self._crash_loop(job, f):
+                return _defer(d, f"{d.reason}; crash loop: stopping the job")
+            return d
+        if d.action not in RESTART_ACTIONS:
+            return d
+        return self._gate_restart(job, d)
+
+    def _gate_restart(self, job: str, d: Decision) -> Decision:
+        f, jv, cfg = d.finding, self.view.job(job), self.cfg
+        if job in self.stopping:
+            return _defer(d, "job is being stopped")
+        if jv.stopped_at is not None and _when(f, self.now) <= jv.stopped_at:
+            return _defer(d, f"job was stopped at {jv.stopped_at:.3f}")
+        if self._crash_loop(job, f):
+            return _defer(d, "crash loop: stopping the job instead")
+        if job in self.planned:
+            return _defer(d, "another restart of this job was decided in this pass")
+        times = self._recent_actions(job)
+        if len(times) >= cfg.max_restarts:
+            return self._exhausted(job, d, len(times))
+        if times:
+            wait = min(cfg.backoff_base_seconds * 2 ** (len(times) - 1), cfg.backoff_max_seconds)
+            if self.now < times[-1] + wait:
+                return _defer(d, f"backoff until {times[-1] + wait:.3f}")
+        self.planned.add(job)
+        return d
+
+    def _recent_actions(self, job: str) -> list[float]:
+        jv = self.view.job(job)
+        since = self.now - self.cfg.budget_window_seconds
+        if jv.stopped_at is not None:
+            since = max(since, jv.stopped_at)
+        return sorted(t for t in jv.restart_actions if t > since)
+
+    def _exhausted(self, job: str, d: Decision, n: int) -> Decision:
+        why = (
+            f"restart budget exhausted: {n} restarts within "
+            f"{self.cfg.budget_window_seconds:g}s (max {self.cfg.max_restarts})"
+        )
+        if not self.cfg.stop_on_budget_exhausted:
+            return _defer(d, why)
+        self.stopping.add(job)
+        return Decision(d.finding, ACT_STOP_JOB, why, {"job": job})
+
+    def _crash_loop(self, job: str, f: Finding) -> bool:
+        """Count this restart (done or about to be) on top of the recorded ones; stop the
+        job when the last `crash_loop_restarts` of them saw no checkpoint progress."""
+        records = self._history(job, f)
+        stuck = _restarts_without_progress(records)
+        if len(stuck) < self.cfg.crash_loop_restarts:
+            return False
+        step = stuck[-1].checkpoint_step
+        shown = "none" if step is None else str(step)
+        key = f"crash_loop:{job}:{shown}"
+        info = self.view.incidents.get(key)
+        if info is not None and info.acted:
+            return False  # already stopped for this loop
+        past = "(no validated checkpoint)" if step is None else f"past step {step}"
+        verdict = f"crash loop: {len(stuck)} restarts without checkpoint progress {past}"
+        loop = Finding(
+            kind=CRASH_LOOP,
+            key=key,
+            severity="critical",
+            summary=verdict,
+            job=job,
+            occurred_at=self.now,
+            evidence={
+                "restarts": [r.key for r in stuck],
+                "checkpoint_step": step,
+                "trigger": f.key,
+            },
+        )
+        self.crash_loops[key] = Decision(loop, ACT_STOP_JOB, verdict, {"job": job})
+        self.stopping.add(job)
+        return True
+
+    def _history(self, job: str, f: Finding) -> list[RestartRecord]:
+        """The job's restarts since its last stop, this finding's restart last."""
+        jv = self.view.job(job)
+        since = jv.stopped_at if jv.stopped_at is not None else -math.inf
+        records = [r for r in jv.restarts if r.at > since and r.key != f.key]
+        current = next((r for r in jv.restarts if r.key == f.key), None)
+        if current is None:
+            ckpt = _int(f.evidence.get("checkpoint_step"))
+            current = RestartRecord(
+                key=f.key,
+                at=self.now,
+                restart=_int(f.evidence.get("restart")),
+                checkpoint_step=ckpt if ckpt is not None else jv.checkpoint_step,
+            )
+        return sorted(records, key=lambda r: r.at) + [current]
+
+
+def _restarts_without_progress(records: list[RestartRecord]) -> list[RestartRecord]:
+    """The trailing run of distinct restarts at which the checkpoint had not advanced past
+    the newest one's step. Incidents seen in the same torchrun incarnation (a killed rank
+    and its dead record, or several ranks dying together) are one restart."""
+    if not records:
+        return []
+    newest = _step(records[-1].checkpoint_step)
+    run: list[RestartRecord] = []
+    seen: set[int] = set()
+    for r in reversed(records):
+        if _step(r.checkpoint_step) < newest:
+            break  # the checkpoint advanced after this restart
+        if r.restart is not None:
+            if r.restart in seen:
+                continue
+            seen.add(r.restart)
+        run.append(r)
+    return run[::-1]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _defer(d: Decision, reason: str) -> Decision:
+    return Decision(d.finding, ACT_NONE, reason)
+
+
+def _when(f: Finding, now: float) -> float:
+    return f.occurred_at if f.occurred_at is not None else now
+
+
+def _step(step: int | None) -> int:
+    return -1 if step is None else step
+
+
+def _int(value: Any) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _nonfinite(ev: Mapping[str, Any]) -> bool:
+    """The numerics detector says `reason: "non_finite"` (or `nonfinite`); else judge the
+    loss itself (agents and detectors spell NaN/Infinity as strings)."""
+    if "nonfinite" in ev:
+        return bool(ev["nonfinite"])
+    if ev.get("reason") in ("non_finite", "spike"):
+        return ev["reason"] == "non_finite"
+    loss = ev.get("loss")
+    if isinstance(loss, str):
+        return loss in ("NaN", "nan", "Infinity", "-Infinity", "inf", "-inf")
+    return isinstance(loss, (int, float)) and not math.isfinite(loss)
+
+
+def _culprit(f: Finding) -> dict[str, Any] | None:
+    """`evidence["culprit"]` as a rank number or {rank, node, node_url, pid}; a hang finding
+    without that key names its culprit in `rank`/`node`."""
+    ev = f.evidence
+    if "culprit" in ev:
+        c = ev["culprit"]
+        if isinstance(c, Mapping) and _int(c.get("rank")) is not None:
+            target = {"job": f.job, "node": c.get("node", f.node), "rank": _int(c["rank"])}
+            target.update({k: c[k] for k in ("node_url", "pid", "restart") if k in c})
+            return _drop_none(target)
+        rank = _int(c)
+        return None if rank is None else _rank_target(f, rank, same_node=rank == f.rank)
+    if f.rank is None:
+        return None
+    return _rank_target(f, f.rank, same_node=True)
+
+
+def _rank_target(f: Finding, rank: int, same_node: bool) -> dict[str, Any]:
+    """A kill target. The node (and pid) are included only when known to be the rank's,
+    else the loop resolves the rank's node from the newest observation."""
+    target: dict[str, Any] = {"job": f.job, "rank": rank}
+    if same_node:
+        target["node"] = f.node
+        target.update({k: f.evidence[k] for k in ("node_url", "pid", "restart") if k in f.evidence})
+    return _drop_none(target)
+
+
+def _node_target(f: Finding) -> dict[str, Any]:
+    url = f.evidence.get("node_url", f.evidence.get("url"))  # node detector: `url`
+    target = {"node": f.node, "job": f.job, "node_url": url}
+    return _drop_none(target)
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}

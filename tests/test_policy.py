@@ -1,0 +1,346 @@
+"""The pure policy (supervisor/policy.py): literal findings and views, no clock, no I/O.
+The last tests drive it through a real incident store, as the loop does."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rankguard.supervisor.model import (
+    ACT_EXCLUDE_NODE,
+    ACT_KILL_RANK,
+    ACT_NONE,
+    ACT_STOP_JOB,
+    AGENT_UNREACHABLE,
+    BAD_NUMERICS,
+    CHECKPOINT_STALE,
+    CRASH_LOOP,
+    NODE_FAULT,
+    RANK_DEAD,
+    RANK_HUNG,
+    STRAGGLER,
+    Finding,
+)
+from rankguard.supervisor.policy import (
+    CULPRIT_UNKNOWN,
+    SPIKE_IN_CHECKPOINT,
+    IncidentInfo,
+    JobView,
+    PolicyConfig,
+    PolicyView,
+    RestartRecord,
+    decide,
+)
+from rankguard.supervisor.store import IncidentStore, build_view
+
+CFG = PolicyConfig()
+EMPTY = PolicyView()
+
+
+def finding(kind: str, key: str | None = None, job: str | None = "j", node="n1", rank=None,
+            severity="critical", occurred_at=100.0, **evidence) -> Finding:  # fmt: skip
+    return Finding(kind, key or f"{kind}:{job}:{rank}", severity, f"{kind} on {node}", job,
+                   node, rank, occurred_at, evidence)  # fmt: skip
+
+
+def one(findings, view=EMPTY, cfg=CFG, now=1000.0):
+    out = decide(list(findings) if isinstance(findings, list) else [findings], view, cfg, now)
+    assert len(out) == 1, out
+    return out[0]
+
+
+def jobs(**job_views: JobView) -> PolicyView:
+    return PolicyView(jobs=job_views)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def test_dead_rank_is_left_to_torchrun():
+    d = one(finding(RANK_DEAD, rank=1, restart=0))
+    assert (d.action, d.reason) == (ACT_NONE, "torchrun restarts the worker group by itself")
+
+
+def test_hung_rank_with_culprit_is_killed():
+    f = finding(RANK_HUNG, culprit={"rank": 3, "node": "n2", "pid": 4242, "node_url": "http://n2"})
+    d = one(f)
+    assert d.action == ACT_KILL_RANK
+    assert d.target == {"job": "j", "rank": 3, "node": "n2", "pid": 4242, "node_url": "http://n2"}
+    # The culprit named by the finding's own rank/node.
+    assert one(finding(RANK_HUNG, rank=2)).target == {"job": "j", "rank": 2, "node": "n1"}
+
+
+def test_hung_without_culprit_asks_for_stacks():
+    d = one(finding(RANK_HUNG, culprit=None))
+    assert (d.action, d.reason) == (ACT_NONE, CULPRIT_UNKNOWN)
+    assert one(finding(RANK_HUNG)).reason == CULPRIT_UNKNOWN
+    # The loop captured stacks and found the culprit: decided again, same key, now a kill.
+    refined = one(finding(RANK_HUNG, culprit=5))
+    assert (refined.action, refined.target["rank"]) == (ACT_KILL_RANK, 5)
+    assert "node" not in refined.target  # rank 5's node is not the finding's: loop resolves
+
+
+@pytest.mark.parametrize("evidence", [{"nonfinite": True}, {"loss": float("nan")},
+                                      {"loss": "Infinity"}, {"reason": "non_finite"}])  # fmt: skip
+def test_nonfinite_loss_restarts_from_checkpoint(evidence):
+    d = one(finding(BAD_NUMERICS, anomaly_step=50, checkpoint_step=60, **evidence))
+    assert d.action == ACT_KILL_RANK and d.target == {"job": "j", "rank": 0}
+
+
+def test_loss_spike_after_the_newest_checkpoint_restarts():
+    d = one(finding(BAD_NUMERICS, rank=1, reason="spike", loss=9.5, anomaly_step=55,
+                    checkpoint_step=50))  # fmt: skip
+    assert d.action == ACT_KILL_RANK and d.target == {"job": "j", "rank": 1, "node": "n1"}
+    # The checkpoint step may come from the observation instead of the evidence.
+    view = jobs(j=JobView(checkpoint_step=50))
+    assert one(finding(BAD_NUMERICS, loss=9.5, anomaly_step=55), view).action == ACT_KILL_RANK
+
+
+@pytest.mark.parametrize("anomaly,ckpt", [(50, 50), (40, 50), (None, 50), (55, None)])
+def test_loss_spike_maybe_in_the_checkpoint_is_only_reported(anomaly, ckpt):
+    d = one(finding(BAD_NUMERICS, loss=9.5, anomaly_step=anomaly, checkpoint_step=ckpt))
+    assert (d.action, d.reason) == (ACT_NONE, SPIKE_IN_CHECKPOINT)
+
+
+def test_straggler_reported_or_excluded():
+    f = finding(STRAGGLER, rank=2)
+    assert one(f).action == ACT_NONE
+    d = one(f, cfg=PolicyConfig(exclude_stragglers=True))
+    assert d.action == ACT_EXCLUDE_NODE and d.target == {"node": "n1", "job": "j"}
+
+
+@pytest.mark.parametrize(
+    "severity,evidence,action",
+    [
+        ("critical", {"hardware": True, "code": "xid_79", "url": "http://n1"}, ACT_EXCLUDE_NODE),
+        ("warning", {"hardware": True}, ACT_NONE),
+        ("critical", {"hardware": False, "disk": "full"}, ACT_NONE),
+        ("critical", {}, ACT_NONE),
+    ],
+)
+def test_node_fault(severity, evidence, action):
+    d = one(finding(NODE_FAULT, job=None, severity=severity, **evidence))
+    assert d.action == action
+    if action == ACT_EXCLUDE_NODE:
+        assert d.target == {"node": "n1", "node_url": "http://n1"}
+
+
+@pytest.mark.parametrize("kind", [AGENT_UNREACHABLE, CHECKPOINT_STALE])
+def test_monitoring_faults_never_kill(kind):
+    d = one(finding(kind, rank=0, culprit=0, hardware=True, nonfinite=True))
+    assert d.action == ACT_NONE and "monitoring" in d.reason
+
+
+# --------------------------------------------------------------------------- idempotency
+
+
+def test_decided_twice_acts_once():
+    f = finding(RANK_HUNG, rank=3)
+    assert one(f).action == ACT_KILL_RANK
+    acted = PolicyView(incidents={f.key: IncidentInfo(id=1, actions=(ACT_KILL_RANK,))})
+    assert decide([f], acted, CFG, 1001.0) == []
+    # An incident that exists but was not acted on (e.g. deferred) is decided again.
+    waiting = PolicyView(incidents={f.key: IncidentInfo(id=1)})
+    assert one(f, waiting).action == ACT_KILL_RANK
+
+
+# --------------------------------------------------------------------------- budget, backoff
+
+
+def test_backoff_doubles_and_is_capped():
+    f = finding(RANK_HUNG, rank=3)
+    after_one = jobs(j=JobView(restart_actions=(1000.0,)))
+    assert one(f, after_one, now=1000.5).reason == "backoff until 1001.000"
+    assert one(f, after_one, now=1001.0).action == ACT_KILL_RANK
+    after_three = jobs(j=JobView(restart_actions=(900.0, 950.0, 1000.0)))
+    assert one(f, after_three, now=1003.9).action == ACT_NONE  # 1 * 2**2 = 4s
+    assert one(f, after_three, now=1004.0).action == ACT_KILL_RANK
+    cfg = PolicyConfig(max_restarts=50, backoff_max_seconds=60.0)
+    after_nine = jobs(j=JobView(restart_actions=tuple(1000.0 - i for i in range(9))))
+    assert one(f, after_nine, cfg, now=1059.0).reason == "backoff until 1060.000"  # not 256s
+    assert one(f, after_nine, cfg, now=1060.0).action == ACT_KILL_RANK
+
+
+def test_budget_exhausted_stops_the_job():
+    f = finding(RANK_HUNG, rank=3)
+    ten = jobs(j=JobView(restart_actions=tuple(float(t) for t in range(100, 1000, 90))))
+    d = one(f, ten, now=2000.0)
+    assert d.action == ACT_STOP_JOB and d.target == {"job": "j"}
+    assert d.reason.startswith("restart budget exhausted: 10 restarts within 3600s")
+    d = one(f, ten, PolicyConfig(stop_on_budget_exhausted=False), now=2000.0)
+    assert d.action == ACT_NONE and d.reason.startswith("restart budget exhausted")
+    # Out of the window, they no longer count.
+    assert one(f, ten, now=100.0 + 3600.0 + 1000.0).action == ACT_KILL_RANK
+
+
+def test_one_restart_per_job_per_pass():
+    hang_ = finding(RANK_HUNG, rank=3)
+    nan = finding(BAD_NUMERICS, nonfinite=True)
+    other_job = finding(RANK_HUNG, job="k", rank=1)
+    out = decide([hang_, nan, other_job], EMPTY, PolicyConfig(backoff_base_seconds=0.0), 1000.0)
+    assert [d.action for d in out] == [ACT_KILL_RANK, ACT_NONE, ACT_KILL_RANK]
+
+
+def test_a_stopped_job_is_not_restarted():
+    view = jobs(j=JobView(stopped_at=500.0, restart_actions=(400.0,) * 10))
+    assert one(finding(RANK_HUNG, rank=3, occurred_at=450.0), view).action == ACT_NONE
+    # A new run of the job after the stop starts with a fresh budget.
+    assert one(finding(RANK_HUNG, rank=3, occurred_at=900.0), view).action == ACT_KILL_RANK
+
+
+# --------------------------------------------------------------------------- crash loop
+
+
+def restarts(*ckpts, start=0) -> tuple[RestartRecord, ...]:
+    return tuple(
+        RestartRecord(key=f"dead:j:{i}", at=100.0 * (i + 1), restart=i, checkpoint_step=c)
+        for i, c in enumerate(ckpts, start)
+    )
+
+
+def test_crash_loop_stops_on_third_restart_without_progress():
+    view = jobs(j=JobView(restarts=restarts(10, 10), checkpoint_step=10))
+    third = finding(RANK_DEAD, key="dead:j:2", restart=2)
+    dead_d, loop = decide([third], view, CFG, 1000.0)
+    assert dead_d.action == ACT_NONE and "crash loop" in dead_d.reason
+    assert loop.finding.kind == CRASH_LOOP and loop.finding.key == "crash_loop:j:10"
+    assert (loop.action, loop.target) == (ACT_STOP_JOB, {"job": "j"})
+    assert loop.reason == "crash loop: 3 restarts without checkpoint progress past step 10"
+    assert loop.finding.evidence["restarts"] == ["dead:j:0", "dead:j:1", "dead:j:2"]
+    # Second restart only: no guard yet.
+    assert len(decide([third], jobs(j=JobView(restarts=restarts(10))), CFG, 1000.0)) == 1
+
+
+def test_crash_loop_not_tripped_when_checkpoints_advance():
+    view = jobs(j=JobView(restarts=restarts(10, 20, 30, 40), checkpoint_step=50))
+    out = decide([finding(RANK_DEAD, key="dead:j:9", restart=9)], view, CFG, 1000.0)
+    assert len(out) == 1
+    # Progress before the last three restarts does not excuse them.
+    stuck = jobs(j=JobView(restarts=restarts(10, 20, 50, 50), checkpoint_step=50))
+    assert len(decide([finding(RANK_DEAD, key="x", restart=9)], stuck, CFG, 1000.0)) == 2
+
+
+def test_crash_loop_stops_instead_of_the_third_kill():
+    view = jobs(j=JobView(restarts=restarts(None, None), checkpoint_step=None))
+    hung, loop = decide([finding(RANK_HUNG, rank=3, restart=2)], view, CFG, 1000.0)
+    assert hung.action == ACT_NONE and loop.action == ACT_STOP_JOB
+    assert loop.finding.key == "crash_loop:j:none"
+    assert "(no validated checkpoint)" in loop.reason
+
+
+def test_incidents_of_one_incarnation_are_one_restart():
+    # The hang we killed in incarnation 0 and the dead record of the killed rank.
+    recs = (RestartRecord("hang:j:0", 100.0, 0, 10), RestartRecord("dead:j:0:3", 101.0, 0, 10))
+    view = jobs(j=JobView(restarts=recs, checkpoint_step=10))
+    assert len(decide([finding(RANK_DEAD, key="dead:j:1:3", restart=1)], view, CFG, 1000.0)) == 1
+
+
+def test_crash_loop_is_decided_once():
+    view = PolicyView(
+        incidents={"crash_loop:j:10": IncidentInfo(7, (ACT_STOP_JOB,))},
+        jobs={"j": JobView(restarts=restarts(10, 10), checkpoint_step=10)},
+    )
+    assert len(decide([finding(RANK_DEAD, key="dead:j:2", restart=2)], view, CFG, 1000.0)) == 1
+    # A stop also wipes the slate: history from before it does not count.
+    stopped = jobs(j=JobView(restarts=restarts(10, 10), checkpoint_step=10, stopped_at=250.0))
+    assert len(decide([finding(RANK_DEAD, key="dead:j:2", restart=2)], stopped, CFG, 1e3)) == 1
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_restarts": 0},
+        {"budget_window_seconds": 0},
+        {"backoff_base_seconds": -1},
+        {"backoff_base_seconds": 10, "backoff_max_seconds": 5},
+        {"crash_loop_restarts": 0},
+    ],
+)
+def test_config_is_validated(kwargs):
+    with pytest.raises(ValueError):
+        PolicyConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------- properties
+
+evidence = st.dictionaries(
+    st.sampled_from(["culprit", "hardware", "nonfinite", "loss", "anomaly_step",
+                     "checkpoint_step", "restart"]),
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 100), st.floats(allow_nan=True)),
+)  # fmt: skip
+monitoring = st.builds(
+    Finding,
+    kind=st.sampled_from([AGENT_UNREACHABLE, CHECKPOINT_STALE]),
+    key=st.text(min_size=1, max_size=8),
+    severity=st.sampled_from(["info", "warning", "critical"]),
+    summary=st.just("x"),
+    job=st.sampled_from([None, "j", "k"]),
+    node=st.sampled_from([None, "n1"]),
+    rank=st.one_of(st.none(), st.integers(0, 7)),
+    evidence=evidence,
+)
+job_view = st.builds(
+    JobView,
+    restarts=st.lists(
+        st.builds(RestartRecord, key=st.text(max_size=4), at=st.floats(0, 2000),
+                  restart=st.one_of(st.none(), st.integers(0, 3)),
+                  checkpoint_step=st.one_of(st.none(), st.integers(0, 30))),
+        max_size=6,
+    ).map(tuple),
+    restart_actions=st.lists(st.floats(0, 2000), max_size=12).map(tuple),
+    stopped_at=st.one_of(st.none(), st.floats(0, 2000)),
+    checkpoint_step=st.one_of(st.none(), st.integers(0, 30)),
+)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(monitoring, max_size=6), st.dictionaries(st.sampled_from(["j", "k"]), job_view))
+def test_monitoring_faults_never_kill_or_stop(findings, job_views):
+    out = decide(findings, PolicyView(jobs=job_views), CFG, 1000.0)
+    assert len(out) == len(findings)
+    assert all(d.action == ACT_NONE for d in out)
+
+
+# --------------------------------------------------------------------------- with the store
+
+
+def test_loop_with_a_real_store(tmp_path):
+    """observe -> upsert -> build_view -> decide -> begin_action, as the loop does, over
+    three torchrun incarnations that never get past checkpoint 10."""
+    store = IncidentStore(tmp_path / "incidents.db")
+    try:
+        now = 1000.0
+        hang_ = finding(RANK_HUNG, key="hang:j:0", rank=3, restart=0)
+
+        def reconcile(findings, ckpt=10):
+            for f in findings:
+                store.upsert_finding(f, now, checkpoint_step=ckpt)
+            view = build_view(store, findings, CFG, now, checkpoint_steps={"j": ckpt})
+            decisions = decide(findings, view, CFG, now)
+            for d in decisions:
+                inc, _ = store.upsert_finding(d.finding, now, checkpoint_step=ckpt)
+                if d.action != ACT_NONE:
+                    store.begin_action(inc.id, d.action, d.target, now)
+            return decisions
+
+        assert [d.action for d in reconcile([hang_])] == [ACT_KILL_RANK]
+        assert reconcile([hang_]) == []  # next poll, the hang still shows: no second kill
+        now += 30
+        assert [d.action for d in reconcile([finding(RANK_DEAD, key="dead:j:1", restart=1)])] == [
+            ACT_NONE
+        ]
+        now += 30
+        out = reconcile([finding(RANK_DEAD, key="dead:j:2", restart=2)])
+        assert [d.action for d in out] == [ACT_NONE, ACT_STOP_JOB]
+        loop = store.by_key("crash_loop:j:10")
+        assert loop is not None and store.has_action(loop.id, ACT_STOP_JOB)
+        now += 30  # the same dead rank still reported: the stop is not decided again
+        assert [d.action for d in reconcile([finding(RANK_DEAD, key="dead:j:2", restart=2)])] == [
+            ACT_NONE
+        ]
+    finally:
+        store.close()
