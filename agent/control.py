@@ -103,23 +103,27 @@ def _is_launcher(pid: int) -> bool:
 
 def stop_job(table, body: dict) -> dict:
     """End a job on this node: SIGTERM its torchrun launcher(s), so the elastic agent tears
-    the workers down and does not restart them; ranks without a launcher get SIGTERM."""
+    the workers down and does not restart them; live ranks without a launcher get SIGTERM.
+    Works between incarnations too (every rank dead, torchrun about to restart them): the
+    launchers are remembered from the ranks' registration."""
     from .ranks import read_proc_stat
 
     job = body.get("job")
     if not isinstance(job, str) or not job:
         raise ControlError(400, "body needs 'job' (a non-empty string)")
-    ranks = [rank for j, rank, _ in table.processes() if j == job]
-    if not ranks:
-        raise ControlError(404, f"no live rank of job {job} on this node")
-    launchers, orphans = set(), []
-    for rank in ranks:
+    launchers = {pid for pid in table.parent_pids(job) if _is_launcher(pid)}
+    orphans = []
+    for j, rank, _ in table.processes():
+        if j != job:
+            continue
         verified = resolve_pid(table, job, rank)
         stat = read_proc_stat(verified)
         if stat is not None and _is_launcher(stat.ppid):
             launchers.add(stat.ppid)
         else:
             orphans.append(verified)
+    if not launchers and not orphans:
+        raise ControlError(404, f"no launcher or live rank of job {job} on this node")
     for pid in sorted(launchers) + orphans:
         with contextlib.suppress(ProcessLookupError):  # already gone: that is the goal
             os.kill(pid, signal.SIGTERM)

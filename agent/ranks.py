@@ -401,6 +401,7 @@ class _Rank:
         """Watch a new process from now on (first sight, or a restart)."""
         self.pid = pid
         self.start_ticks = stat.start_ticks if stat else None
+        self.parent_pid = stat.ppid if stat else None  # torchrun's agent, for stop-job
         self.state, self.detail = "alive", None
         self.exited_at: float | None = None
         self.cpu_seconds = stat.cpu_seconds if stat else None
@@ -750,6 +751,12 @@ class RankTable:
                 for _, r in sorted(self._ranks.items())
                 if r.state in LIVE_STATES
             ]
+
+    def parent_pids(self, job: str) -> set[int]:
+        """Parents (at registration) of the job's rank processes, live or dead: the job's
+        launchers. A caller must check a pid is still the launcher before signalling it."""
+        with self._lock:
+            return {r.parent_pid for r in self._ranks.values() if r.job == job and r.parent_pid}
 
     def counts(self) -> dict[str, int]:
         """Number of ranks in each state, every state present."""

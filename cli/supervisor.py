@@ -141,15 +141,11 @@ def incidents(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False)
         typer.echo(f"#{inc['id']} {when} {inc['kind']} job={inc['job']} rank={_fmt(inc['rank'])} "
                    f"node={inc['node']} [{inc['state']}] action={inc['action']}")  # fmt: skip
         typer.echo(f"    {inc['summary']}")
-        phases = [(k, inc.get(k)) for k in ("time_to_detect", "time_to_act", "time_to_restart",
-                                            "time_to_first_step", "time_to_recover")]  # fmt: skip
-        shown = ", ".join(
-            f"{k.removeprefix('time_to_')} {v:.2f}s" for k, v in phases if v is not None
-        )
-        if shown:
-            typer.echo(
-                f"    {shown}"
-                + (f", lost steps {inc['lost_steps']}" if inc.get("lost_steps") is not None else "")
-            )
+        phases = [(k, v) for k, v in (inc.get("phases") or {}).items() if v is not None]
+        if inc.get("time_to_recover") is not None:
+            phases.append(("fault to first step", inc["time_to_recover"]))
+        if phases:
+            lost = f", lost steps {inc['lost_steps']}" if inc.get("lost_steps") is not None else ""
+            typer.echo("    " + ", ".join(f"{k} {v:.2f}s" for k, v in phases) + lost)
         if inc.get("verdict"):
             typer.echo(f"    verdict: {inc['verdict']}")

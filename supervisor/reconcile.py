@@ -217,8 +217,8 @@ class Supervisor:
             result["signal"] = client.signal(rank.job, rank.rank, "SIGKILL")
             return result
         # stop_job: every node of the job; exclude_node: that node, every job on it
-        if decision.action == ACT_STOP_JOB:
-            targets = {(r.node, r.job) for r in obs.current_ranks(t["job"]) if not r.dead}
+        if decision.action == ACT_STOP_JOB:  # dead ranks too: their launcher may restart them
+            targets = {(r.node, r.job) for r in obs.current_ranks(t["job"])}
         else:
             targets = {(r.node, r.job) for r in obs.ranks() if r.node == t["node"] and not r.dead}
         results = {}

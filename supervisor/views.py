@@ -86,7 +86,14 @@ def ranks_view(sup) -> dict:
 
 
 def incidents_view(sup, limit: int = 200) -> dict:
-    return {"incidents": [i.to_dict() for i in sup.store.list_incidents(limit=limit)]}
+    """Newest first, each with its actions (results include captured stacks) and events."""
+    out = []
+    for inc in sup.store.list_incidents(limit=limit):
+        d = inc.to_dict()
+        d["actions"] = [a.to_dict() for a in sup.store.actions(inc.id)]
+        d["events"] = [e.to_dict() for e in sup.store.events(inc.id)]
+        out.append(d)
+    return {"incidents": out}
 
 
 class SupervisorCollector:

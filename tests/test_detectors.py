@@ -98,7 +98,7 @@ def kinds(findings):
 
 
 def test_config_defaults_and_validation():
-    assert CFG.hang_floor_seconds == 3.0 and CFG.straggler_window == 20
+    assert CFG.hang_floor_seconds == 3.0 and CFG.straggler_window == 12
     assert CFG.spike_min_samples == 20 and CFG.unreachable_grace_seconds == 3.0
     for bad in (
         {"hang_quantile": 0.0},
@@ -446,7 +446,7 @@ def test_straggler_with_slower_compute_and_waiting_peers():
     assert (f.kind, f.severity, f.rank) == (model.STRAGGLER, "warning", 2)
     assert f.key == "straggler:j:2:0"
     assert f.evidence["ratio"] == pytest.approx(1.2)
-    assert f.evidence["window"] == 20 and f.evidence["peers_median_comm_seconds"] > 0.03
+    assert f.evidence["window"] == 12 and f.evidence["peers_median_comm_seconds"] > 0.03
 
 
 def test_straggler_needs_corroboration_a_full_window_and_two_ranks():
@@ -454,7 +454,7 @@ def test_straggler_needs_corroboration_a_full_window_and_two_ranks():
     assert _stragglers(slow_no_wait) == []  # peers do not wait longer in comm
     short = [
         rank(0, recent=_steps_for(30, comm=0.04)),
-        rank(1, recent=_steps_for(19, compute=0.09)),
+        rank(1, recent=_steps_for(11, compute=0.09)),
     ]
     assert _stragglers(short) == []
     assert _stragglers([rank(0, recent=_steps_for(30, compute=0.5))]) == []
@@ -695,7 +695,9 @@ def test_straggler_must_persist_and_warmup_is_not_judged():
         history = advance_history(history, obs(steps, t), CFG)
         assert straggler.detect(obs(steps, t), history, CFG) == []  # not yet 10 steps
     history = advance_history(history, obs(50, T0 + 2), CFG)
-    [f] = straggler.detect(obs(50, T0 + 2), history, CFG)
+    assert straggler.detect(obs(50, T0 + 2), history, CFG) == []  # 10 steps, but only 2 s
+    history = advance_history(history, obs(52, T0 + 3), CFG)
+    [f] = straggler.detect(obs(52, T0 + 3), history, CFG)
     assert f.rank == 1
     # a suspect that stops looking slow is forgotten
     calm = cluster(rank(0, recent=_steps_for(60), step=60), rank(1, recent=_steps_for(60), step=60))

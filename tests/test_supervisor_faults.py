@@ -22,6 +22,9 @@ STEPS = 300
 # with the agent and the supervisor, a 12 ms step is one scheduler hiccup long, and the
 # straggler window would measure the scheduler rather than the ranks.
 MODEL = ["--d-model", "128", "--n-layer", "4", "--n-head", "4"]
+# The straggler tests go further (~135 ms a step): their verdict rests on a rank staying
+# slow for 2.5 s, longer than the bursts the shared cores produce.
+STRAGGLER_MODEL = ["--d-model", "192", "--n-layer", "4", "--n-head", "4"]
 BASE = ["--steps", str(STEPS), "--ckpt-every", "10", "--keep", "0", *MODEL]
 
 
@@ -97,16 +100,18 @@ def assert_exact(rig: Rig, clean: dict) -> None:
     assert s["param_digest"] == clean["summary"]["param_digest"]
 
 
-def test_clean_run_raises_no_alarm(clean):
-    """300 steps with a checkpoint every 10: no hang, no straggler, nothing."""
+def test_clean_run_raises_no_hang_or_other_alarm(clean):
+    """300 steps with a checkpoint every 10: no hang, no death, no numerics alarm.
+    (Stragglers are judged on their own below, with a step long enough to judge.)"""
     job = clean["cluster"]["jobs"]["job"]  # the supervisor really watched it to the end
     assert (job["state"], job["max_step"]) == ("finished", STEPS), clean["cluster"]
-    assert clean["incidents"] == [], clean["incidents"]
+    assert [i for i in clean["incidents"] if i["kind"] != "straggler"] == [], clean["incidents"]
 
 
+@pytest.mark.soak
 def test_clean_500_steps_report_no_straggler(rig):
-    proc = torchrun(["--steps", "500", *MODEL, "--job", "long"], cwd=rig.tmp,
-                    env={"RANKGUARD_TELEMETRY_SOCKET": str(rig.agent.socket)}, timeout=300)  # fmt: skip
+    proc = torchrun(["--steps", "500", *STRAGGLER_MODEL, "--job", "long"], cwd=rig.tmp,
+                    env={"RANKGUARD_TELEMETRY_SOCKET": str(rig.agent.socket)}, timeout=400)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     time.sleep(0.5)
     assert http_json(rig.supervisor.url + "/v1/cluster")["jobs"]["long"]["max_step"] == 500
@@ -143,12 +148,15 @@ def test_hung_rank_is_found_named_and_ended(rig, clean, how):
     assert inc["state"] == "resolved"
 
 
-def test_straggler_named_within_30_steps(rig, clean):
-    proc = rig.train("--fault", "slow:step=100:rank=1:factor=1.2")
+@pytest.mark.soak
+def test_straggler_named_within_30_steps(rig):
+    proc = torchrun(["--steps", "120", *STRAGGLER_MODEL, "--job", "job", "--fault",
+                     "slow:step=60:rank=1:factor=1.2"], cwd=rig.tmp,
+                    env={"RANKGUARD_TELEMETRY_SOCKET": str(rig.agent.socket)}, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (inc,) = rig.incidents("straggler")
     assert inc["rank"] == 1, inc
-    assert inc["step_at_detect"] - 100 <= 30, inc
+    assert inc["step_at_detect"] - 60 <= 30, inc
     assert rig.incidents("rank_hung") == [] and rig.incidents("rank_dead") == []
 
 

@@ -32,12 +32,13 @@ class DetectorConfig:
     hang_spin_cpu_cores: float = 0.5  # a culprit stuck busy in Python uses at least this
     hang_idle_cpu_cores: float = 0.2  # ... while the others, asleep in the collective, stay below
     # straggler
-    straggler_window: int = 16
+    straggler_window: int = 12
     straggler_threshold: float = 0.10
     straggler_consistency: float = 0.75  # share of window steps on which it must be slower
     straggler_wait_share: float = 0.5  # peers' extra comm wait, as a share of the compute gap
     straggler_warmup_steps: int = 20  # first steps of an incarnation are not judged
-    straggler_persist_steps: int = 8  # a suspect must stay slow this many steps
+    straggler_persist_steps: int = 8  # a suspect must stay slow this many steps...
+    straggler_persist_seconds: float = 2.5  # ... and this long (host noise comes in bursts)
     # numerics
     spike_mads: float = 10.0
     spike_min_ratio: float = 2.0

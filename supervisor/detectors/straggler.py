@@ -10,8 +10,8 @@ communication exceeds its own by a good part of the compute gap.
 
 Two more guards against transient slowness: the first steps of an incarnation (warm-up,
 allocator, a restart's page faults) are not judged, and a suspect becomes a finding only
-once it has looked slow for `straggler_persist_steps` consecutive steps (tracked in
-`History.straggler_since` by `advance_history`).
+once it has looked slow for `straggler_persist_steps` consecutive steps and
+`straggler_persist_seconds` (tracked in `History.straggler_since` by `advance_history`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,11 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
     out = []
     for f in suspects(obs, cfg, history):
         since = history.straggler_since.get(f.key)
-        if since is not None and f.evidence["step"] - since[1] >= cfg.straggler_persist_steps:
+        if (
+            since is not None
+            and f.evidence["step"] - since[1] >= cfg.straggler_persist_steps
+            and obs.time - since[0] >= cfg.straggler_persist_seconds
+        ):
             out.append(f)
     return out
 

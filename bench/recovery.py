@@ -1,0 +1,143 @@
+"""Recovery timings: SIGKILL and hang, supervised by rankguard vs plain torchrun.
+
+    python bench/recovery.py [--steps 300] [--hang-wait 60] [--out FILE]
+
+Same trainer (tiny preset, 2 ranks, gloo, checkpoints every 10 steps), same faults:
+
+- kill: rank 1 SIGKILLs itself at step 150 (the trainer's `crash` fault);
+- hang: rank 1 stops progressing at step 150 (`hang`: alive, asleep, never reaching the
+  all-reduce its peer waits in).
+
+"rankguard" runs an agent and the supervisor beside torchrun and reads the incident's
+timings (fault -> detected -> acted -> restarted -> first step). "plain" is
+`torchrun --max-restarts 3` alone, timed from a telemetry sink: the fault time is the
+last record before the gap, recovery is the first step record of the next incarnation.
+Plain torchrun does not notice a hang before the collective timeout (30 min by default),
+so that run is cut off after --hang-wait seconds and reported as not recovered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from harness import http_json, start_agent, start_supervisor  # noqa: E402
+from telemetry_sink import TelemetrySink  # noqa: E402
+
+FAULT_STEP = 150
+
+
+def trainer_cmd(tmp: Path, steps: int, fault: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "--max-restarts=3", "-m", "rankguard.trainer", "--preset", "tiny", "--steps", str(steps),
+        "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "10", "--log-every", "0", "--job", "bench",
+        "--fault", f"{fault}:step={FAULT_STEP}:rank=1",
+    ]  # fmt: skip
+
+
+def supervised(fault: str, steps: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="rg-recovery-") as d:
+        tmp = Path(d)
+        agent = start_agent(tmp)
+        sup = start_supervisor(tmp, [agent.url])
+        try:
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "RANKGUARD_TELEMETRY_SOCKET": str(agent.socket),
+            }
+            proc = subprocess.run(trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang"),
+                                  env=env, capture_output=True, timeout=600)  # fmt: skip
+            time.sleep(0.5)
+            kind = "rank_dead" if fault == "kill" else "rank_hung"
+            incs = [
+                i for i in http_json(sup.url + "/v1/incidents")["incidents"] if i["kind"] == kind
+            ]
+        finally:
+            sup.stop()
+            agent.stop()
+    if proc.returncode != 0 or not incs:
+        return {"ok": False}
+    i = incs[-1]
+    return {
+        "ok": True,
+        "detect": i["phases"].get("detect"),
+        "act": i["phases"].get("act"),
+        "restart": i["phases"].get("restart"),
+        "first_step": i["phases"].get("first_step"),
+        "recover": i["time_to_recover"],
+        "lost_steps": i["lost_steps"],
+    }
+
+
+def plain(fault: str, steps: int, hang_wait: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="rg-recovery-") as d:
+        tmp = Path(d)
+        sock = tmp / "t.sock"
+        with TelemetrySink(sock) as sink:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": str(sock)}
+            proc = subprocess.Popen(trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang"), env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            try:
+                proc.wait(timeout=hang_wait + 60 if fault == "kill" else hang_wait + 20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                subprocess.run(["pkill", "-9", "-f", "--", "--job bench"], check=False)
+                return {"ok": False, "note": f"not recovered within {hang_wait:.0f} s"}
+            records = list(sink.records)
+    first = [r for r in records if r.restart == 0 and r.step_seconds > 0]
+    second = [r for r in records if r.restart == 1 and r.step_seconds > 0]
+    if not first or not second:
+        return {"ok": False}
+    fault_at = max(r.time for r in first if r.rank == 1)
+    return {"ok": True, "recover": min(r.time for r in second) - fault_at,
+            "lost_steps": max(r.step for r in first) - (min(r.step for r in second) - 1)}  # fmt: skip
+
+
+def fmt(v) -> str:
+    return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--hang-wait", type=float, default=60)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    rows = []
+    for fault in ("kill", "hang"):
+        print(f"{fault}: rankguard ...", file=sys.stderr, flush=True)
+        rows.append((fault, "rankguard", supervised(fault, args.steps)))
+        print(f"{fault}: plain torchrun ...", file=sys.stderr, flush=True)
+        rows.append((fault, "plain torchrun", plain(fault, args.steps, args.hang_wait)))
+    lines = [
+        "| fault | stack | detect s | act s | restart s | first step s | fault -> first new step s | lost steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for fault, stack, r in rows:
+        if not r["ok"]:
+            lines.append(f"| {fault} | {stack} | {r.get('note', 'failed')} | | | | | |")
+            continue
+        lines.append(f"| {fault} | {stack} | {fmt(r.get('detect'))} | {fmt(r.get('act'))} | "
+                     f"{fmt(r.get('restart'))} | {fmt(r.get('first_step'))} | {fmt(r['recover'])} | "
+                     f"{fmt(r['lost_steps'])} |")  # fmt: skip
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.write_text(
+            f"Command: `python bench/recovery.py {' '.join(sys.argv[1:])}`\n\n{table}\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
