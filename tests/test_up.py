@@ -1,0 +1,36 @@
+"""`rankguard up`: the main job on one machine, with a fault injected on schedule."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_trains_through_an_injected_kill(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "200", "--ckpt-every", "20",
+         "--run-dir", str(run), "--inject", "kill:rank=1:at=8s",
+         "--trainer-arg=--d-model=128", "--trainer-arg=--n-layer=4", "--trainer-arg=--n-head=4"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "training completed: step 200" in proc.stdout
+    assert "injected kill" in proc.stdout
+    with sqlite3.connect(run / "rankguard.db") as db:
+        kinds = [k for (k,) in db.execute("SELECT kind FROM incidents")]
+    assert "rank_dead" in kinds
+
+
+def test_up_rejects_a_bad_inject_spec(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--inject", "explode:rank=1",
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "expected KIND" in proc.stderr
