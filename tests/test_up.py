@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -31,6 +32,6 @@ def test_up_rejects_a_bad_inject_spec(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "rankguard.cli.main", "up", "--inject", "explode:rank=1",
          "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "300"},
     )  # fmt: skip
     assert proc.returncode == 2 and "expected KIND" in proc.stderr
