@@ -9,40 +9,15 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 
 import pytest
-from harness import run_ok
+from harness import free_port, http_json, run_ok, wait_until
 
 from rankguard.agent.nvml_double import make_double
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_json(url: str, timeout: float = 5) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
