@@ -165,3 +165,16 @@ def test_no_listener_drops_records_and_trains(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = read_json(tmp_path / "s.json")
     assert s["final_step"] == 5 and s["telemetry_sent"] == 0 and s["telemetry_dropped"] >= 5
+
+
+def test_fsdp2_matches_ddp_after_a_crash_and_resume(tmp_path, clean_40):
+    """`--fsdp` (fully_shard per block, gloo on CPU): same result as DDP, and a crash at
+    step 27 resumes from the sharded checkpoint and ends where the uninterrupted DDP run does."""
+    run_ok(
+        ["--steps", "40", "--fsdp", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "10",
+         "--summary", str(tmp_path / "s.json"), "--fault", "crash:step=27:rank=1"],
+        cwd=tmp_path, max_restarts=1,
+    )  # fmt: skip
+    s = read_json(tmp_path / "s.json")
+    assert s["resumed_from"] == 20 and s["final_step"] == 40
+    assert s["final_loss"] == pytest.approx(clean_40["final_loss"], rel=1e-4)

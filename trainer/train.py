@@ -264,11 +264,10 @@ class Trainer:
         self.checkpoint_block_seconds += seconds
 
     def _grad_sync(self, enabled: bool):
-        if enabled:
-            return contextlib.nullcontext()
-        if hasattr(self.model, "no_sync"):
-            return self.model.no_sync()
-        self.model.set_requires_gradient_sync(False)  # FSDP2; re-enabled on the last micro
+        """Gradient reduction only on the last micro-batch of a step."""
+        if hasattr(self.model, "no_sync"):  # DDP
+            return contextlib.nullcontext() if enabled else self.model.no_sync()
+        self.model.set_requires_gradient_sync(enabled)  # FSDP2
         return contextlib.nullcontext()
 
     def _loss_finite_everywhere(self, loss: torch.Tensor) -> bool:
@@ -283,12 +282,8 @@ class Trainer:
         self.resume()
         self.phase = "train"
         self.send_heartbeat()
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(True)
         first_step, start = self.step, time.perf_counter()
         for step in range(self.step + 1, self.cfg.steps + 1):
-            if hasattr(self.model, "set_requires_gradient_sync"):
-                self.model.set_requires_gradient_sync(self.accum == 1)
             self.train_step(step)
         self._report(self.timer.ready(flush=True))
         if self.ckpt:
