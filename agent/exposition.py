@@ -7,7 +7,6 @@ success. The registry is our own, never prometheus_client's global one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -75,6 +74,3 @@ def make_registry(snapshot: Callable[[], list[Metric]]) -> CollectorRegistry:
     registry.register(SnapshotCollector(snapshot))
     return registry
 
-
-def finite_or_nan(value: float | None) -> float:
-    return math.nan if value is None else float(value)

@@ -91,7 +91,8 @@ def test_prometheus_scrapes_rank_and_storage_series_during_training(
         assert query('rankguard_rank_comm_compute_ratio{training_job="e2e"}')
         assert query("rankguard_disk_read_bytes_total")
         assert query('rankguard_filesystem_free_bytes{role="checkpoint"}')
-        assert query('rankguard_rank_written_bytes_total{training_job="e2e"}')
+        # per-process I/O exists only while the ranks live: look back over the run
+        assert query('max_over_time(rankguard_rank_written_bytes_total{training_job="e2e"}[5m])')
         up = query('up{job="rankguard-agent"}')
         assert up and up[0]["value"][1] == "1"
     finally:
