@@ -73,4 +73,3 @@ def make_registry(snapshot: Callable[[], list[Metric]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
     return registry
-

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
 import socket
 import threading
 from collections import Counter
@@ -20,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from .telemetry import json_safe
 
 log = logging.getLogger("rankguard.httpd")
 
@@ -31,17 +32,6 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.headers = status, headers or {}
-
-
-def json_safe(value: Any) -> Any:
-    """JSON has no NaN/Infinity: send them as strings so the document stays valid."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ converts its times to Unix times.)
 from __future__ import annotations
 
 import logging
-import math
 import os
 import select
 import threading
@@ -46,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .telemetry import TelemetryRecord
+from .telemetry import SPLIT_FIELDS, TelemetryRecord
+from .telemetry import json_safe as json_float  # a float for strict JSON
 
 __all__ = [
     "DEAD_STATES",
@@ -72,15 +72,6 @@ RANK_STATES = ("alive", "stopped", "zombie", "exited", "finished")
 LIVE_STATES = frozenset({"alive", "stopped"})
 DEAD_STATES = frozenset({"zombie", "exited", "finished"})
 
-#: The parts of a step's wall time, as the record names them.
-SPLIT_FIELDS = (
-    "data_wait_seconds",
-    "compute_seconds",
-    "comm_seconds",
-    "comm_exposed_seconds",
-    "optimizer_seconds",
-    "checkpoint_block_seconds",
-)
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -372,16 +363,6 @@ class HistoryEntry(NamedTuple):
             "comm_seconds": self.comm_seconds,
             "loss": json_float(self.loss) if json_safe else self.loss,
         }
-
-
-def json_float(x: float | None) -> float | str | None:
-    """A float for strict JSON: NaN and infinities as the strings "NaN", "Infinity",
-    "-Infinity" (a diverged loss must stay visible without breaking the document)."""
-    if x is None or math.isfinite(x):
-        return x
-    if math.isnan(x):
-        return "NaN"
-    return "Infinity" if x > 0 else "-Infinity"
 
 
 class _Rank:

@@ -119,17 +119,32 @@ _INT_FIELDS = (
     "step",
     "peak_memory_bytes",
 )
-_NONNEG_FLOAT_FIELDS = (
-    "time",
-    "step_seconds",
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and infinities as the strings "NaN", "Infinity", "-Infinity" (JSON has no such
+    numbers; a diverged loss must stay visible), recursively through dicts and lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+#: The parts of a step's wall time, as the record names them.
+SPLIT_FIELDS = (
     "data_wait_seconds",
     "compute_seconds",
     "comm_seconds",
     "comm_exposed_seconds",
     "optimizer_seconds",
     "checkpoint_block_seconds",
-    "tokens_per_second",
 )
+
+
+_NONNEG_FLOAT_FIELDS = ("time", "step_seconds", *SPLIT_FIELDS, "tokens_per_second")
 
 
 def _is_int(x: Any) -> bool:
@@ -176,6 +191,12 @@ def _check_nonneg_float(name: str, value: Any) -> float:
     if not (math.isfinite(f) and f >= 0.0):
         raise _out_of_range(name, f"{f!r} is not a finite number >= 0")
     return f
+
+
+def comm_compute_ratio(comm_seconds: float, compute_seconds: float) -> float:
+    """comm / compute; 0.0 when compute is 0. Not bounded by 1: communication can take
+    longer than compute."""
+    return comm_seconds / compute_seconds if compute_seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -263,13 +284,7 @@ class TelemetryRecord:
 
     @property
     def comm_compute_ratio(self) -> float:
-        """comm_seconds / compute_seconds; 0.0 when compute_seconds is 0.
-
-        Not bounded by 1: communication can take longer than compute.
-        """
-        if self.compute_seconds <= 0.0:
-            return 0.0
-        return self.comm_seconds / self.compute_seconds
+        return comm_compute_ratio(self.comm_seconds, self.compute_seconds)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields, in schema order."""

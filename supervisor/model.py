@@ -58,6 +58,8 @@ class Decision:
     action: str
     reason: str
     target: dict[str, Any] = field(default_factory=dict)  # e.g. {"node_url", "job", "rank"}
+    # Postponed, not settled: decided again on a later pass (backoff, culprit unknown, ...)
+    deferred: bool = False
 
 
 @dataclass

@@ -162,7 +162,7 @@ def _dead(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
 def _hung(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
     culprit = _culprit(f)
     if culprit is None:
-        return Decision(f, ACT_NONE, CULPRIT_UNKNOWN)
+        return Decision(f, ACT_NONE, CULPRIT_UNKNOWN, deferred=True)
     return Decision(f, ACT_KILL_RANK, f"hung: rank {culprit['rank']} is the culprit", culprit)
 
 
@@ -342,7 +342,7 @@ def _restarts_without_progress(records: list[RestartRecord]) -> list[RestartReco
 
 
 def _defer(d: Decision, reason: str) -> Decision:
-    return Decision(d.finding, ACT_NONE, reason)
+    return Decision(d.finding, ACT_NONE, reason, deferred=True)
 
 
 def _when(f: Finding, now: float) -> float:

@@ -29,7 +29,7 @@ from .model import (
     Finding,
     History,
 )
-from .policy import CULPRIT_UNKNOWN, PolicyConfig, decide
+from .policy import PolicyConfig, decide
 from .state import ClusterObs, RankObs
 from .store import ActionExists, IncidentStore, build_view
 
@@ -168,20 +168,18 @@ class Supervisor:
                 f, now, checkpoint_step=f.evidence.get("checkpoint_step")
             )
         if decision.action == ACT_NONE:
-            deferred = decision.reason == CULPRIT_UNKNOWN or decision.reason.startswith("backoff")
-            if incident.state == "open" and not deferred:
+            if incident.state == "open" and not decision.deferred:
                 state = "recovering" if f.kind in RECOVERING_KINDS else "reported"
                 self.store.set_state(
                     incident.id, state, now, action=ACT_NONE, action_reason=decision.reason
                 )
             return
         try:
-            action_id = self.store.begin_action(incident.id, decision.action, decision.target, now)
+            action_id = self.store.begin_action(
+                incident.id, decision.action, decision.target, now, reason=decision.reason
+            )
         except ActionExists:
             return  # acted already (maybe in our previous life): never twice
-        self.store.set_state(
-            incident.id, "acting", now, action=decision.action, action_reason=decision.reason
-        )
         try:
             result = self._execute(decision, obs)
         except (AgentError, StopIteration, KeyError) as exc:

@@ -19,7 +19,6 @@ One connection guarded by a lock, so the store is safe to share between threads.
 from __future__ import annotations
 
 import json
-import math
 import sqlite3
 import threading
 from collections.abc import Iterator, Mapping
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..agent.telemetry import json_safe
 from .model import ACT_NONE, ACT_STOP_JOB, CRASH_LOOP, RANK_DEAD, Finding
 from .policy import (
     RESTART_ACTIONS,
@@ -224,19 +224,8 @@ class Event:
         return asdict(self)
 
 
-def _jsonable(value: Any) -> Any:
-    """NaN/Infinity as the strings the agents use: the stored JSON stays standard JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def _dumps(value: Any) -> str:
-    return json.dumps(_jsonable(value), sort_keys=True, default=str, allow_nan=False)
+    return json.dumps(json_safe(value), sort_keys=True, default=str, allow_nan=False)
 
 
 def _loads(text: str | None) -> Any:
@@ -460,7 +449,12 @@ class IncidentStore:
     # ---- actions
 
     def begin_action(
-        self, incident_id: int, kind: str, target: Mapping[str, Any], now: float
+        self,
+        incident_id: int,
+        kind: str,
+        target: Mapping[str, Any],
+        now: float,
+        reason: str | None = None,
     ) -> int:
         """Record the intent to act, before acting. Raises ActionExists if this incident
         already has an action of this kind (also one left by a supervisor that crashed
@@ -478,9 +472,9 @@ class IncidentStore:
                 raise ActionExists(f"incident {incident_id} already has a {kind} action") from e
             state = ACTING if inc.state == OPEN else inc.state
             c.execute(
-                """UPDATE incidents SET action = ?, acted_at = COALESCE(acted_at, ?), state = ?,
-                   updated_at = ? WHERE id = ?""",
-                (kind, now, state, now, incident_id),
+                """UPDATE incidents SET action = ?, action_reason = COALESCE(?, action_reason),
+                   acted_at = COALESCE(acted_at, ?), state = ?, updated_at = ? WHERE id = ?""",
+                (kind, reason, now, state, now, incident_id),
             )
             self._event(c, incident_id, now, f"{kind} requested", {"target": dict(target)})
             if state != inc.state:
@@ -506,7 +500,7 @@ class IncidentStore:
                  action_id),
             )  # fmt: skip
             what = f"{row['kind']} {'done' if ok else 'failed'}"
-            detail = {"result": _jsonable(result)} if ok else {"error": error}
+            detail = {"result": json_safe(result)} if ok else {"error": error}
             self._event(c, row["incident_id"], now, what, detail)
             row = c.execute("SELECT * FROM actions WHERE id = ?", (action_id,)).fetchone()
             return _action(row)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..agent.telemetry import comm_compute_ratio
+
 
 @dataclass
 class StepTiming:
@@ -38,7 +40,7 @@ class StepTiming:
 
     @property
     def comm_compute_ratio(self) -> float:
-        return self.comm_seconds / self.compute_seconds if self.compute_seconds > 0 else 0.0
+        return comm_compute_ratio(self.comm_seconds, self.compute_seconds)
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

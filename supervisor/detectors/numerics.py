@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ...agent.telemetry import json_safe
 from ..model import BAD_NUMERICS, Finding, History
 from ..state import ClusterObs, RankObs
 from .common import finite, incarnation, mad, median, node_url, samples_of
@@ -82,13 +83,6 @@ def _spike_start(r: RankObs, restart: int, limit: float) -> int | None:
     return start
 
 
-def _json_float(x: float | None) -> float | str | None:
-    """NaN and infinities as the agents spell them, so evidence stays strict JSON."""
-    if x is None or math.isfinite(x):
-        return x
-    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
-
-
 def _estimated_time(obs: ClusterObs, r: RankObs, restart: int, step: int | None) -> float:
     """When `step` ran: the rank's last record time, minus the steps since at its median
     step time. The observation time when that cannot be derived."""
@@ -129,7 +123,7 @@ def _finding(
             "pid": r.pid,
             "node_url": node_url(obs, r.node),
             "anomaly_step": step,
-            "loss": _json_float(loss),
+            "loss": json_safe(loss),
             "checkpoint_step": ckpt,
             "checkpoint_predates_anomaly": None if ckpt is None or step is None else ckpt < step,
         },
