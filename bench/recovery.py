@@ -19,6 +19,7 @@ so that run is cut off after --hang-wait seconds and reported as not recovered.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -43,36 +44,65 @@ def trainer_cmd(tmp: Path, steps: int, fault: str) -> list[str]:
     ]  # fmt: skip
 
 
+def trace_milestones(path: Path, restart: int) -> dict[str, float]:
+    """Per startup milestone of one incarnation, the time the slowest rank reached it:
+    the group goes on only when every rank has."""
+    out: dict[str, float] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        m = json.loads(line)
+        if m["restart"] == restart:
+            out[m["event"]] = max(out.get(m["event"], 0.0), m["time"])
+    return out
+
+
+def breakdown(since: float, m: dict[str, float]) -> dict:
+    """The restart's phases from `since` (the moment the old workers were doomed: detection
+    or our kill; the fault itself for plain torchrun) to the first new step."""
+    order = ["process_start", "imported", "process_group", "resumed", "first_step"]
+    if any(e not in m for e in order):
+        return {}
+    return {
+        "teardown": m["process_start"] - since,  # notice, stop the old group, spawn
+        "imports": m["imported"] - m["process_start"],  # interpreter + torch import
+        "rendezvous": m["process_group"] - m["imported"],  # c10d store + gloo init
+        "load": m["resumed"] - m["process_group"],  # model build + checkpoint load
+        "first_step": m["first_step"] - m["resumed"],
+    }
+
+
+def env_for(tmp: Path, socket_path: Path) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": str(socket_path),
+            "RANKGUARD_STARTUP_TRACE": str(tmp / "trace.jsonl")}  # fmt: skip
+
+
 def supervised(fault: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-recovery-") as d:
         tmp = Path(d)
         agent = start_agent(tmp)
         sup = start_supervisor(tmp, [agent.url])
         try:
-            env = {
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                "RANKGUARD_TELEMETRY_SOCKET": str(agent.socket),
-            }
             proc = subprocess.run(trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang"),
-                                  env=env, capture_output=True, timeout=600)  # fmt: skip
+                                  env=env_for(tmp, agent.socket), capture_output=True, timeout=600)  # fmt: skip
             time.sleep(0.5)
             kind = "rank_dead" if fault == "kill" else "rank_hung"
             incs = [
                 i for i in http_json(sup.url + "/v1/incidents")["incidents"] if i["kind"] == kind
             ]
+            milestones = trace_milestones(tmp / "trace.jsonl", 1)
         finally:
             sup.stop()
             agent.stop()
     if proc.returncode != 0 or not incs:
         return {"ok": False}
     i = incs[-1]
+    doomed = i["acted_at"] or i["detected_at"]
     return {
         "ok": True,
         "detect": i["phases"].get("detect"),
         "act": i["phases"].get("act"),
-        "restart": i["phases"].get("restart"),
-        "first_step": i["phases"].get("first_step"),
+        **breakdown(doomed, milestones),
         "recover": i["time_to_recover"],
         "lost_steps": i["lost_steps"],
     }
@@ -83,8 +113,8 @@ def plain(fault: str, steps: int, hang_wait: float) -> dict:
         tmp = Path(d)
         sock = tmp / "t.sock"
         with TelemetrySink(sock) as sink:
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": str(sock)}
-            proc = subprocess.Popen(trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang"), env=env,
+            proc = subprocess.Popen(trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang"),
+                                    env=env_for(tmp, sock),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             try:
                 proc.wait(timeout=hang_wait + 60 if fault == "kill" else hang_wait + 20)
@@ -93,17 +123,25 @@ def plain(fault: str, steps: int, hang_wait: float) -> dict:
                 subprocess.run(["pkill", "-9", "-f", "--", "--job bench"], check=False)
                 return {"ok": False, "note": f"not recovered within {hang_wait:.0f} s"}
             records = list(sink.records)
+        milestones = trace_milestones(tmp / "trace.jsonl", 1)
     first = [r for r in records if r.restart == 0 and r.step_seconds > 0]
     second = [r for r in records if r.restart == 1 and r.step_seconds > 0]
     if not first or not second:
         return {"ok": False}
     fault_at = max(r.time for r in first if r.rank == 1)
-    return {"ok": True, "recover": min(r.time for r in second) - fault_at,
+    return {"ok": True, **breakdown(fault_at, milestones),
+            "recover": min(r.time for r in second) - fault_at,
             "lost_steps": max(r.step for r in first) - (min(r.step for r in second) - 1)}  # fmt: skip
 
 
 def fmt(v) -> str:
     return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
+
+COLUMNS = ["detect", "act", "teardown", "imports", "rendezvous", "load", "first_step", "recover",
+           "lost_steps"]  # fmt: skip
+HEADER = ("| fault | stack | detect s | act s | teardown + respawn s | imports s | rendezvous s "
+          "| model + checkpoint load s | first step s | fault -> first new step s | lost steps |")  # fmt: skip
 
 
 def main() -> None:
@@ -112,25 +150,23 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--hang-wait", type=float, default=60)
+    p.add_argument("--faults", default="kill,hang", help="comma-separated: kill, hang")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = []
-    for fault in ("kill", "hang"):
+    for fault in args.faults.split(","):
         print(f"{fault}: rankguard ...", file=sys.stderr, flush=True)
         rows.append((fault, "rankguard", supervised(fault, args.steps)))
         print(f"{fault}: plain torchrun ...", file=sys.stderr, flush=True)
         rows.append((fault, "plain torchrun", plain(fault, args.steps, args.hang_wait)))
-    lines = [
-        "| fault | stack | detect s | act s | restart s | first step s | fault -> first new step s | lost steps |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [HEADER, "|" + "---|" * (len(COLUMNS) + 2)]
     for fault, stack, r in rows:
         if not r["ok"]:
-            lines.append(f"| {fault} | {stack} | {r.get('note', 'failed')} | | | | | |")
+            lines.append(
+                f"| {fault} | {stack} | {r.get('note', 'failed')} |" + " |" * (len(COLUMNS) - 1)
+            )
             continue
-        lines.append(f"| {fault} | {stack} | {fmt(r.get('detect'))} | {fmt(r.get('act'))} | "
-                     f"{fmt(r.get('restart'))} | {fmt(r.get('first_step'))} | {fmt(r['recover'])} | "
-                     f"{fmt(r['lost_steps'])} |")  # fmt: skip
+        lines.append(f"| {fault} | {stack} | " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:

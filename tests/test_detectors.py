@@ -98,7 +98,7 @@ def kinds(findings):
 
 
 def test_config_defaults_and_validation():
-    assert CFG.hang_floor_seconds == 3.0 and CFG.straggler_window == 12
+    assert CFG.hang_floor_seconds == 1.0 and CFG.straggler_window == 12
     assert CFG.spike_min_samples == 20 and CFG.unreachable_grace_seconds == 3.0
     for bad in (
         {"hang_quantile": 0.0},
@@ -196,8 +196,8 @@ def test_the_first_rank_to_die_is_the_one_reported():
 
 def test_train_budget_learns_from_the_job_with_floor_and_warmup():
     assert hang.train_budget([0.1] * 4, CFG) == (60.0, None)  # warm-up
-    budget, q = hang.train_budget([0.1] * 50, CFG)
-    assert budget == 3.0 and q == pytest.approx(0.1)  # floor
+    budget, q = hang.train_budget([0.05] * 50, CFG)
+    assert budget == 1.0 and q == pytest.approx(0.05)  # floor
     budget, _ = hang.train_budget([2.0] * 50, CFG)
     assert budget == pytest.approx(20.0)
     assert hang.phase_budget("init", 3.0, CFG) == 120.0
@@ -264,7 +264,7 @@ def test_hang_finding_evidence_and_occurred_at():
     assert (f.kind, f.severity, f.key) == (model.RANK_HUNG, "critical", "rank_hung:j:0:30")
     assert f.occurred_at == T0 - 10.0
     ev = f.evidence
-    assert ev["budgets"] == {"train": 3.0} and ev["p99_step_seconds"] == pytest.approx(0.1)
+    assert ev["budgets"] == {"train": 1.0} and ev["p99_step_seconds"] == pytest.approx(0.1)
     assert ev["sample_count"] == 90 and ev["steps"] == {"0": 30, "1": 30, "2": 30}
     assert ev["heartbeat_ages"]["2"] == 10.0 and ev["states"]["0"] == "alive"
     assert ev["phase"] == "train" and ev["stacks_needed"] is True and f.rank is None

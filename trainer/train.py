@@ -23,6 +23,7 @@ from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_sl
 from .distributed import DistInfo, init_distributed, unwrap, wrap_model
 from .faults import FaultInjector
 from .model import GPT, parameter_digest
+from .startup_trace import StartupTrace
 from .telemetry import TelemetrySender
 from .timing import StepTimer, StepTiming
 
@@ -278,13 +279,17 @@ class Trainer:
             log.error("step %d: non-finite loss, checkpoint skipped", self.step)
         return flag.item() >= 1
 
-    def run(self) -> dict:
+    def run(self, trace: StartupTrace | None = None) -> dict:
+        trace = trace or StartupTrace(path="")
         self.resume()
+        trace.mark("resumed")
         self.phase = "train"
         self.send_heartbeat()
         first_step, start = self.step, time.perf_counter()
         for step in range(self.step + 1, self.cfg.steps + 1):
             self.train_step(step)
+            if step == first_step + 1:
+                trace.mark("first_step")
         self._report(self.timer.ready(flush=True))
         if self.ckpt:
             self.send_heartbeat("checkpoint_save")
@@ -326,6 +331,8 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    trace = StartupTrace()
+    trace.mark("imported")
     logging.basicConfig(
         level=logging.INFO,
         format=f"[rank {os.environ.get('RANK', '0')}] %(asctime)s %(name)s %(levelname)s: %(message)s",
@@ -337,9 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rankguard trainer: {exc}", file=sys.stderr)
         return 2
     info = init_distributed()
+    trace.mark("process_group")
     try:
         trainer = Trainer(cfg, info)
-        summary = trainer.run()
+        trace.mark("built")
+        summary = trainer.run(trace)
         if info.rank == 0:
             log.info(
                 "done: step %d loss %.4f digest %s", summary["final_step"], summary["final_loss"],

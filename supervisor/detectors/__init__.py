@@ -21,7 +21,9 @@ log = logging.getLogger("rankguard.supervisor.detectors")
 @dataclass(frozen=True)
 class DetectorConfig:
     # hang: per-phase budgets learned from this job's own step times
-    hang_floor_seconds: float = 3.0
+    # 1 s: below it a scheduler hiccup on a loaded host looks like a hang; above it, the
+    # job's own 10 x p99 step time decides (no hand-set timeout for real step times).
+    hang_floor_seconds: float = 1.0
     hang_quantile: float = 0.99
     hang_quantile_factor: float = 10.0
     hang_min_samples: int = 5
