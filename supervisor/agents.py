@@ -7,13 +7,17 @@ agent is polled in parallel and the loop waits for all of them up to the same de
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from .state import ClusterObs, NodeObs
+
+log = logging.getLogger("rankguard.supervisor")
 
 
 class AgentError(Exception):
@@ -85,14 +89,26 @@ class Poller:
     Ranks change every step and are read on every poll; a node's hardware verdict changes
     rarely and is re-read every `node_interval` seconds, which halves the load the
     supervisor puts on each agent (and on the training node's CPUs).
+
+    No head-of-line blocking: a pass waits at most `wait_seconds` for the answers it asked
+    for, not for the slowest agent's timeout. An agent still answering is not asked again
+    (its request stays in flight, bounded by its own timeouts) and is shown by its last
+    answer until the new one arrives, or as unreachable if it never answered. One stuck
+    agent thus costs one pass `wait_seconds` per request it times out on, and every other
+    node is seen on every pass.
     """
 
-    def __init__(self, max_workers: int = 64, node_interval: float = 1.0):
+    def __init__(
+        self, max_workers: int = 64, node_interval: float = 1.0, wait_seconds: float = 0.5
+    ):
         self._pool = ThreadPoolExecutor(
             max_workers=max_workers, thread_name_prefix="rankguard-poll"
         )
         self.node_interval = node_interval
+        self.wait_seconds = wait_seconds
         self._node_cache: dict[str, tuple[float, dict]] = {}
+        self._inflight: dict[str, tuple[Future, float]] = {}  # url -> (poll, asked at)
+        self._last: dict[str, NodeObs] = {}  # url -> newest completed observation
 
     def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
         cached = self._node_cache.get(client.url)
@@ -104,15 +120,33 @@ class Poller:
 
     def poll(self, clients: list[AgentClient], now: float | None = None) -> ClusterObs:
         now = time.time() if now is None else now
-        futures = {self._pool.submit(self._poll_one, c, now): c for c in clients}
-        deadline = max((c.timeout for c in clients), default=0) * 2 + 1  # node + ranks requests
-        done, _ = wait(futures, timeout=deadline)
+        asked = []
+        for c in clients:
+            if c.url not in self._inflight:
+                future = self._pool.submit(self._poll_one, c, now)
+                self._inflight[c.url] = (future, time.monotonic())
+                asked.append(future)
+        wait(asked, timeout=self.wait_seconds)
         nodes = []
-        for future, client in futures.items():
-            if future in done:
-                nodes.append(future.result())
-            else:  # hung past its own timeouts: report and move on
-                nodes.append(NodeObs.unreachable(client.url, "poll timed out", now))
+        for c in clients:
+            future, since = self._inflight[c.url]
+            if future.done():
+                del self._inflight[c.url]
+                self._last[c.url] = future.result()
+                nodes.append(self._last[c.url])
+                continue
+            waited = time.monotonic() - since
+            last = self._last.get(c.url)
+            # node + ranks requests, each with its own timeout: past that it is stuck
+            if last is not None and waited < c.timeout * 2 + 1:
+                nodes.append(last)
+            else:
+                why = f"no answer after {waited:.1f}s" + (" (stuck)" if last else "")
+                nodes.append(NodeObs.unreachable(c.url, why, now, last.node if last else None))
+        urls = {c.url for c in clients}
+        for gone in [u for u in self._last if u not in urls]:  # removed from the agents file
+            self._last.pop(gone)
+            self._node_cache.pop(gone, None)
         return ClusterObs(time=now, nodes=tuple(nodes))
 
     def close(self) -> None:
@@ -121,21 +155,72 @@ class Poller:
 
 class AgentsFile:
     """Agent URLs from a file (one per line, # comments), re-read when it changes, so a
-    scheduler prolog can add nodes while the supervisor runs."""
+    scheduler prolog can add nodes while the supervisor runs.
+
+    A file that cannot be read, or holds a line that is not an http(s) URL (a writer
+    caught mid-write, a typo), leaves the last good list in force and is logged once per
+    change: a bad edit must not make the supervisor forget every node. Writers should
+    still replace the file atomically (write a temporary file, rename it over): an empty
+    file is valid (the last node left) and is taken as it is.
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._mtime: float | None = None
+        self._signature: tuple | None = None
         self._urls: list[str] = []
+        self.errors = 0  # rejected versions of the file, for tests and logs
 
     def urls(self) -> list[str]:
         try:
-            mtime = self.path.stat().st_mtime
-        except OSError:
+            st = self.path.stat()
+        except OSError as exc:
+            self._reject(("missing",), f"cannot stat: {exc.strerror}")
             return self._urls  # keep the last good list if the file is briefly gone
-        if mtime != self._mtime:
-            lines = self.path.read_text().splitlines()
-            self._urls = [ln.split("#", 1)[0].strip() for ln in lines]
-            self._urls = [u for u in self._urls if u]
-            self._mtime = mtime
+        # mtime alone misses two writes within the clock's granularity; a rename
+        # changes the inode, a rewrite usually the size.
+        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if signature == self._signature:
+            return self._urls
+        try:
+            text = self.path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            self._reject(signature, f"cannot read: {exc}")
+            return self._urls
+        urls, bad = parse_agents(text)
+        if bad:
+            self._reject(signature, f"line {bad[0]}: not an http(s) URL: {bad[1]!r}")
+            return self._urls
+        if urls != self._urls:
+            added = [u for u in urls if u not in self._urls]
+            removed = [u for u in self._urls if u not in urls]
+            log.info("agents file %s: %d agents (+%d -%d)", self.path, len(urls),
+                     len(added), len(removed))  # fmt: skip
+        self._urls, self._signature = urls, signature
         return self._urls
+
+    def _reject(self, signature: tuple, why: str) -> None:
+        if signature != self._signature:  # once per version of the file, not every pass
+            self.errors += 1
+            log.warning("agents file %s: %s; keeping the last good list (%d agents)",
+                        self.path, why, len(self._urls))  # fmt: skip
+        self._signature = signature
+
+
+def parse_agents(text: str) -> tuple[list[str], tuple[int, str] | None]:
+    """(URLs in file order without duplicates, the first bad line as (number, text))."""
+    urls: list[str] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        url = line.split("#", 1)[0].strip()
+        if not url:
+            continue
+        try:
+            parts = urllib.parse.urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+            _ = parts.port  # ValueError for a port that is not a number
+        except ValueError:
+            ok = False
+        if not ok:
+            return urls, (number, url)
+        if url.rstrip("/") not in urls:
+            urls.append(url.rstrip("/"))
+    return urls, None

@@ -8,6 +8,7 @@ import threading
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from ..agent import sdnotify
 from ..agent.httpd import Raw, Service, serve
 from .reconcile import Supervisor
 from .views import cluster_view, incidents_view, make_registry, ranks_view
@@ -31,16 +32,38 @@ def supervisor_service(sup: Supervisor) -> Service:
     return service
 
 
+def _watchdog(sup: Supervisor, every: float, done: threading.Event) -> None:
+    """Feed systemd's watchdog only while reconcile passes complete: a loop stuck in a pass
+    (a deadlock, an agent call without a timeout) stops the pings and systemd restarts us,
+    which a ping from this thread alone would hide."""
+    seen = -1
+    while not done.wait(every):
+        passes, loop = sup.passes, sup.loop_seconds
+        if passes != seen:
+            seen = passes
+            sdnotify.notify(f"WATCHDOG=1\nSTATUS={passes} passes, last {loop:.3f}s")
+
+
 def run_supervisor(sup: Supervisor, host: str, port: int, install_signals: bool = True) -> None:
-    """Serve and reconcile until SIGTERM/SIGINT (or `sup.stop()`)."""
+    """Serve and reconcile until SIGTERM/SIGINT (or `sup.stop()`); under systemd, report
+    READY=1 once serving and feed the watchdog (Type=notify, WatchdogSec)."""
     server = serve(supervisor_service(sup), host, port)
     log.info("supervisor on http://%s:%s", *server.server_address[:2])
     if install_signals and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: sup.stop())
+    done = threading.Event()
+    every = sdnotify.watchdog_interval()
+    if every is not None:
+        threading.Thread(
+            target=_watchdog, args=(sup, every, done), name="rankguard-watchdog", daemon=True
+        ).start()
+    sdnotify.notify("READY=1\nSTATUS=reconciling")
     try:
         sup.run()
     finally:
+        done.set()
+        sdnotify.notify("STOPPING=1")
         server.shutdown()
         server.server_close()
         sup.close()

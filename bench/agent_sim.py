@@ -1,0 +1,340 @@
+"""Many simulated rankguard agents in one process, for the supervisor's scale benchmark.
+
+Serves, on one loopback port, `/agents/<i>/v1/node`, `/agents/<i>/v1/ranks` and the
+control endpoints for every simulated node i, so the supervisor's agents file holds one
+URL per node (`http://127.0.0.1:PORT/agents/<i>`) and addresses each as it would a real
+agent: AgentClient appends `/v1/...` to the URL.
+
+The JSON is the real agent's (agent/api.py, agent/ranks.py `_Rank.to_dict`, the httpd's
+`indent=1` layout), so the supervisor parses as many bytes and objects as it would in
+production: 64 recent step samples per rank. Building it must stay cheap (this process
+shares the machine with the supervisor under test), so each rank's encoded samples are
+cached and extended one step at a time, and a response is mostly a string join.
+
+One job ("sim") spans every node, `ranks_per_node` ranks each, all in lockstep as DDP
+ranks are. Faults (`--fault-every`) hit a random rank and are logged as JSON lines
+(`--fault-log`) with the time of injection:
+
+- `dead`: the rank exits (state "exited", exited_at = now); torchrun tears the group
+  down 0.5 s later (every rank exited) and starts a new incarnation after
+  `--restart-delay`, resuming from the newest checkpoint step.
+- `hang`: the rank is SIGSTOPped (state "stopped") and every rank stops advancing (the
+  others wait in the collective); a SIGKILL from the supervisor (`/v1/control/signal`)
+  ends it and the group restarts as after a death; without one, after 30 s.
+
+Run: python bench/agent_sim.py --nodes 64 --port 0 --ready-file ready.json
+(the ready file gets the port once it serves; SIGTERM stops it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+JOB = "sim"
+RECENT = 64  # the agent's RankTable.recent
+AGENT_API = "rankguard.agent/v1"
+
+
+def _indent(text: str, depth: int) -> str:
+    """json.dumps(..., indent=1) text re-indented for nesting `depth` levels deeper."""
+    return text.replace("\n", "\n" + " " * depth)
+
+
+class Rank:
+    def __init__(self, node: int, local: int, rank: int):
+        self.node, self.local, self.rank = node, local, rank
+        self.pid = 0
+        self.state = "alive"
+        self.exited_at: float | None = None
+        self.exit_step: int | None = None  # a dead rank reports no more steps
+        self.samples: list[str] = []  # encoded recent samples, oldest first
+        self.sampled_to = -1  # newest step encoded
+        self.header: tuple[tuple, str] | None = None  # (cache key, encoded fields)
+
+
+class Cluster:
+    """The simulated job's timeline: incarnations, steps, checkpoints, faults."""
+
+    def __init__(self, nodes: int, ranks_per_node: int, step_seconds: float, ckpt_every: int,
+                 restart_delay: float, seed: int):  # fmt: skip
+        self.nodes, self.per_node = nodes, ranks_per_node
+        self.step_seconds, self.ckpt_every = step_seconds, ckpt_every
+        self.restart_delay = restart_delay
+        self.rng = random.Random(seed)
+        self.world = nodes * ranks_per_node
+        self.ranks = [Rank(n, j, n * ranks_per_node + j) for n in range(nodes) for j in range(ranks_per_node)]  # fmt: skip
+        self.restart = -1
+        self.started = time.time()
+        self.node_json = [self._node_fields(n) for n in range(nodes)]
+        self.faults_injected = 0
+        self._new_incarnation(0)
+
+    # -- timeline ---------------------------------------------------------------------
+    def _new_incarnation(self, from_step: int) -> None:
+        self.restart += 1
+        self.base_step, self.inc_start = from_step, time.time()
+        self.frozen_step: int | None = None  # set while hung
+        self.fault: dict | None = None
+        self.next_pid = 100000 + self.restart * self.world
+        for r in self.ranks:
+            r.pid, r.state, r.exited_at = self.next_pid + r.rank, "alive", None
+            r.exit_step = None
+            r.samples, r.sampled_to, r.header = [], from_step, None
+
+    def step(self, now: float) -> int:
+        """The newest completed step of the current incarnation."""
+        if self.frozen_step is not None:
+            return self.frozen_step
+        return self.base_step + int((now - self.inc_start) / self.step_seconds)
+
+    def checkpoint_step(self, now: float) -> int | None:
+        s = self.step(now) // self.ckpt_every * self.ckpt_every
+        return s if s > 0 else None
+
+    def inject(self, kind: str, now: float) -> dict:
+        r = self.rng.choice(self.ranks)
+        rec = {"kind": kind, "at": now, "restart": self.restart, "rank": r.rank,
+               "node": f"sim-{r.node:04d}", "step": self.step(now)}  # fmt: skip
+        if kind == "dead":
+            self.exit(r, now)
+        else:  # hang: the culprit stopped, everyone stops advancing
+            self.frozen_step = self.step(now)
+            r.state = "stopped"
+        self.fault = {**rec, "culprit": r}
+        self.faults_injected += 1
+        return rec
+
+    def exit(self, r: Rank, now: float) -> None:
+        r.state, r.exited_at, r.exit_step = "exited", now, self.step(now)
+
+    def teardown(self, now: float) -> None:
+        for r in self.ranks:
+            if r.state != "exited":
+                self.exit(r, now)
+
+    def restart_group(self) -> None:
+        self._new_incarnation(self.checkpoint_step(time.time()) or 0)
+
+    # -- JSON ---------------------------------------------------------------------------
+    def _node_fields(self, n: int) -> str:
+        gpus = [{"index": i, "uuid": f"GPU-sim-{n:04d}-{i}", "name": "NVIDIA H100 80GB HBM3",
+                 "lost": False, "utilization_ratio": 0.97, "memory_used_bytes": 61 << 30,
+                 "temperature_celsius": 64, "power_watts": 610.0, "xid": {},
+                 "ecc_uncorrected": 0} for i in range(self.per_node)]  # fmt: skip
+        return {"node": f"sim-{n:04d}", "version": "0.1.0", "status": "healthy", "reasons": [],
+                "collectors": {c: {"success": True, "duration_seconds": 0.002, "error": None}
+                               for c in ("gpu", "host", "network", "ranks", "storage")},
+                "facts": {"gpu": {"available": True, "gpus": gpus}}}  # fmt: skip
+
+    def node_body(self, n: int, now: float) -> dict:
+        return {"api": AGENT_API, **self.node_json[n], "time": now,
+                "uptime_seconds": now - self.started}  # fmt: skip
+
+    def _sample(self, r: Rank, step: int) -> str:
+        # Deterministic jitter per (rank, step): no rank looks like a straggler.
+        j = ((r.rank * 7919 + step * 104729) % 1000) / 1000.0
+        st = self.step_seconds * (0.98 + 0.04 * j)
+        d = {"step": step, "phase": "train", "restart": self.restart, "pid": r.pid,
+             "step_seconds": st, "data_wait_seconds": 0.002, "compute_seconds": st * 0.7,
+             "comm_seconds": st * 0.25, "loss": 3.0 / (1 + step / 1000) + 0.01 * j}  # fmt: skip
+        return _indent(json.dumps(d, indent=1), 4)
+
+    def rank_text(self, r: Rank, now: float) -> str:
+        step = self.step(now) if r.exit_step is None else r.exit_step
+        if r.state == "alive" or r.state == "stopped":
+            while r.sampled_to < step:
+                r.sampled_to += 1
+                r.samples.append(self._sample(r, r.sampled_to))
+            del r.samples[:-RECENT]
+        last_seen = self.inc_start + (step - self.base_step) * self.step_seconds
+        key = (step, r.state, round(now - last_seen, 1))  # re-encode at most every 0.1 s
+        if r.header is None or r.header[0] != key:
+            ckpt = self.checkpoint_step(now)
+            st = self.step_seconds
+            fields = {
+                "job": JOB, "rank": r.rank, "local_rank": r.local, "world_size": self.world,
+                "pid": r.pid, "restart": self.restart, "process_changes": self.restart,
+                "state": r.state, "up": r.state in ("alive", "stopped"), "state_detail": None,
+                "exited_at": r.exited_at, "first_seen_at": self.inc_start,
+                "step": step, "phase": "train",
+                "heartbeat_age_seconds": max(0.0, now - last_seen),
+                "last_heartbeat_at": last_seen, "timed_step": step, "step_seconds": st,
+                "data_wait_seconds": 0.002, "compute_seconds": st * 0.7,
+                "comm_seconds": st * 0.25, "comm_exposed_seconds": st * 0.05,
+                "optimizer_seconds": 0.01,
+                "checkpoint_blocking_seconds": 0.0, "comm_compute_ratio": 0.25 / 0.7,
+                "tokens_per_second": 310000.0, "mfu": 0.41, "loss": 3.0 / (1 + step / 1000),
+                "peak_memory_bytes": 61 << 30, "checkpoint_step": ckpt,
+                "cpu_seconds": 100.0 + now - self.inc_start,
+                "cpu_utilization": 1.0 if r.state == "alive" else 0.0,
+                "records_received": step - self.base_step,
+            }  # fmt: skip
+            text = _indent(json.dumps(fields, indent=1), 2)
+            r.header = (key, text[: text.rindex("}")].rstrip() + ',\n   "recent": [\n    ')
+        return r.header[1] + ",\n    ".join(r.samples) + "\n   ]\n  }"
+
+    def ranks_body(self, n: int, now: float) -> bytes:
+        ranks = self.ranks[n * self.per_node : (n + 1) * self.per_node]
+        head = json.dumps({"api": AGENT_API, "node": f"sim-{n:04d}", "time": now,
+                           "telemetry": {"received": 0, "dropped": 0}}, indent=1)  # fmt: skip
+        body = head[: head.rindex("}")].rstrip() + ',\n "ranks": [\n  '
+        body += ",\n  ".join(self.rank_text(r, now) for r in ranks) + "\n ]\n}\n"
+        return body.encode()
+
+    def control(self, n: int, path: str, body: dict, now: float) -> dict:
+        ranks = {r.rank: r for r in self.ranks[n * self.per_node : (n + 1) * self.per_node]}
+        if path.endswith("/stop-job"):
+            return {"job": body.get("job"), "launchers": [], "ranks_signalled": []}
+        r = ranks.get(int(body.get("rank", -1)))
+        if r is None:
+            raise LookupError(f"rank {body.get('rank')} is not on this node")
+        if path.endswith("/stacks"):
+            return {"job": JOB, "rank": r.rank, "pid": r.pid,
+                    "stacks": f"Thread {r.pid} (idle)\n    train_step (train.py:1)\n"}  # fmt: skip
+        if body.get("signal") == "SIGKILL" and r.state in ("alive", "stopped"):
+            self.exit(r, now)
+        return {"job": JOB, "rank": r.rank, "pid": r.pid, "signal": body.get("signal")}
+
+
+class HttpProtocol(asyncio.Protocol):
+    """A minimal HTTP/1.1 server: one request per connection (urllib never reuses one)."""
+
+    def __init__(self, cluster: Cluster, stats: dict):
+        self.cluster, self.stats = cluster, stats
+        self.buf = b""
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        head, sep, rest = self.buf.partition(b"\r\n\r\n")
+        if not sep:
+            return
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        if len(rest) < length:
+            return
+        self.respond(method, target.split("?", 1)[0], rest[:length])
+
+    def respond(self, method: str, path: str, body: bytes) -> None:
+        now = time.time()
+        status, payload = 200, None
+        parts = path.strip("/").split("/")  # agents, i, v1, ...
+        try:
+            n = int(parts[1])
+            if parts[0] != "agents" or not 0 <= n < self.cluster.nodes:
+                raise ValueError
+            route = "/" + "/".join(parts[2:])
+            if method == "GET" and route == "/v1/ranks":
+                payload = self.cluster.ranks_body(n, now)
+            elif method == "GET" and route == "/v1/node":
+                payload = self.cluster.node_body(n, now)
+            elif method == "GET" and route == "/healthz":
+                payload = {"ok": True}
+            elif method == "POST" and route.startswith("/v1/control/"):
+                result = self.cluster.control(n, route, json.loads(body or b"{}"), now)
+                payload = {"api": AGENT_API, "result": result}
+                self.stats["control"] += 1
+            else:
+                status, payload = 404, {"error": {"status": 404, "message": "not found"}}
+        except (ValueError, IndexError, LookupError) as exc:
+            status, payload = 404, {"error": {"status": 404, "message": str(exc)}}
+        data = payload if isinstance(payload, bytes) else json.dumps(payload, indent=1).encode()
+        self.stats["requests"] += 1
+        self.transport.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: "
+            f"{len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
+        )
+        self.transport.close()
+
+
+async def faults(cluster: Cluster, kinds: list[str], every: float, log_path: Path | None,
+                 max_faults: int) -> None:  # fmt: skip
+    """Inject one fault every ~`every` seconds (uniform 0.5x..1.5x, so faults land at every
+    phase of the supervisor's loop), once the incarnation has run a few checkpoints."""
+    out = open(log_path, "a") if log_path else None  # noqa: SIM115 (lives as long as the task)
+    i = 0
+    while max_faults <= 0 or cluster.faults_injected < max_faults:
+        await asyncio.sleep(every * cluster.rng.uniform(0.5, 1.5))
+        kind = kinds[i % len(kinds)]
+        i += 1
+        rec = cluster.inject(kind, time.time())
+        if out:
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+        if kind == "dead":
+            await asyncio.sleep(0.5)
+        else:  # wait for the supervisor's SIGKILL of the culprit (or give up)
+            culprit, deadline = cluster.fault["culprit"], time.time() + 30
+            while culprit.state != "exited" and time.time() < deadline:
+                await asyncio.sleep(0.05)
+            cluster.frozen_step = None
+        cluster.teardown(time.time())
+        await asyncio.sleep(cluster.restart_delay)
+        cluster.restart_group()
+
+
+async def main(args) -> None:
+    cluster = Cluster(args.nodes, args.ranks_per_node, args.step_seconds, args.ckpt_every,
+                      args.restart_delay, args.seed)  # fmt: skip
+    stats = {"requests": 0, "control": 0}
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: HttpProtocol(cluster, stats), "127.0.0.1", args.port, backlog=4096
+    )
+    port = server.sockets[0].getsockname()[1]
+    if args.agents_file:
+        urls = "".join(f"http://127.0.0.1:{port}/agents/{i}\n" for i in range(args.nodes))
+        tmp = Path(str(args.agents_file) + ".tmp")
+        tmp.write_text(urls)
+        tmp.replace(args.agents_file)
+    if args.ready_file:
+        Path(args.ready_file).write_text(json.dumps({"port": port, "pid": os.getpid()}))
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = []
+    if args.fault_every > 0:
+        kinds = args.faults.split(",")
+        tasks.append(asyncio.create_task(
+            faults(cluster, kinds, args.fault_every, args.fault_log, args.max_faults)))  # fmt: skip
+    await stop.wait()
+    for t in tasks:
+        t.cancel()
+    server.close()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=16)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--step-seconds", type=float, default=0.25)
+    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every N steps")
+    p.add_argument("--restart-delay", type=float, default=3.0)
+    p.add_argument("--faults", default="dead", help="comma-separated kinds, used in turn")
+    p.add_argument("--fault-every", type=float, default=0.0, help="seconds (0: no faults)")
+    p.add_argument("--max-faults", type=int, default=0)
+    p.add_argument("--fault-log", type=Path)
+    p.add_argument("--agents-file", type=Path, help="write the agents' URLs here")
+    p.add_argument("--ready-file", type=Path)
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))

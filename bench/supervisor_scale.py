@@ -1,0 +1,273 @@
+"""The supervisor against many simulated agents: loop time, CPU, memory, time to detect.
+
+For each cluster size, starts bench/agent_sim.py (every node's /v1/node and /v1/ranks, 8
+ranks per node, 64 recent steps per rank, as the real agent serves them) and a real
+`rankguard supervisor --agents-file ... --db ... --token-file ... --interval 1` process,
+injects faults into random ranks, and measures over the run:
+
+- loop time: the supervisor's own `loop_seconds` of each pass (read from /v1/cluster
+  twice a second, each pass counted once);
+- CPU: the supervisor process's user+system time over the measured window / wall time;
+- RSS: the largest VmRSS seen;
+- time to detect: the incident's `detected_at` (supervisor's SQLite) minus the
+  simulator's injection time, matched by kind and incarnation. `detected_at` is the start
+  of the pass that saw the fault; the incident is written within that pass's loop time.
+
+Usage: python bench/supervisor_scale.py --nodes 64 256 1024 --duration 60
+Writes a markdown table to bench/results/supervisor_scale.md (--out) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "bench-token-0123456789abcdef"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:  # the child keeps its own copy of the fd
+        return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
+
+
+def written_at(log: Path) -> dict[int, float]:
+    """Incident id -> when the supervisor logged it (written to SQLite just before)."""
+    out = {}
+    for line in log.read_text().splitlines():
+        m = re.match(r"(\S+ \S+),(\d{3}) \S+ WARNING: incident (\d+): ", line)
+        if m and int(m.group(3)) not in out:
+            t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+            out[int(m.group(3))] = t + int(m.group(2)) / 1000
+    return out
+
+
+def get(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def summary(v: list[float]) -> dict:
+    return {"n": len(v), "p50": quantile(v, 0.5), "p99": quantile(v, 0.99), "max": max(v),
+            "mean": statistics.fmean(v)}  # fmt: skip
+
+
+def run_one(nodes: int, args, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    token = work / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    agents, faults, ready = work / "agents", work / "faults.jsonl", work / "ready.json"
+    sim = spawn(
+        [str(ROOT / "bench/agent_sim.py"), "--nodes", str(nodes),
+         "--agents-file", str(agents), "--ready-file", str(ready), "--fault-log", str(faults),
+         "--faults", args.faults, "--fault-every", str(args.fault_every),
+         "--step-seconds", str(args.step_seconds), "--seed", str(args.seed)],
+        work / "sim.log",
+    )  # fmt: skip
+    port = free_port()
+    sup = None
+    try:
+        while not ready.exists():
+            if sim.poll() is not None:
+                raise RuntimeError(f"simulator exited: {(work / 'sim.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        sup = spawn(
+            ["-m", "rankguard.cli.main", "supervisor", "--agents-file",
+             str(agents), "--db", str(work / "rankguard.db"), "--token-file", str(token),
+             "--bind", f"127.0.0.1:{port}", "--interval", str(args.interval),
+             "--log-level", "warning"],
+            work / "supervisor.log",
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:  # serving, and every node seen once
+            try:
+                view = get(base + "/v1/cluster")
+                if sum(n["reachable"] for n in view["nodes"]) == nodes:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or sup.poll() is not None:
+                raise RuntimeError("supervisor did not see every node within 60 s")
+            time.sleep(0.2)
+        time.sleep(args.warmup)
+        wall0 = time.time()
+        t0, c0 = time.monotonic(), cpu_seconds(sup.pid)
+        sim_c0 = cpu_seconds(sim.pid)
+        loops: dict[float, float] = {}  # pass time -> loop seconds
+        rss = 0
+        while time.monotonic() - t0 < args.duration:
+            try:
+                view = get(base + "/v1/cluster")
+                loops[view["time"]] = view["loop_seconds"]
+            except (OSError, KeyError):
+                pass
+            rss = max(rss, rss_bytes(sup.pid))
+            time.sleep(0.5)
+        wall = time.monotonic() - t0
+        time.sleep(3)  # let the last faults be seen before stopping
+        cpu = (cpu_seconds(sup.pid) - c0) / wall
+        sim_cpu = (cpu_seconds(sim.pid) - sim_c0) / wall
+    finally:
+        for p in (sup, sim):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in (sup, sim):
+            if p is not None:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    injected = [json.loads(line) for line in faults.read_text().splitlines() if line.strip()]
+    injected = [f for f in injected if wall0 <= f["at"] <= wall0 + wall]  # the measured window
+    written = written_at(work / "supervisor.log")
+    db = sqlite3.connect(f"file:{work / 'rankguard.db'}?mode=ro", uri=True)
+    incidents = db.execute(
+        "SELECT id, kind, restart_before, rank, node, detected_at FROM incidents"
+    ).fetchall()
+    by_key = {(k, r): (i, rank, node, at) for i, k, r, rank, node, at in incidents}
+    kinds = {"dead": "rank_dead", "hang": "rank_hung"}
+    detect: dict[str, list[float]] = {}
+    logged: dict[str, list[float]] = {}
+    missed = wrong = 0
+    for f in injected:
+        hit = by_key.get((kinds[f["kind"]], f["restart"]))
+        if hit is None:
+            missed += 1
+            continue
+        if (hit[1], hit[2]) != (f["rank"], f["node"]):
+            wrong += 1
+        detect.setdefault(f["kind"], []).append(hit[3] - f["at"])
+        if hit[0] in written:
+            logged.setdefault(f["kind"], []).append(written[hit[0]] - f["at"])
+    loop_values = list(loops.values())
+    return {
+        "nodes": nodes,
+        "ranks": nodes * 8,
+        "passes": len(loop_values),
+        "loop_p50": quantile(loop_values, 0.5),
+        "loop_p99": quantile(loop_values, 0.99),
+        "loop_max": max(loop_values, default=None),
+        "cpu": cpu,
+        "sim_cpu": sim_cpu,
+        "rss_mib": rss / 2**20,
+        "faults": len(injected),
+        "injected": {k: sum(f["kind"] == k for f in injected) for k in kinds},
+        "missed": missed,
+        "wrong_culprit": wrong,
+        "detect": {k: summary(v) for k, v in detect.items()},
+        "written": {k: summary(v) for k, v in logged.items()},
+    }
+
+
+def fmt(v, digits=2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(results: list[dict]) -> str:
+    kinds = sorted({k for r in results for k in r["detect"]})
+    head = ["nodes", "ranks", "passes", "loop p50 s", "loop p99 s", "supervisor CPU (cores)",
+            "simulator CPU (cores)", "RSS MiB"]  # fmt: skip
+    for k in kinds:
+        head += [f"{k}: detected/injected", f"{k}: to detected_at p50 / p99 s",
+                 f"{k}: to incident written p50 / p99 / max s"]  # fmt: skip
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        cells = [str(r["nodes"]), str(r["ranks"]), str(r["passes"]), fmt(r["loop_p50"], 3),
+                 fmt(r["loop_p99"], 3), fmt(r["cpu"]), fmt(r["sim_cpu"]), fmt(r["rss_mib"], 0)]  # fmt: skip
+        for k in kinds:
+            d = r["detect"].get(k, {"n": 0, "p50": None, "p99": None})
+            w = r["written"].get(k, {"p50": None, "p99": None, "max": None})
+            cells += [f"{d['n']}/{r['injected'].get(k, 0)}", f"{fmt(d['p50'])} / {fmt(d['p99'])}",
+                      f"{fmt(w['p50'])} / {fmt(w['p99'])} / {fmt(w['max'])}"]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--duration", type=float, default=60, help="measured seconds per size")
+    p.add_argument("--warmup", type=float, default=5)
+    p.add_argument("--interval", type=float, default=1.0, help="supervisor --interval")
+    p.add_argument("--faults", default="dead")
+    p.add_argument("--fault-every", type=float, default=6.0)
+    p.add_argument("--step-seconds", type=float, default=0.25)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, default=ROOT / "bench/results/supervisor_scale.md")
+    p.add_argument("--json", type=Path, help="also write the raw results here")
+    args = p.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rankguard-scale-") as tmp:
+        for n in args.nodes:
+            r = run_one(n, args, Path(tmp) / f"n{n}")
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            results.append(r)
+    cmd = "python bench/supervisor_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())  # fmt: skip
+    text = "\n".join([
+        "# Supervisor scale",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"Machine: {os.cpu_count()} CPUs ({cpu}), shared with other engineers' test runs; the "
+        "simulator of all agents runs on the same 2 cores as the supervisor. Python "
+        f"{platform.python_version()}. Supervisor --interval {args.interval} s; simulated step "
+        f"{args.step_seconds} s; faults ({args.faults}) every ~{args.fault_every} s "
+        f"(0.5x to 1.5x); {args.duration:.0f} s measured per size after {args.warmup:.0f} s "
+        "warm-up.",
+        "",
+        table(results),
+        "",
+    ])  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
