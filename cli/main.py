@@ -4,6 +4,7 @@ import typer
 
 from .agent import agent
 from .checkpoints import app as checkpoints_app
+from .dashboards import app as dashboards_app
 from .inject import inject
 from .supervisor import health, incidents, ranks, supervisor
 from .trainer import app as trainer_app
@@ -23,6 +24,7 @@ app.command("ranks")(ranks)
 app.command("incidents")(incidents)
 app.command("inject")(inject)
 app.add_typer(checkpoints_app, name="checkpoints")
+app.add_typer(dashboards_app, name="dashboards")
 
 
 def main() -> None:

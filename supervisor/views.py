@@ -127,6 +127,20 @@ class SupervisorCollector:
                 [kind], sum(1 for i in mine if i.state not in ("resolved", "stopped", "failed"))
             )
         yield from (total, restarts, open_)
+        # The open incidents by who they name, so alerts can say which rank and node
+        # (a count: two incarnations' deaths of one rank can both be open).
+        named = GaugeMetricFamily(
+            "rankguard_supervisor_incident_open",
+            "Open incidents by kind and the job, node and rank they name ('' when none).",
+            labels=["kind", JOB_LABEL, "node", "rank"],
+        )
+        counts: dict[tuple[str, str, str, str], int] = {}
+        for i in sup.store.open_incidents():
+            key = (i.kind, i.job or "", i.node or "", "" if i.rank is None else str(i.rank))
+            counts[key] = counts.get(key, 0) + 1
+        for key, n in sorted(counts.items()):
+            named.add_metric(list(key), n)
+        yield named
         for name, attr, help_ in (
             (
                 "rankguard_supervisor_time_to_detect_seconds",
@@ -157,6 +171,21 @@ class SupervisorCollector:
             for s in JOB_STATES:
                 state.add_metric([job, s], 1.0 if progress.state == s else 0.0)
         yield from (goodput, state)
+        # The newest validated checkpoint as the supervisor saw it advance; its age is
+        # time() - timestamp in PromQL (a timestamp, not an age, so it stays exact between scrapes).
+        ckpt_step = GaugeMetricFamily("rankguard_supervisor_checkpoint_step",
+                                      "Newest validated checkpoint step of the job.", labels=[JOB_LABEL])  # fmt: skip
+        ckpt_time = GaugeMetricFamily(
+            "rankguard_supervisor_checkpoint_timestamp_seconds",
+            "When the supervisor first saw the job's newest validated checkpoint (unix time); "
+            "when it first saw the job, while the job has none.",
+            labels=[JOB_LABEL],
+        )
+        for job, (step, _, seen) in sorted(sup.history.checkpoint_progress.items()):
+            if step is not None:
+                ckpt_step.add_metric([job], step)
+            ckpt_time.add_metric([job], seen)
+        yield from (ckpt_step, ckpt_time)
         up = GaugeMetricFamily("rankguard_supervisor_agent_up", "1 if the agent answered the last poll.",
                                labels=["node", "url"])  # fmt: skip
         for n in sup.last_obs.nodes if sup.last_obs else ():

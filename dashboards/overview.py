@@ -1,0 +1,110 @@
+"""Cluster overview: is the job training, how well, what went wrong and how fast we
+recovered, how old the newest validated checkpoint is, and whether the fleet is whole."""
+
+from __future__ import annotations
+
+from .common import (
+    AGENT_JOB,
+    JOB,
+    NODE_INFO,
+    SUPERVISOR_JOB,
+    Query,
+    dashboard,
+    live,
+    stat,
+    table,
+    timeseries,
+    with_node,
+)
+
+UID = "rankguard-overview"
+
+
+def _mean_time(name: str) -> str:
+    """Mean of a supervisor time histogram per incident kind (kinds never seen are dropped,
+    not shown as NaN)."""
+    return f"sum by (kind) ({name}_sum) / (sum by (kind) ({name}_count) > 0)"
+
+
+def build():
+    job_rows = [
+        stat("Job state", [Query(f"max by (training_job, state) (rankguard_supervisor_job_state{{{JOB}}}) == 1",
+                                 "{{training_job}}: {{state}}", instant=True)],
+             "none", text_mode="name", width=5,
+             description="The supervisor's view: running, recovering, finished or stopped "
+                         "(stopped = it ended a crash loop; see `rankguard incidents`)."),
+        stat("Goodput", [Query(f"rankguard_supervisor_goodput_ratio{{{JOB}}}", "{{training_job}}")],
+             "percentunit", width=4, decimals=1,
+             thresholds=(("red", None), ("orange", 0.8), ("green", 0.9)),
+             description="Productive step time over wall time since the supervisor first saw "
+                         "the job (replayed steps after a restart do not count)."),
+        stat("Tokens/s per GPU", [Query(f"rankguard:job_tokens_per_second_per_gpu:avg{{{JOB}}}",
+                                        "{{training_job}}")],
+             "short", width=5, description="Mean over live ranks (one rank per GPU)."),
+        stat("MFU", [Query(f"rankguard:job_mfu:avg{{{JOB}}}", "{{training_job}}")],
+             "percentunit", width=4, decimals=1,
+             description="Model FLOPs utilization against the device's peak, mean over live ranks."),
+        stat("Newest validated checkpoint", [Query(f"rankguard_supervisor_checkpoint_step{{{JOB}}}",
+                                                   "{{training_job}}")],
+             "none", width=3, description="Step of the newest checkpoint whose manifest validated."),
+        stat("Checkpoint age", [Query(f"time() - rankguard_supervisor_checkpoint_timestamp_seconds{{{JOB}}}",
+                                      "{{training_job}}")],
+             "s", width=3, thresholds=(("green", None), ("orange", 1800), ("red", 3600)),
+             description="Since the supervisor saw the newest validated checkpoint appear (or the "
+                         "job start, while it has none)."),
+    ]  # fmt: skip
+    fleet_rows = [
+        stat("Nodes healthy", [Query(f"sum(rankguard_node_health{{status=\"healthy\"}} * on (instance) group_left {NODE_INFO})",
+                                     "healthy")],
+             "none", width=4, description="Agents whose node verdict is healthy."),
+        stat("Nodes expected", [Query(f'count(up{{job="{AGENT_JOB}"}})', "agents")],
+             "none", width=4, description="Agent targets Prometheus discovers (file_sd)."),
+        stat("GPUs healthy", [Query(f"count({with_node('rankguard_gpu_lost == 0')})", "healthy")],
+             "none", width=4, description="GPUs NVML reports and that answer (not lost)."),
+        stat("GPUs expected", [Query(f"sum({with_node('rankguard_gpus_expected')}) or sum({with_node('rankguard_gpus')})",
+                                     "expected")],
+             "none", width=4,
+             description="Sum of the agents' --expected-gpus; where no agent sets it, the GPUs "
+                         "NVML reports."),
+        stat("Agents up", [Query(f'sum(up{{job="{AGENT_JOB}"}})', "up")], "none", width=4,
+             thresholds=(("red", None), ("green", 1))),
+        stat("Supervisor up", [Query(f'sum(up{{job="{SUPERVISOR_JOB}"}})', "up")], "none",
+             width=4, thresholds=(("red", None), ("green", 1))),
+    ]  # fmt: skip
+    perf_rows = [
+        timeseries("Tokens/s per GPU", [Query(f"rankguard:job_tokens_per_second_per_gpu:avg{{{JOB}}}",
+                                              "{{training_job}}")], "short",
+                   description="Mean over live ranks."),
+        timeseries("MFU", [Query(f"rankguard:job_mfu:avg{{{JOB}}}", "{{training_job}}")],
+                   "percentunit", max_value=1),
+        timeseries("Step time per rank", [Query(with_node(live(f"rankguard_rank_step_seconds{{{JOB}}}")),
+                                                "{{node}} rank {{rank}}")], "s",
+                   description="Wall time of each rank's last timed step."),
+        timeseries("Goodput", [Query(f"rankguard_supervisor_goodput_ratio{{{JOB}}}", "{{training_job}}")],
+                   "percentunit", max_value=1, thresholds=(("red", None), ("green", 0.9))),
+    ]  # fmt: skip
+    incident_rows = [
+        timeseries("Incidents", [Query("sum by (kind) (increase(rankguard_supervisor_incidents_total[5m]))",
+                                       "{{kind}}")], "short", bars=True, width=8,
+                   description="Incidents recorded in the last 5 minutes, by kind (also marked "
+                               "on every graph as annotations)."),
+        timeseries("Restarts", [Query("sum by (kind) (increase(rankguard_supervisor_restarts_total[5m]))",
+                                      "after {{kind}}")], "short", bars=True, width=8,
+                   description="Job restarts in the last 5 minutes, by the incident that caused them."),
+        table("Open incidents", [Query("sum by (kind, training_job, node, rank) (rankguard_supervisor_incident_open) > 0",
+                                       instant=True, table=True)],
+              "none", width=8, hide_columns=("Time", "Value"),
+              description="Open and under recovery; details with `rankguard incidents`."),
+        timeseries("Time to detect (mean)", [Query(_mean_time("rankguard_supervisor_time_to_detect_seconds"),
+                                                   "{{kind}}")], "s",
+                   description="From the fault (exit, last heartbeat) to the supervisor's finding."),
+        timeseries("Time to recover (mean)", [Query(_mean_time("rankguard_supervisor_time_to_recover_seconds"),
+                                                    "{{kind}}")], "s",
+                   description="From the fault to the first training step after the restart."),
+    ]  # fmt: skip
+    return dashboard(
+        UID,
+        "rankguard / Cluster overview",
+        "Job state, goodput, throughput, incidents and recovery, checkpoints and fleet health.",
+        [job_rows, fleet_rows, perf_rows, incident_rows],
+    )

@@ -1,0 +1,249 @@
+"""`promtool test rules` unit tests: every alert seen not firing and firing.
+
+Each case feeds series into the rules and checks, at one time, that the alert is silent
+(the condition does not hold yet, or not for long enough) and, later, that it fires for
+exactly the bad series (a healthy peer in the same case must not fire) with the labels
+and the summary an operator reads. The expectations are written out by hand here, not
+derived from the rules, so a changed rule that breaks its meaning fails the test.
+`test_file()` is written next to the rules as `rankguard-rules.test.yml`.
+"""
+
+from __future__ import annotations
+
+from .rules import Targets, alerting_rules
+
+AGENT = {"job": "rankguard-agent", "instance": "n1:9407"}
+AGENT2 = {"job": "rankguard-agent", "instance": "n2:9407"}
+SUP = {"job": "rankguard-supervisor", "instance": "head:9408"}
+GPU0 = {"gpu": "0", "uuid": "GPU-0"}
+GPU1 = {"gpu": "1", "uuid": "GPU-1"}
+
+
+def s(name: str, labels: dict, values: str) -> dict:
+    body = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return {"series": f"{name}{{{body}}}", "values": values}
+
+
+def node_info(agent: dict = AGENT, node: str = "node-1", values: str = "1x120") -> dict:
+    return s("rankguard_agent_info", {**agent, "node": node, "version": "0.1.0"}, values)
+
+
+def alert(severity: str, summary: str, **labels: str) -> dict:
+    return {"labels": {"severity": severity, **labels}, "summary": summary}
+
+
+def _cases(t: Targets) -> list[dict]:
+    """name, series, and per alert name a list of (eval time, [expected alerts])."""
+    rank0 = {**AGENT, "training_job": "llm", "rank": "0"}
+    rank1 = {**AGENT, "training_job": "llm", "rank": "1"}
+    agent_rank0 = {**rank0, "node": "node-1"}
+    gpu0 = {**AGENT, **GPU0, "node": "node-1"}
+    gpu1 = {**AGENT, **GPU1, "node": "node-1"}
+
+    def incident(kind: str, rank: str, values: str) -> dict:
+        return s("rankguard_supervisor_incident_open",
+                 {**SUP, "kind": kind, "training_job": "llm", "node": "node-1", "rank": rank}, values)  # fmt: skip
+
+    return [
+        {"name": "a dead rank, named by the supervisor's open incident",
+         "series": [incident("rank_dead", "1", "_ _ 1 1 1"), incident("straggler", "0", "1x4")],
+         "expect": {"RankDead": [("1m", []), ("3m", [alert(
+             "critical", "Rank 1 of job llm died on node node-1",
+             training_job="llm", node="node-1", rank="1")])]}},
+        {"name": "a hung job, with its culprit rank",
+         "series": [incident("rank_hung", "0", "_ _ 1 1 1"), incident("rank_dead", "1", "1x4")],
+         "expect": {"RankHung": [("1m", []), ("3m", [alert(
+             "critical", "Job llm hung; culprit rank 0 on node node-1",
+             training_job="llm", node="node-1", rank="0")])]}},
+        {"name": "a straggler, named by the supervisor",
+         "series": [incident("straggler", "1", "_ _ 1 1 1"), incident("rank_hung", "0", "1x4")],
+         "expect": {"RankStraggler": [("1m", []), ("3m", [alert(
+             "warning", "Rank 1 of job llm on node node-1 is a straggler",
+             training_job="llm", node="node-1", rank="1")])]}},
+        {"name": "a live rank gone silent; its peer still sends",
+         "series": [node_info(), s("rankguard_rank_up", rank0, "1x20"), s("rankguard_rank_up", rank1, "1x20"),
+                    s("rankguard_rank_heartbeat_age_seconds", rank0, "0+60x20"),
+                    s("rankguard_rank_heartbeat_age_seconds", rank1, "1x20")],
+         "expect": {"RankHeartbeatMissing": [("12m", []), ("14m", [alert(
+             "warning", "Rank 0 of job llm on node node-1 has sent no telemetry for 14m 0s",
+             **agent_rank0)])]}},
+        {"name": "one GPU underutilized while its node trains",
+         "series": [node_info(), s("rankguard_rank_phase", {**rank0, "phase": "train"}, "1x60"),
+                    s("rankguard_gpu_utilization_ratio", {**AGENT, **GPU0}, "0.5x60"),
+                    s("rankguard_gpu_utilization_ratio", {**AGENT, **GPU1}, "0.97x60")],
+         "expect": {"GpuUnderutilized": [("10m", []), ("30m", [alert(
+             "warning", "GPU 0 on node node-1 is 50% utilized while training", **gpu0)])]}},
+        {"name": "an idle node's GPUs are not underutilized",
+         "series": [node_info(), s("rankguard_rank_phase", {**rank0, "phase": "checkpoint_save"}, "1x60"),
+                    s("rankguard_gpu_utilization_ratio", {**AGENT, **GPU0}, "0x60")],
+         "expect": {"GpuUnderutilized": [("30m", [])]}},
+        {"name": "communication over 20% of one rank's step",
+         "series": [node_info(), s("rankguard_rank_up", rank0, "1x60"), s("rankguard_rank_up", rank1, "1x60"),
+                    s("rankguard_rank_comm_step_ratio", rank0, "0.35x60"),
+                    s("rankguard_rank_comm_step_ratio", rank1, "0.1x60")],
+         "expect": {"CommunicationOverheadHigh": [("10m", []), ("30m", [alert(
+             "warning", "Rank 0 of job llm on node node-1 spends 35% of its step in communication",
+             **agent_rank0)])]}},
+        {"name": "a data-loading stall on one rank",
+         "series": [node_info(), s("rankguard_rank_up", rank0, "1x60"), s("rankguard_rank_up", rank1, "1x60"),
+                    s("rankguard_rank_data_wait_ratio", rank0, "0.2x60"),
+                    s("rankguard_rank_data_wait_ratio", rank1, "0x60")],
+         "expect": {"DataLoadingStall": [("5m", []), ("30m", [alert(
+             "warning", "Rank 0 of job llm on node node-1 waits for data 20% of its step",
+             **agent_rank0)])]}},
+        {"name": "a dead rank's last comm share is not an alert",
+         "series": [node_info(), s("rankguard_rank_up", rank0, "0x60"),
+                    s("rankguard_rank_comm_step_ratio", rank0, "0.9x60"),
+                    s("rankguard_rank_data_wait_ratio", rank0, "0.9x60")],
+         "expect": {"CommunicationOverheadHigh": [("30m", [])], "DataLoadingStall": [("30m", [])]}},
+        {"name": "three restarts within the window",
+         "series": [s("rankguard_rank_restarts", rank0, "0 0 1 2 3 3"),
+                    s("rankguard_rank_restarts", rank1, "0 0 1 2 3 3"),
+                    s("rankguard_rank_restarts", {**AGENT, "training_job": "calm", "rank": "0"}, "1x5")],
+         "expect": {"JobCrashLooping": [("3m", []), ("5m", [alert(
+             "critical", f"Job llm restarted 3 times in {t.crash_loop_window}", training_job="llm")])]}},
+        {"name": "the supervisor stopped a job",
+         "series": [s("rankguard_supervisor_job_state", {**SUP, "training_job": "llm", "state": "stopped"}, "0 0 1 1"),
+                    s("rankguard_supervisor_job_state", {**SUP, "training_job": "ok", "state": "stopped"}, "0x3")],
+         "expect": {"JobStoppedBySupervisor": [("1m", []), ("3m", [alert(
+             "critical", "The supervisor stopped job llm", **SUP, training_job="llm", state="stopped")])]}},
+        {"name": "low goodput while running; a finished job is left alone",
+         "series": [s("rankguard_supervisor_goodput_ratio", {**SUP, "training_job": "llm"}, "0.5x60"),
+                    s("rankguard_supervisor_job_state", {**SUP, "training_job": "llm", "state": "running"}, "1x60"),
+                    s("rankguard_supervisor_goodput_ratio", {**SUP, "training_job": "done"}, "0.5x60"),
+                    s("rankguard_supervisor_job_state", {**SUP, "training_job": "done", "state": "running"}, "0x60")],
+         "expect": {"GoodputLow": [("20m", []), ("40m", [alert(
+             "warning", "Job llm goodput is 50%", **SUP, training_job="llm")])]}},
+        {"name": "a lost GPU",
+         "series": [node_info(), s("rankguard_gpu_lost", {**AGENT, **GPU0}, "0x4"),
+                    s("rankguard_gpu_lost", {**AGENT, **GPU1}, "0 0 1 1 1")],
+         "expect": {"GpuLost": [("1m", []), ("3m", [alert(
+             "critical", "GPU 1 (GPU-1) on node node-1 is lost", **gpu1)])]}},
+        {"name": "XIDs: 79 is critical, 13 a warning",
+         "series": [node_info(), s("rankguard_gpu_xid_errors_total", {**AGENT, **GPU0, "xid": "79"}, "0 0 1 1 1"),
+                    s("rankguard_gpu_xid_errors_total", {**AGENT, **GPU1, "xid": "79"}, "0x4"),
+                    s("rankguard_gpu_xid_errors_total", {**AGENT, **GPU1, "xid": "13"}, "0 0 2 2 2")],
+         "expect": {
+             "GpuXidCritical": [("1m", []), ("3m", [alert(
+                 "critical", "XID 79 on GPU 0 of node node-1", **gpu0, xid="79")])],
+             "GpuXid": [("1m", []), ("3m", [alert(
+                 "warning", "XID 13 on GPU 1 of node node-1", **gpu1, xid="13")])]}},
+        {"name": "double-bit ECC errors; corrected ones are not an alert",
+         "series": [node_info(), s("rankguard_gpu_ecc_errors_total", {**AGENT, **GPU0, "type": "uncorrected"}, "0 0 1 1"),
+                    s("rankguard_gpu_ecc_errors_total", {**AGENT, **GPU1, "type": "corrected"}, "0 0 50 90")],
+         "expect": {"GpuEccDoubleBit": [("1m", []), ("3m", [alert(
+             "critical", "Uncorrected (double-bit) ECC errors on GPU 0 of node node-1", **gpu0, type="uncorrected")])]}},
+        {"name": "thermal throttling; an idle GPU's clocks are not throttling",
+         "series": [node_info(),
+                    s("rankguard_gpu_clock_event_active", {**AGENT, **GPU0, "reason": "hw_thermal_slowdown"}, "1x30"),
+                    s("rankguard_gpu_clock_event_active", {**AGENT, **GPU1, "reason": "gpu_idle"}, "1x30")],
+         "expect": {"GpuThrottled": [("3m", []), ("20m", [alert(
+             "warning", "GPU 0 on node node-1 is throttled: hw_thermal_slowdown", **gpu0,
+             reason="hw_thermal_slowdown")])]}},
+        {"name": "no new validated checkpoint for over an hour",
+         "series": [s("rankguard_supervisor_checkpoint_timestamp_seconds", {**SUP, "training_job": "llm"}, "0x80"),
+                    s("rankguard_supervisor_job_state", {**SUP, "training_job": "llm", "state": "running"}, "1x80"),
+                    s("rankguard_supervisor_checkpoint_timestamp_seconds", {**SUP, "training_job": "fresh"}, "0+60x80"),
+                    s("rankguard_supervisor_job_state", {**SUP, "training_job": "fresh", "state": "running"}, "1x80")],
+         "expect": {"CheckpointStale": [("30m", []), ("70m", [alert(
+             "warning", "Job llm has no new validated checkpoint for 1h 10m 0s", **SUP, training_job="llm")])]}},
+        {"name": "checkpoint filesystem nearly full (one node) and full (another)",
+         "series": [node_info(), node_info(AGENT2, "node-2"),
+                    s("rankguard_filesystem_free_ratio", {**AGENT, "role": "checkpoint"}, "0.08x20"),
+                    s("rankguard_filesystem_free_ratio", {**AGENT, "role": "data"}, "0.01x20"),
+                    s("rankguard_filesystem_free_ratio", {**AGENT2, "role": "checkpoint"}, "0.5 0.5 0.5 0.03x20")],
+         "expect": {
+             "CheckpointFilesystemNearlyFull": [("3m", []), ("10m", [
+                 alert("warning", "Checkpoint filesystem on node node-1 is 8% free", **AGENT, node="node-1", role="checkpoint"),
+                 alert("warning", "Checkpoint filesystem on node node-2 is 3% free", **AGENT2, node="node-2", role="checkpoint")])],
+             "CheckpointFilesystemFull": [("3m", []), ("10m", [
+                 alert("critical", "Checkpoint filesystem on node node-2 is 3% free", **AGENT2, node="node-2", role="checkpoint")])]}},
+        {"name": "an agent down (named by its last node info) and one never seen",
+         "series": [node_info(values="1 1 _ _ _ _ _"), s("up", AGENT, "1 1 0 0 0 0 0"),
+                    node_info(AGENT2, "node-2", "1x6"), s("up", AGENT2, "1x6"),
+                    s("up", {"job": "rankguard-agent", "instance": "n3:9407"}, "_ _ 0 0 0 0 0")],
+         "expect": {"AgentDown": [("2m", []), ("5m", [
+             alert("warning", "rankguard agent n1:9407 (node node-1) is down", **AGENT, node="node-1"),
+             alert("warning", "rankguard agent n3:9407 is down", job="rankguard-agent", instance="n3:9407")])]}},
+        {"name": "the supervisor down",
+         "series": [s("up", SUP, "1 1 0 0 0")],
+         "expect": {"SupervisorDown": [("2m", []), ("4m", [alert(
+             "warning", "rankguard supervisor head:9408 is down", **SUP)])]}},
+        {"name": "no supervisor scraped at all",
+         "series": [s("up", AGENT, "1x4")],
+         "expect": {"SupervisorDown": [("0m", []), ("3m", [alert(
+             "warning", "rankguard supervisor is down", job="rankguard-supervisor")])]}},
+    ]  # fmt: skip
+
+
+# Recording rules checked with literal inputs and outputs.
+def _record_cases() -> list[dict]:
+    r = {**AGENT, "training_job": "llm"}
+    compute = "rankguard_rank_phase_seconds"
+    return [
+        {"name": "straggler score: compute over the job's median; dead ranks left out",
+         "series": [s("rankguard_rank_up", {**r, "rank": str(i)}, "1x5" if i < 3 else "0x5") for i in range(4)]
+                   + [s(compute, {**r, "rank": "0", "phase": "compute"}, "0.5x5"),
+                      s(compute, {**r, "rank": "1", "phase": "compute"}, "0.5x5"),
+                      s(compute, {**r, "rank": "2", "phase": "compute"}, "0.75x5"),
+                      s(compute, {**r, "rank": "3", "phase": "compute"}, "9x5")],
+         "promql": [("4m", "rankguard:rank_straggler_score:ratio",
+                     [({**r, "rank": "0"}, 1), ({**r, "rank": "1"}, 1), ({**r, "rank": "2"}, 1.5)])]},
+        {"name": "tokens/s per GPU and MFU over live ranks; the node name per agent",
+         "series": [node_info(), s("rankguard_rank_up", {**r, "rank": "0"}, "1x3"),
+                    s("rankguard_rank_up", {**r, "rank": "1"}, "0x3"),
+                    s("rankguard_rank_tokens_per_second", {**r, "rank": "0"}, "1000x3"),
+                    s("rankguard_rank_tokens_per_second", {**r, "rank": "1"}, "5x3"),
+                    s("rankguard_rank_mfu_ratio", {**r, "rank": "0"}, "0.4x3"),
+                    s("rankguard_rank_mfu_ratio", {**r, "rank": "1"}, "0x3")],
+         "promql": [("2m", "rankguard:job_tokens_per_second_per_gpu:avg", [({"training_job": "llm"}, 1000)]),
+                    ("2m", "rankguard:job_mfu:avg", [({"training_job": "llm"}, 0.4)]),
+                    ("2m", "rankguard:agent_node:info", [({"instance": "n1:9407", "node": "node-1"}, 1)])]},
+    ]  # fmt: skip
+
+
+def covered_alerts(targets: Targets | None = None) -> dict[str, dict[str, int]]:
+    """Per alert name: how many evaluations expect it silent and how many expect it firing."""
+    out: dict[str, dict[str, int]] = {}
+    for case in _cases(targets or Targets()):
+        for name, evals in case["expect"].items():
+            seen = out.setdefault(name, {"silent": 0, "firing": 0})
+            for _, alerts in evals:
+                seen["firing" if alerts else "silent"] += 1
+    return out
+
+
+def promtool_tests(rules_file: str, targets: Targets | None = None) -> dict:
+    t = targets or Targets()
+    descriptions = {a.name: a.description for a in alerting_rules(t)}
+    tests = []
+    for case in _cases(t):
+        tests.append({
+            "name": case["name"],
+            "interval": "1m",
+            "input_series": case["series"],
+            "alert_rule_test": [
+                {"eval_time": at, "alertname": name, "exp_alerts": [
+                    {"exp_labels": a["labels"],
+                     "exp_annotations": {"summary": a["summary"], "description": descriptions[name]}}
+                    for a in alerts]}
+                for name, evals in case["expect"].items() for at, alerts in evals
+            ],
+        })  # fmt: skip
+    for case in _record_cases():
+        tests.append({
+            "name": case["name"],
+            "interval": "1m",
+            "input_series": case["series"],
+            "promql_expr_test": [
+                {"expr": expr, "eval_time": at, "exp_samples": [
+                    {"labels": _selector(expr, labels), "value": value} for labels, value in samples]}
+                for at, expr, samples in case["promql"]
+            ],
+        })  # fmt: skip
+    return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
+
+
+def _selector(name: str, labels: dict) -> str:
+    body = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{body}}}"

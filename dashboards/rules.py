@@ -1,0 +1,234 @@
+"""Prometheus recording and alerting rules, as data.
+
+The alert thresholds default to the operating targets of large training runs (GPU
+utilization above 90% while training, communication under 20% of step time, data wait
+near zero); `Targets` changes them. Pure: `rule_file()` returns the structure that
+`yamlout.dump` writes as `rankguard-rules.yml`.
+
+Who names what: agent series name the node through `rankguard:agent_node:info` (joined on
+`instance`), and the rank through their `training_job`/`rank` labels; the supervisor's
+`rankguard_supervisor_incident_open` names the job, node and rank of each open incident,
+so alerts about dead, hung or straggling ranks follow the supervisor's detectors (adaptive,
+one incident per fault: torchrun tearing the other ranks down is not an alert storm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .common import AGENT_JOB, SUPERVISOR_JOB, live
+
+NODE_INFO = "rankguard:agent_node:info"
+# XIDs that make the agent call a node unhealthy (agent/health.py); others are warnings.
+CRITICAL_XIDS = (48, 63, 64, 74, 79, 92, 94, 95, 119, 120)
+THROTTLE_REASONS = "sw_power_cap|hw_slowdown|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake"
+RUNNING = 'rankguard_supervisor_job_state{state=~"running|recovering"} == 1'
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Alert thresholds. Ratios are 0..1."""
+
+    gpu_utilization_min: float = 0.90
+    comm_step_ratio_max: float = 0.20
+    data_wait_ratio_max: float = 0.05  # "near zero"
+    goodput_min: float = 0.90
+    checkpoint_max_age_seconds: int = 3600
+    crash_loop_restarts: int = 3
+    crash_loop_window: str = "30m"
+    heartbeat_max_seconds: int = 600  # a backstop: the supervisor judges hangs in seconds
+    filesystem_free_warning: float = 0.10  # the agent's degraded / unhealthy thresholds
+    filesystem_free_critical: float = 0.05
+    throttled_share: float = 0.5  # of the last 10 minutes
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    expr: str
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    severity: str  # warning | critical
+    summary: str  # a template naming the node, GPU or rank
+    description: str  # static text: what it means and what to do
+    for_: str = "0m"
+
+
+def named_node(expr: str) -> str:
+    """Give agent series a `node` label (the recording rule below)."""
+    return f"({expr}) * on (instance) group_left (node) {NODE_INFO}"
+
+
+def recording_rules() -> list[Record]:
+    compute = (
+        'sum without (phase) (avg_over_time(rankguard_rank_phase_seconds{phase="compute"}[2m]))'
+    )
+    return [
+        # One series per agent naming its node: every per-node panel and alert joins on it.
+        Record(NODE_INFO, "max by (instance, node) (rankguard_agent_info)"),
+        Record("rankguard:job_tokens_per_second:sum",
+               f"sum by (training_job) ({live('rankguard_rank_tokens_per_second')})"),
+        Record("rankguard:job_tokens_per_second_per_gpu:avg",
+               f"avg by (training_job) ({live('rankguard_rank_tokens_per_second')})"),
+        Record("rankguard:job_mfu:avg", f"avg by (training_job) ({live('rankguard_rank_mfu_ratio')})"),
+        Record("rankguard:job_comm_step_ratio:max",
+               f"max by (training_job) ({live('rankguard_rank_comm_step_ratio')})"),
+        Record("rankguard:job_data_wait_ratio:max",
+               f"max by (training_job) ({live('rankguard_rank_data_wait_ratio')})"),
+        # A rank's mean compute time against its job's median rank: 1 is typical, a
+        # straggler is above (its peers wait for it in communication instead).
+        Record("rankguard:rank_straggler_score:ratio",
+               f"{live(compute)} / on (training_job) group_left () "
+               f"quantile by (training_job) (0.5, {live(compute)})"),
+    ]  # fmt: skip
+
+
+def alerting_rules(t: Targets | None = None) -> list[Alert]:
+    t = t or Targets()
+    xids = "|".join(str(x) for x in CRITICAL_XIDS)
+    pct = lambda x: f"{x * 100:g}%"  # noqa: E731
+    return [
+        Alert("RankDead",
+              'max by (training_job, node, rank) (rankguard_supervisor_incident_open{kind="rank_dead"}) > 0',
+              "critical", "Rank {{ $labels.rank }} of job {{ $labels.training_job }} died on node {{ $labels.node }}",
+              "A training rank's process exited. torchrun restarts the worker group from the "
+              "newest validated checkpoint; the incident closes at the first step after the "
+              "restart. Details: `rankguard incidents`."),
+        Alert("RankHung",
+              'max by (training_job, node, rank) (rankguard_supervisor_incident_open{kind="rank_hung"}) > 0',
+              "critical", "Job {{ $labels.training_job }} hung; culprit rank {{ $labels.rank }} on node {{ $labels.node }}",
+              "Every live rank is past its phase budget. The supervisor captures the culprit's "
+              "stacks and ends it so the job restarts; see `rankguard incidents` for the stacks."),
+        Alert("RankHeartbeatMissing",
+              named_node(f"rankguard_rank_heartbeat_age_seconds > {t.heartbeat_max_seconds} "
+                         "and on (instance, training_job, rank) rankguard_rank_up == 1"),
+              "warning", "Rank {{ $labels.rank }} of job {{ $labels.training_job }} on node {{ $labels.node }} "
+                         "has sent no telemetry for {{ $value | humanizeDuration }}",
+              f"The rank's process lives but has been silent for over {t.heartbeat_max_seconds} s: "
+              "hung, or its telemetry is lost. The supervisor judges hangs faster; this is the "
+              "backstop for when it is not running.", "2m"),
+        Alert("GpuUnderutilized",
+              named_node(f"avg_over_time(rankguard_gpu_utilization_ratio[10m]) < {t.gpu_utilization_min} "
+                         'and on (instance) (max by (instance) (rankguard_rank_phase{phase="train"}) == 1)'),
+              "warning", "GPU {{ $labels.gpu }} on node {{ $labels.node }} is {{ $value | humanizePercentage }} "
+                         "utilized while training",
+              f"Mean GPU utilization over 10 minutes is under the {pct(t.gpu_utilization_min)} target "
+              "while ranks on the node train: input pipeline, communication or a too-small batch.",
+              "15m"),
+        Alert("CommunicationOverheadHigh",
+              named_node(live(f"avg_over_time(rankguard_rank_comm_step_ratio[10m]) > {t.comm_step_ratio_max}")),
+              "warning", "Rank {{ $labels.rank }} of job {{ $labels.training_job }} on node {{ $labels.node }} "
+                         "spends {{ $value | humanizePercentage }} of its step in communication",
+              f"Communication over {pct(t.comm_step_ratio_max)} of step time for 10 minutes: a "
+              "straggler its peers wait for, a slow link, or too little overlap.", "15m"),
+        Alert("DataLoadingStall",
+              named_node(live(f"avg_over_time(rankguard_rank_data_wait_ratio[10m]) > {t.data_wait_ratio_max}")),
+              "warning", "Rank {{ $labels.rank }} of job {{ $labels.training_job }} on node {{ $labels.node }} "
+                         "waits for data {{ $value | humanizePercentage }} of its step",
+              f"Data wait over {pct(t.data_wait_ratio_max)} of step time (target: near zero): the "
+              "loader or its storage cannot keep up.", "10m"),
+        Alert("RankStraggler",
+              'max by (training_job, node, rank) (rankguard_supervisor_incident_open{kind="straggler"}) > 0',
+              "warning", "Rank {{ $labels.rank }} of job {{ $labels.training_job }} on node {{ $labels.node }} "
+                         "is a straggler",
+              "Its compute time stands out from its peers' and they wait for it in communication. "
+              "Look at its GPU (clocks, temperature) and node."),
+        Alert("JobCrashLooping",
+              f"max by (training_job) (max_over_time(rankguard_rank_restarts[{t.crash_loop_window}]) "
+              f"- min_over_time(rankguard_rank_restarts[{t.crash_loop_window}])) >= {t.crash_loop_restarts}",
+              "critical", "Job {{ $labels.training_job }} restarted {{ $value }} times in "
+                          f"{t.crash_loop_window}",
+              "Repeated restarts; the supervisor stops a job whose restarts make no checkpoint "
+              "progress. Find the cause with `rankguard incidents`."),
+        Alert("JobStoppedBySupervisor",
+              'rankguard_supervisor_job_state{state="stopped"} == 1',
+              "critical", "The supervisor stopped job {{ $labels.training_job }}",
+              "A crash loop or an exhausted restart budget: the verdict is in `rankguard health` "
+              "and `rankguard incidents`."),
+        Alert("GoodputLow",
+              f"rankguard_supervisor_goodput_ratio < {t.goodput_min} and on (training_job) ({RUNNING})",
+              "warning", "Job {{ $labels.training_job }} goodput is {{ $value | humanizePercentage }}",
+              f"Productive step time is under {pct(t.goodput_min)} of wall time: restarts, "
+              "replayed steps and hangs are eating the run.", "30m"),
+        Alert("GpuLost",
+              named_node("rankguard_gpu_lost == 1"),
+              "critical", "GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on node {{ $labels.node }} is lost",
+              "NVML answers GPU_IS_LOST or RESET_REQUIRED: the GPU needs a reset or the node a "
+              "repair; the supervisor excludes the node."),
+        Alert("GpuXidCritical",
+              named_node(f'increase(rankguard_gpu_xid_errors_total{{xid=~"{xids}"}}[10m]) > 0'),
+              "critical", "XID {{ $labels.xid }} on GPU {{ $labels.gpu }} of node {{ $labels.node }}",
+              "An XID that makes the node unhealthy (memory, NVLink, fallen off the bus, ...)."),
+        Alert("GpuXid",
+              named_node(f'increase(rankguard_gpu_xid_errors_total{{xid!~"{xids}"}}[10m]) > 0'),
+              "warning", "XID {{ $labels.xid }} on GPU {{ $labels.gpu }} of node {{ $labels.node }}",
+              "An XID error (often an application fault); repeated ones point at the GPU."),
+        Alert("GpuEccDoubleBit",
+              named_node('increase(rankguard_gpu_ecc_errors_total{type="uncorrected"}[10m]) > 0'),
+              "critical", "Uncorrected (double-bit) ECC errors on GPU {{ $labels.gpu }} of node {{ $labels.node }}",
+              "Memory returned data it could not correct: the job's results on this GPU are suspect."),
+        Alert("GpuThrottled",
+              named_node(f'avg_over_time(rankguard_gpu_clock_event_active{{reason=~"{THROTTLE_REASONS}"}}[10m]) '
+                         f"> {t.throttled_share}"),
+              "warning", "GPU {{ $labels.gpu }} on node {{ $labels.node }} is throttled: {{ $labels.reason }}",
+              f"A thermal or power reason held the clocks down over {pct(t.throttled_share)} of the "
+              "last 10 minutes: check cooling and power capping.", "5m"),
+        Alert("CheckpointStale",
+              f"time() - rankguard_supervisor_checkpoint_timestamp_seconds > {t.checkpoint_max_age_seconds} "
+              f"and on (training_job) ({RUNNING})",
+              "warning", "Job {{ $labels.training_job }} has no new validated checkpoint for "
+                         "{{ $value | humanizeDuration }}",
+              f"No newer validated checkpoint for over {t.checkpoint_max_age_seconds} s: a crash now "
+              "loses that much work. Check the trainer's checkpoint log and storage."),
+        Alert("CheckpointFilesystemNearlyFull",
+              named_node(f'rankguard_filesystem_free_ratio{{role="checkpoint"}} < {t.filesystem_free_warning}'),
+              "warning", "Checkpoint filesystem on node {{ $labels.node }} is {{ $value | humanizePercentage }} free",
+              f"Under {pct(t.filesystem_free_warning)} free: saves will fail soon. Retention keeps "
+              "the newest validated checkpoint; free space or move older ones.", "5m"),
+        Alert("CheckpointFilesystemFull",
+              named_node(f'rankguard_filesystem_free_ratio{{role="checkpoint"}} < {t.filesystem_free_critical}'),
+              "critical", "Checkpoint filesystem on node {{ $labels.node }} is {{ $value | humanizePercentage }} free",
+              f"Under {pct(t.filesystem_free_critical)} free: checkpoint saves are failing or about to.",
+              "1m"),
+        Alert("AgentDown",
+              f'(up{{job="{AGENT_JOB}"}} == 0) * on (instance) group_left (node) '
+              f"topk by (instance) (1, last_over_time({NODE_INFO}[1d])) "
+              f'or on (instance) up{{job="{AGENT_JOB}"}} == 0',
+              "warning", "rankguard agent {{ $labels.instance }}{{ with $labels.node }} (node {{ . }}){{ end }} is down",
+              "Prometheus cannot scrape the node's agent: no GPU, rank or storage data from it. "
+              "A monitoring fault: training goes on. `systemctl status rankguard-agent`.", "1m"),
+        Alert("SupervisorDown",
+              f'up{{job="{SUPERVISOR_JOB}"}} == 0 or absent(up{{job="{SUPERVISOR_JOB}"}})',
+              "warning", "rankguard supervisor {{ with $labels.instance }}{{ . }} {{ end }}is down",
+              "No supervisor: dead, hung and slow ranks are not detected or recovered by rankguard "
+              "(torchrun still restarts dead workers).", "1m"),
+    ]  # fmt: skip
+
+
+def rule_file(t: Targets | None = None) -> dict:
+    """The rule file's structure (groups of rules) for `yamlout.dump`."""
+    return {
+        "groups": [
+            {
+                "name": "rankguard.records",
+                "rules": [{"record": r.name, "expr": r.expr} for r in recording_rules()],
+            },
+            {
+                "name": "rankguard.alerts",
+                "rules": [
+                    {
+                        "alert": a.name,
+                        "expr": a.expr,
+                        "for": a.for_,
+                        "labels": {"severity": a.severity},
+                        "annotations": {"summary": a.summary, "description": a.description},
+                    }
+                    for a in alerting_rules(t)
+                ],
+            },
+        ]
+    }
