@@ -1,0 +1,224 @@
+"""The supervisor at scale: polling never waits on the slowest agent, the agents file is
+re-read while the supervisor runs, sd_notify, and a small run of the scale simulator."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import TOKEN, Daemon, free_port, http_json, wait_until
+
+from rankguard.supervisor.agents import AgentClient, AgentsFile, Poller
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def sim(tmp_path):
+    """bench/agent_sim.py serving 3 simulated agents (8 ranks each), no faults."""
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench/agent_sim.py"), "--nodes", "3",
+         "--ready-file", str(ready), "--agents-file", str(tmp_path / "agents")],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(ready.exists, 30, "the simulator to serve")
+        port = json.loads(ready.read_text())["port"]
+        yield [f"http://127.0.0.1:{port}/agents/{i}" for i in range(3)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def stalling_agent():
+    """A socket that accepts connections and never answers: an agent stuck in a syscall."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    held, stop = [], threading.Event()
+
+    def accept():
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(srv.accept()[0])
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    srv.close()
+
+
+def test_a_stalled_agent_does_not_hold_up_the_poll(sim, stalling_agent):
+    """One agent that accepts and never answers (timeout 2 s) beside three healthy ones:
+    every poll returns within the poller's wait, the healthy nodes' ranks are in every
+    poll, and the stalled agent is reported unreachable, never dropped."""
+    poller = Poller(wait_seconds=0.3)
+    clients = [AgentClient(u, timeout=2.0) for u in [*sim, stalling_agent]]
+    try:
+        durations = []
+        end = time.monotonic() + 4.5  # past two of the stalled agent's timeouts
+        while time.monotonic() < end:
+            start = time.monotonic()
+            obs = poller.poll(clients)
+            durations.append(time.monotonic() - start)
+            by_url = {n.url: n for n in obs.nodes}
+            assert [len(by_url[u].ranks) for u in sim] == [8, 8, 8]
+            assert all(by_url[u].reachable for u in sim)
+            assert not by_url[stalling_agent].reachable
+            time.sleep(0.1)
+        # Before the change every poll took the stalled agent's 2 s timeout.
+        assert max(durations) < 1.0, durations
+        assert len(durations) >= 8
+    finally:
+        poller.close()
+
+
+def test_a_slow_agent_is_shown_by_its_last_answer(sim):
+    """An agent polled while its previous request is still in flight keeps its last
+    observation (not 'unreachable'), and is not asked twice at once."""
+    poller = Poller(wait_seconds=0.2)
+    client = AgentClient(sim[0], timeout=2.0)
+    try:
+        first = poller.poll([client]).nodes[0]
+        assert first.reachable and len(first.ranks) == 8
+        gate = threading.Event()
+        real = poller._poll_one
+        calls = []
+
+        def slow(c, now):
+            calls.append(now)
+            gate.wait(5)
+            return real(c, now)
+
+        poller._poll_one = slow
+        second = poller.poll([client]).nodes[0]
+        third = poller.poll([client]).nodes[0]
+        assert second is first and third is first  # the last answer, while one is in flight
+        assert len(calls) == 1
+        gate.set()
+        wait_until(lambda: poller.poll([client]).nodes[0] is not first, 5, "the new answer")
+    finally:
+        gate.set()
+        poller.close()
+
+
+def test_agents_file_bad_version_keeps_the_last_good_list(tmp_path, caplog):
+    path = tmp_path / "agents"
+    path.write_text("http://a:9407\n# comment\nhttp://b:9407  # node b\nhttp://a:9407\n")
+    af = AgentsFile(path)
+    assert af.urls() == ["http://a:9407", "http://b:9407"]
+    path.write_text("http://a:9407\nhttp://b:9407\nhttp://c:94")  # fine: a port
+    assert af.urls() == ["http://a:9407", "http://b:9407", "http://c:94"]
+    path.write_text("http://a:9407\nhtt")  # caught mid-write
+    assert af.urls() == ["http://a:9407", "http://b:9407", "http://c:94"]
+    assert af.urls() == ["http://a:9407", "http://b:9407", "http://c:94"]
+    assert af.errors == 1  # logged once per bad version, not on every pass
+    assert "line 2: not an http(s) URL: 'htt'" in caplog.text
+    path.write_text("http://x:notaport\n")
+    assert af.urls() == ["http://a:9407", "http://b:9407", "http://c:94"]
+    path.unlink()
+    assert af.urls() == ["http://a:9407", "http://b:9407", "http://c:94"]
+    path.write_text("")  # the last node left: an empty list is a valid list
+    assert af.urls() == []
+    assert af.errors == 3
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def test_supervisor_follows_its_agents_file(tmp_path, sim):
+    """A real supervisor process: nodes added to and removed from --agents-file are
+    polled from the next pass; a broken file leaves the last good list in force."""
+    (tmp_path / "token").write_text(TOKEN)
+    (tmp_path / "token").chmod(0o600)
+    agents = tmp_path / "sup-agents"
+    _write_atomically(agents, sim[0] + "\n")
+    port = free_port()
+    sup = Daemon(
+        ["supervisor", "--bind", f"127.0.0.1:{port}", "--interval", "0.25",
+         "--agents-file", str(agents), "--db", str(tmp_path / "db"),
+         "--token-file", str(tmp_path / "token")],
+        tmp_path / "supervisor.log", f"http://127.0.0.1:{port}",
+    )  # fmt: skip
+
+    def nodes() -> list[str]:
+        return sorted(n["node"] for n in http_json(sup.url + "/v1/cluster")["nodes"])
+
+    try:
+        wait_until(lambda: nodes() == ["sim-0000"], 20, "the first node")
+        _write_atomically(agents, "".join(u + "\n" for u in sim))  # a prolog adds two
+        wait_until(lambda: nodes() == ["sim-0000", "sim-0001", "sim-0002"], 10, "3 nodes")
+        wait_until(lambda: len(http_json(sup.url + "/v1/ranks")["ranks"]) == 24, 10, "24 ranks")
+        agents.write_text(sim[0] + "\nhttp://")  # a writer caught mid-line
+        wait_until(lambda: "keeping the last good list" in sup.log.read_text(), 10, "the log")
+        time.sleep(0.6)  # a few passes with the bad file
+        assert nodes() == ["sim-0000", "sim-0001", "sim-0002"]
+        _write_atomically(agents, sim[1] + "\n")  # an epilog removes two
+        wait_until(lambda: nodes() == ["sim-0001"], 10, "1 node")
+    finally:
+        assert sup.stop() == 0
+
+
+def test_supervisor_speaks_sd_notify(tmp_path, sim):
+    """Type=notify: READY once serving, WATCHDOG as passes complete, STOPPING on SIGTERM."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(30)
+    env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "400000"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rankguard.cli.main", "supervisor", "--bind",
+         f"127.0.0.1:{free_port()}", "--interval", "0.1", "--agents", sim[0],
+         "--db", str(tmp_path / "db")],
+        env=env, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        messages = [notify.recv(4096).decode() for _ in range(3)]
+        assert messages[0].startswith("READY=1")
+        assert all(m.startswith("WATCHDOG=1\nSTATUS=") for m in messages[1:])
+        proc.terminate()
+        while not (m := notify.recv(4096).decode()).startswith("STOPPING=1"):
+            assert m.startswith("WATCHDOG=1")
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+        notify.close()
+
+
+def test_watchdog_stops_when_passes_stop(tmp_path, monkeypatch):
+    """A reconcile loop stuck in a pass stops the pings, so systemd restarts it."""
+    from rankguard.supervisor import daemon
+
+    sent = []
+    monkeypatch.setattr(daemon.sdnotify, "notify", sent.append)
+
+    class Stuck:
+        passes, loop_seconds = 7, 0.01
+
+    done = threading.Event()
+    t = threading.Thread(target=daemon._watchdog, args=(Stuck, 0.02, done))
+    t.start()
+    time.sleep(0.3)
+    Stuck.passes = 8
+    time.sleep(0.3)
+    done.set()
+    t.join()
+    assert sent == [
+        "WATCHDOG=1\nSTATUS=7 passes, last 0.010s",
+        "WATCHDOG=1\nSTATUS=8 passes, last 0.010s",
+    ]
