@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import urllib.request
 
 import pytest
 from harness import free_port, http_json, run_ok, wait_until
+from prometheus_harness import Prometheus, prometheus_bin
 
 from rankguard.agent.nvml_double import make_double
 
@@ -21,17 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def prometheus_bin() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus missing in CI: scripts/test installs Debian's package")
-        pytest.skip("prometheus not installed (Debian package prometheus)")
-    return path
-
-
-@pytest.fixture
 def running_agent(tmp_path):
+    prometheus_bin()  # skip before starting anything where it is missing
     port = free_port()
     double = tmp_path / "nvml.json"
     double.write_text(json.dumps(make_double(n_gpus=2)))
@@ -51,31 +42,16 @@ def running_agent(tmp_path):
     assert proc.wait(timeout=15) == 0, (tmp_path / "agent.log").read_text()[-3000:]
 
 
-def test_prometheus_scrapes_rank_and_storage_series_during_training(
-    tmp_path, prometheus_bin, running_agent
-):
-    prom_port = free_port()
+def test_prometheus_scrapes_rank_and_storage_series_during_training(tmp_path, running_agent):
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
         "scrape_configs:\n  - job_name: rankguard-agent\n    static_configs:\n"
         f"      - targets: ['127.0.0.1:{running_agent['port']}']\n"
     )
-    with open(tmp_path / "prometheus.log", "w") as log:
-        prom = subprocess.Popen(
-        [prometheus_bin, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
-    api = f"http://127.0.0.1:{prom_port}/api/v1"
-
-    def query(expr: str) -> list:
-        url = f"{api}/query?" + urllib.parse.urlencode({"query": expr})
-        return http_json(url)["data"]["result"]
-
+    prom = Prometheus(config, tmp_path)
+    query = prom.query
     try:
-        wait_until(lambda: http_json(f"{api}/status/buildinfo")["status"] == "success", 60,
-                   "prometheus to start")  # fmt: skip
         run_ok(
             ["--steps", "150", "--ckpt-dir", str(running_agent["dir"] / "ckpt"),
              "--ckpt-every", "50", "--job", "e2e"],
@@ -96,8 +72,7 @@ def test_prometheus_scrapes_rank_and_storage_series_during_training(
         up = query('up{job="rankguard-agent"}')
         assert up and up[0]["value"][1] == "1"
     finally:
-        prom.terminate()
-        prom.wait(timeout=30)
+        prom.stop()
     # The agent itself saw the job finish cleanly.
     ranks = http_json(running_agent["base"] + "/v1/ranks")["ranks"]
     assert {(r["rank"], r["state"]) for r in ranks if r["job"] == "e2e"} == {
