@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from harness import TOKEN, Daemon, free_port, http_json, wait_until
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rankguard.supervisor.agents import AgentClient, AgentsFile, Poller
 
@@ -222,3 +224,15 @@ def test_watchdog_stops_when_passes_stop(tmp_path, monkeypatch):
         "WATCHDOG=1\nSTATUS=7 passes, last 0.010s",
         "WATCHDOG=1\nSTATUS=8 passes, last 0.010s",
     ]
+
+
+@given(st.lists(st.sampled_from([0.1, 0.1, 0.11, 0.2, 0.35, 1.0]), min_size=2, max_size=12),
+       st.data())  # fmt: skip
+def test_median_without_one_equals_the_peers_median(values, data):
+    """The straggler detector's O(log N) peers' median is the median of the others."""
+    from rankguard.supervisor.detectors.common import median
+    from rankguard.supervisor.detectors.straggler import _median_without
+
+    i = data.draw(st.integers(0, len(values) - 1))
+    others = values[:i] + values[i + 1 :]
+    assert _median_without(sorted(values), values[i]) == median(others)
