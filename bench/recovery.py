@@ -1,6 +1,6 @@
 """Recovery timings: SIGKILL and hang, supervised by rankguard vs plain torchrun.
 
-    python bench/recovery.py [--steps 300] [--hang-wait 60] [--out FILE]
+    python bench/recovery.py [--steps 300] [--hang-wait 60] [--warm] [--out FILE]
 
 Same trainer (tiny preset, 2 ranks, gloo, checkpoints every 10 steps), same faults:
 
@@ -14,11 +14,18 @@ timings (fault -> detected -> acted -> restarted -> first step). "plain" is
 last record before the gap, recovery is the first step record of the next incarnation.
 Plain torchrun does not notice a hang before the collective timeout (30 min by default),
 so that run is cut off after --hang-wait seconds and reported as not recovered.
+"rankguard, warm start" (--warm) is rankguard with workers forked from a process that
+imported torch once (trainer/warm.py) instead of started cold.
+
+Each worker writes its startup milestones (RANKGUARD_STARTUP_TRACE), which split the
+restart into teardown + respawn, imports, rendezvous (process-group init), model build +
+checkpoint load, and the first step; each is the slowest rank's, as the group waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -35,10 +42,11 @@ from telemetry_sink import TelemetrySink  # noqa: E402
 FAULT_STEP = 150
 
 
-def trainer_cmd(tmp: Path, steps: int, fault: str) -> list[str]:
+def trainer_cmd(tmp: Path, steps: int, fault: str, warm: bool = False) -> list[str]:
+    entry = ["rankguard.trainer.warm", "run"] if warm else ["rankguard.trainer"]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=3", "-m", "rankguard.trainer", "--preset", "tiny", "--steps", str(steps),
+        "--max-restarts=3", "-m", *entry, "--preset", "tiny", "--steps", str(steps),
         "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "10", "--log-every", "0", "--job", "bench",
         "--fault", f"{fault}:step={FAULT_STEP}:rank=1",
     ]  # fmt: skip
@@ -77,14 +85,39 @@ def env_for(tmp: Path, socket_path: Path) -> dict:
             "RANKGUARD_STARTUP_TRACE": str(tmp / "trace.jsonl")}  # fmt: skip
 
 
-def supervised(fault: str, steps: int) -> dict:
+@contextlib.contextmanager
+def warm_server(tmp: Path, enabled: bool):
+    """The warm-start server (trainer/warm.py), when asked for: its socket, else None."""
+    if not enabled:
+        yield None
+        return
+    path = tmp / "warm.sock"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rankguard.trainer.warm", "serve", "--socket", str(path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield path
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def supervised(fault: str, steps: int, warm: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-recovery-") as d:
         tmp = Path(d)
         agent = start_agent(tmp)
         sup = start_supervisor(tmp, [agent.url])
         try:
-            proc = subprocess.run(trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang"),
-                                  env=env_for(tmp, agent.socket), capture_output=True, timeout=600)  # fmt: skip
+            with warm_server(tmp, warm) as warm_socket:
+                env = env_for(tmp, agent.socket)
+                if warm_socket:
+                    env["RANKGUARD_WARM_SOCKET"] = str(warm_socket)
+                cmd = trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang", warm)
+                proc = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
             time.sleep(0.5)
             kind = "rank_dead" if fault == "kill" else "rank_hung"
             incs = [
@@ -151,6 +184,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--hang-wait", type=float, default=60)
     p.add_argument("--faults", default="kill,hang", help="comma-separated: kill, hang")
+    p.add_argument("--warm", action="store_true", help="also run with trainer/warm.py")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = []
@@ -159,6 +193,9 @@ def main() -> None:
         rows.append((fault, "rankguard", supervised(fault, args.steps)))
         print(f"{fault}: plain torchrun ...", file=sys.stderr, flush=True)
         rows.append((fault, "plain torchrun", plain(fault, args.steps, args.hang_wait)))
+        if args.warm:
+            print(f"{fault}: rankguard, warm start ...", file=sys.stderr, flush=True)
+            rows.append((fault, "rankguard, warm start", supervised(fault, args.steps, True)))
     lines = [HEADER, "|" + "---|" * (len(COLUMNS) + 2)]
     for fault, stack, r in rows:
         if not r["ok"]:

@@ -17,14 +17,16 @@ def torchrun(
     max_restarts: int = 0,
     env: dict | None = None,
     timeout: float = 240,
+    entry: tuple[str, ...] = ("rankguard.trainer",),
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone` of the bundled trainer; output captured for assertions."""
+    """`torchrun --standalone` of the bundled trainer (`entry`: the module and its first
+    arguments); output captured for assertions."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off"}
     full_env.update(env or {})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        "-m", "rankguard.trainer", "--preset", "tiny", "--log-every", "0", *args,
+        "-m", *entry, "--preset", "tiny", "--log-every", "0", *args,
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout

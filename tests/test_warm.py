@@ -1,0 +1,116 @@
+"""Warm start (trainer/warm.py): workers forked from a server that imported torch once,
+under real torchrun. Same training as a cold start, same failure semantics for torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from harness import read_json, torchrun, wait_until
+
+pytestmark = pytest.mark.slow
+
+WARM = ("rankguard.trainer.warm", "run")
+
+
+@pytest.fixture
+def server(tmp_path):
+    path = tmp_path / "warm.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rankguard.trainer.warm", "serve", "--socket", str(path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_until(lambda: path.exists(), 60, "the warm server's socket")
+    yield path, proc
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def trace_pids(path) -> dict[int, set[int]]:
+    """pids of the workers of each incarnation, from the startup trace."""
+    out: dict[int, set[int]] = {}
+    for line in path.read_text().splitlines():
+        m = json.loads(line)
+        out.setdefault(m["restart"], set()).add(m["pid"])
+    return out
+
+
+def test_warm_workers_train_exactly_like_cold_ones_and_survive_a_crash(server, tmp_path, clean_40):
+    """A crash at step 27 (the worker SIGKILLs itself): the shim dies the same way (or its
+    peer fails first on the broken all-reduce), torchrun restarts the group, new workers are forked warm, and the run ends with the
+    uninterrupted run's digest."""
+    path, proc = server
+    trace = tmp_path / "trace.jsonl"
+    run = torchrun(
+        ["--steps", "40", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "10",
+         "--summary", str(tmp_path / "s.json"), "--fault", "crash:step=27:rank=1"],
+        cwd=tmp_path, max_restarts=1, entry=WARM,
+        env={"RANKGUARD_WARM_SOCKET": str(path), "RANKGUARD_STARTUP_TRACE": str(trace)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert read_json(tmp_path / "s.json")["param_digest"] == clean_40["param_digest"]
+    pids = trace_pids(trace)
+    assert sorted(pids) == [0, 1] and all(len(p) == 2 for p in pids.values())
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)],
+                              capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert children == [], "workers left behind"
+    assert not any(os.path.exists(f"/proc/{p}") for s in pids.values() for p in s)
+
+
+def shim(path, tmp_path, trace, *args: str) -> subprocess.Popen:
+    """One shim as torchrun would start it, for a world of one."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rankguard.trainer.warm", "run", "--preset", "tiny",
+         "--log-every", "0", *args],
+        env={**os.environ, "RANKGUARD_WARM_SOCKET": str(path), "RANKGUARD_STARTUP_TRACE": str(trace),
+             "RANKGUARD_TELEMETRY_SOCKET": "off", "WORLD_SIZE": "1", "RANK": "0",
+             "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())},
+        cwd=tmp_path, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def test_the_shim_ends_as_its_worker_did(server, tmp_path):
+    path, _ = server
+    ok = shim(path, tmp_path, tmp_path / "a.jsonl", "--steps", "3")
+    crash = shim(path, tmp_path, tmp_path / "b.jsonl", "--steps", "9", "--fault", "crash:step=2")
+    assert (ok.wait(timeout=120), crash.wait(timeout=120)) == (0, -9)
+    bad = shim(path, tmp_path, tmp_path / "c.jsonl", "--steps", "-1")  # refused by the trainer
+    assert bad.wait(timeout=120) == 2
+
+
+def test_a_worker_dies_with_its_shim(server, tmp_path):
+    """torchrun SIGKILLs the shim on teardown: the forked worker must not outlive it."""
+    path, _ = server
+    trace = tmp_path / "trace.jsonl"
+    proc = shim(path, tmp_path, trace, "--steps", "100000")
+    wait_until(lambda: trace.exists() and "first_step" in trace.read_text(), 60, "a first step")
+    [worker] = trace_pids(trace)[0]
+    assert worker != proc.pid
+    proc.kill()
+    proc.wait()
+    wait_until(lambda: not os.path.exists(f"/proc/{worker}"), 10, "the worker to die")
+
+
+def test_bad_requests_are_refused_and_the_server_keeps_serving(server):
+    path, proc = server
+    for payload in (b"", b"\x00\x00\x00\x05{bad", b"garbage without descriptors"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(path))
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(100) == b""  # closed without forking anything
+    time.sleep(0.2)
+    assert proc.poll() is None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(path))  # still accepting
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,225 @@
+"""Warm start: workers forked from a process that has already imported torch.
+
+A cold torchrun restart spends most of its time importing torch in every new worker
+(`bench/recovery.py`: 1.6 s of a 2.5 s restart on the tiny preset). Here a per-node
+server imports the trainer once and forks a worker per request; torchrun starts a light
+shim instead of the trainer, which hands its argv, environment, cwd and stdio to the
+server and then stands in for the worker:
+
+    python -m rankguard.trainer.warm serve --socket /run/rankguard/warm.sock &
+    RANKGUARD_WARM_SOCKET=/run/rankguard/warm.sock \\
+        torchrun ... -m rankguard.trainer.warm run --preset tiny ...
+
+The shim forwards signals to the worker and exits the way the worker did (same exit code,
+same fatal signal), so torchrun's failure handling is unchanged. A worker whose shim
+dies (torchrun SIGKILLs it) kills itself. Without a server the shim runs the trainer
+itself, cold. The server must never have touched CUDA or started a process group: it
+only imports.
+
+Limitation: the worker's parent is the server, not torchrun, so the agent's stop-job
+(which signals the torchrun launcher found among the ranks' parents) finds no launcher
+for warm-started ranks; see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+
+ENV = "RANKGUARD_WARM_SOCKET"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_LEN = struct.Struct("!I")
+MAX_REQUEST = 1 << 20
+
+
+# -- shim (no torch import: it must start in milliseconds) ---------------------------------
+
+
+def run(argv: list[str]) -> int:
+    path = os.environ.get(ENV)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if not path:
+            raise OSError(f"{ENV} is not set")
+        conn.connect(path)
+    except OSError as exc:
+        conn.close()
+        print(f"rankguard warm: no server ({exc}); starting cold", file=sys.stderr)
+        from .train import main
+
+        return main(argv)
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    fds = array.array("i", [0, 1, 2])
+    conn.sendmsg([_LEN.pack(len(request)) + request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    replies = conn.makefile("r")
+    child = json.loads(replies.readline())["pid"]
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _f: _signal_quietly(child, s))
+    line = replies.readline()
+    if not line:  # the server died: the worker is nobody's child now; wait for it to end
+        _wait_for_exit(child)
+        return 1
+    status = json.loads(line)
+    sig = status.get("signal")
+    if sig:
+        if sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)  # SIGKILL has no handler to reset
+        os.kill(os.getpid(), sig)  # die as the worker did: torchrun reads it
+    return int(status.get("exit", 1))
+
+
+def _signal_quietly(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _wait_for_exit(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    select.select([fd], [], [])
+    os.close(fd)
+
+
+# -- server -------------------------------------------------------------------------------
+
+
+def serve(path: str) -> int:
+    from . import train  # the point of the server: pay for torch once
+
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o600)  # forks run as the server's user: only that user may ask
+    listener.listen(64)
+    print(f"rankguard warm: serving on {path}", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        conn, _ = listener.accept()
+        try:
+            request, fds, shim_pid = _read_request(conn)
+        except (OSError, ValueError) as exc:
+            print(f"rankguard warm: bad request refused: {exc}", file=sys.stderr, flush=True)
+            conn.close()
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            _become_worker(train, conn, request, fds, shim_pid)  # never returns
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        threading.Thread(target=_report_exit, args=(conn, pid), daemon=True).start()
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int], int]:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    shim_pid, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        raise ValueError(f"peer uid {uid} is not the server's")
+    fds_size = socket.CMSG_LEN(3 * array.array("i").itemsize)
+    data, ancdata, _, _ = conn.recvmsg(MAX_REQUEST, fds_size)
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected stdin, stdout and stderr, got {len(fds)} descriptors")
+    (size,) = _LEN.unpack_from(data)
+    while len(data) < _LEN.size + size:
+        more = conn.recv(MAX_REQUEST)
+        if not more:
+            raise ValueError("request cut short")
+        data += more
+    request = json.loads(data[_LEN.size : _LEN.size + size])
+    if not isinstance(request.get("argv"), list) or not isinstance(request.get("env"), dict):
+        raise ValueError("request needs argv (list) and env (object)")
+    return request, list(fds), shim_pid
+
+
+def _become_worker(train, conn: socket.socket, request: dict, fds: list[int], shim: int):
+    code = 1
+    try:
+        conn.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.chdir(request.get("cwd") or "/")
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["rankguard.trainer", *request["argv"]]
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads and threads.isdigit():  # libgomp read the server's value at load
+            import torch
+
+            torch.set_num_threads(int(threads))
+        _die_with(shim)
+        code = train.main(request["argv"])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _die_with(shim: int) -> None:
+    """torchrun watches and kills the shim; the worker must not outlive it."""
+    try:
+        fd = os.pidfd_open(shim)
+    except ProcessLookupError:
+        os._exit(1)
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="warm-shim-watch").start()
+
+
+def _report_exit(conn: socket.socket, pid: int) -> None:
+    _, status = os.waitpid(pid, 0)
+    reply = (
+        {"signal": os.WTERMSIG(status)}
+        if os.WIFSIGNALED(status)
+        else {"exit": os.waitstatus_to_exitcode(status)}
+    )
+    try:
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+    except OSError:
+        pass  # the shim is gone already
+    finally:
+        conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"] and len(argv) == 3 and argv[1] == "--socket":
+        return serve(argv[2])
+    if argv[:1] == ["run"]:
+        return run(argv[1:])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
