@@ -93,9 +93,13 @@ class Poller:
     No head-of-line blocking: a pass waits at most `wait_seconds` for the answers it asked
     for, not for the slowest agent's timeout. An agent still answering is not asked again
     (its request stays in flight, bounded by its own timeouts) and is shown by its last
-    answer until the new one arrives, or as unreachable if it never answered. One stuck
-    agent thus costs one pass `wait_seconds` per request it times out on, and every other
-    node is seen on every pass.
+    answer until the new one arrives; an agent that never answered yet is left out until its
+    first request completes (a refused or timed-out request then reports it unreachable).
+    One stuck agent thus costs one pass `wait_seconds` per request it times out on, and
+    every other node is seen on every pass. A request's timeout counts from when a worker
+    starts it, not from when it was queued: when the supervisor falls behind (more agents
+    than its threads and CPU serve in one interval) its nodes show older answers, and are
+    not reported unreachable for the supervisor's own backlog.
     """
 
     def __init__(
@@ -107,7 +111,7 @@ class Poller:
         self.node_interval = node_interval
         self.wait_seconds = wait_seconds
         self._node_cache: dict[str, tuple[float, dict]] = {}
-        self._inflight: dict[str, tuple[Future, float]] = {}  # url -> (poll, asked at)
+        self._inflight: dict[str, tuple[Future, list[float]]] = {}  # url -> (poll, [started])
         self._last: dict[str, NodeObs] = {}  # url -> newest completed observation
 
     def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
@@ -118,31 +122,38 @@ class Poller:
             self._node_cache[client.url] = (now, node_json)
         return obs
 
+    def _timed(self, client: AgentClient, now: float, started: list[float]) -> NodeObs:
+        started.append(time.monotonic())  # queued until now: the wait is ours, not the agent's
+        return self._poll_one(client, now)
+
     def poll(self, clients: list[AgentClient], now: float | None = None) -> ClusterObs:
         now = time.time() if now is None else now
         asked = []
         for c in clients:
             if c.url not in self._inflight:
-                future = self._pool.submit(self._poll_one, c, now)
-                self._inflight[c.url] = (future, time.monotonic())
+                started: list[float] = []
+                future = self._pool.submit(self._timed, c, now, started)
+                self._inflight[c.url] = (future, started)
                 asked.append(future)
         wait(asked, timeout=self.wait_seconds)
         nodes = []
         for c in clients:
-            future, since = self._inflight[c.url]
+            future, started = self._inflight[c.url]
             if future.done():
                 del self._inflight[c.url]
                 self._last[c.url] = future.result()
                 nodes.append(self._last[c.url])
                 continue
-            waited = time.monotonic() - since
+            running = time.monotonic() - started[0] if started else 0.0
             last = self._last.get(c.url)
             # node + ranks requests, each with its own timeout: past that it is stuck
-            if last is not None and waited < c.timeout * 2 + 1:
-                nodes.append(last)
-            else:
-                why = f"no answer after {waited:.1f}s" + (" (stuck)" if last else "")
+            if running >= c.timeout * 2 + 1:
+                why = f"no answer after {running:.1f}s (stuck)"
                 nodes.append(NodeObs.unreachable(c.url, why, now, last.node if last else None))
+            elif last is not None:
+                nodes.append(last)
+            # else: never answered yet, nothing known (not "unreachable": it may be queued
+            # behind a thousand others); a failed first request reports itself when done.
         urls = {c.url for c in clients}
         for gone in [u for u in self._last if u not in urls]:  # removed from the agents file
             self._last.pop(gone)
