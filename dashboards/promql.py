@@ -64,7 +64,7 @@ def tokens(expr: str) -> list[tuple[str, str]]:
     while pos < len(expr):
         m = _TOKEN.match(expr, pos)
         if m is None:
-            raise PromQLSyntaxError(f"cannot read {expr[pos:pos + 20]!r} in {expr!r}")
+            raise PromQLSyntaxError(f"cannot read {expr[pos : pos + 20]!r} in {expr!r}")
         kind = m.lastgroup
         if kind != "ws":
             out.append((kind, m.group()))
