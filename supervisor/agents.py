@@ -13,6 +13,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 
 from .state import ClusterObs, NodeObs
@@ -124,10 +125,15 @@ class Poller:
 
     def _timed(self, client: AgentClient, now: float, started: list[float]) -> NodeObs:
         started.append(time.monotonic())  # queued until now: the wait is ours, not the agent's
-        return self._poll_one(client, now)
+        obs = self._poll_one(client, now)
+        # The agent's ages are as of its answer, not of the pass that asked for it.
+        return replace(obs, observed_at=max(now, time.time()))
 
     def poll(self, clients: list[AgentClient], now: float | None = None) -> ClusterObs:
-        now = time.time() if now is None else now
+        """One view of the cluster, timed at the end of the poll (`now` overrides it, for
+        tests). Answers from earlier passes are aged to that time."""
+        fixed = now
+        now = time.time() if fixed is None else fixed
         asked = []
         for c in clients:
             if c.url not in self._inflight:
@@ -136,13 +142,14 @@ class Poller:
                 self._inflight[c.url] = (future, started)
                 asked.append(future)
         wait(asked, timeout=self.wait_seconds)
+        now = time.time() if fixed is None else fixed
         nodes = []
         for c in clients:
             future, started = self._inflight[c.url]
             if future.done():
                 del self._inflight[c.url]
                 self._last[c.url] = future.result()
-                nodes.append(self._last[c.url])
+                nodes.append(self._last[c.url].aged(now))
                 continue
             running = time.monotonic() - started[0] if started else 0.0
             last = self._last.get(c.url)
@@ -151,7 +158,7 @@ class Poller:
                 why = f"no answer after {running:.1f}s (stuck)"
                 nodes.append(NodeObs.unreachable(c.url, why, now, last.node if last else None))
             elif last is not None:
-                nodes.append(last)
+                nodes.append(last.aged(now))
             # else: never answered yet, nothing known (not "unreachable": it may be queued
             # behind a thousand others); a failed first request reports itself when done.
         urls = {c.url for c in clients}

@@ -90,8 +90,8 @@ class Supervisor:
     # -- one pass -----------------------------------------------------------------
     def reconcile_once(self, now: float | None = None) -> list[Decision]:
         start = time.perf_counter()
-        now = time.time() if now is None else now
         obs = self.poller.poll(self.clients(), now)
+        now = obs.time  # after the poll: nothing is detected before it is seen
         self.history = advance_history(self.history, obs, self.cfg.detectors)
         findings = [self._refine(f, obs) for f in run_all(obs, self.history, self.cfg.detectors)]
         for f in findings:

@@ -8,7 +8,7 @@ Times are unix seconds as the agents report them; `observed_at` is the superviso
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 LIVE_STATES = frozenset({"alive", "stopped"})
@@ -127,6 +127,17 @@ class NodeObs:
             reasons=tuple(node_json.get("reasons") or ()),
             ranks=tuple(RankObs.from_json(name, r) for r in ranks_json.get("ranks") or ()),
         )
+
+    def aged(self, now: float) -> NodeObs:
+        """This answer seen at `now`: every heartbeat is older by the time since the answer
+        (a node still answering shows its last answer; a hang must not hide behind it)."""
+        late = now - self.observed_at
+        if late <= 0 or not self.ranks:
+            return self
+        return replace(self, ranks=tuple(
+            replace(r, heartbeat_age_seconds=r.heartbeat_age_seconds + late)
+            if r.heartbeat_age_seconds is not None else r for r in self.ranks
+        ))  # fmt: skip
 
     @classmethod
     def unreachable(

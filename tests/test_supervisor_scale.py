@@ -113,10 +113,15 @@ def test_a_slow_agent_is_shown_by_its_last_answer(sim):
         poller._poll_one = slow
         second = poller.poll([client]).nodes[0]
         third = poller.poll([client]).nodes[0]
-        assert second is first and third is first  # the last answer, while one is in flight
+        # the last answer while one is in flight, its heartbeats aged to the pass's time
+        assert second.observed_at == third.observed_at == first.observed_at
+        assert [r.pid for r in third.ranks] == [r.pid for r in first.ranks]
+        ages = [[r.heartbeat_age_seconds for r in n.ranks] for n in (first, second, third)]
+        assert all(a < b < c for a, b, c in zip(*ages)), ages
         assert len(calls) == 1
         gate.set()
-        wait_until(lambda: poller.poll([client]).nodes[0] is not first, 5, "the new answer")
+        wait_until(lambda: poller.poll([client]).nodes[0].observed_at > first.observed_at, 5,
+                   "the new answer")  # fmt: skip
     finally:
         gate.set()
         poller.close()
