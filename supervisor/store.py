@@ -362,7 +362,9 @@ class IncidentStore:
     ) -> tuple[Incident, bool]:
         """The incident for `finding.key`, created on first sight (state `open`). Seen again,
         an incident that is not yet terminal takes the finding's newer summary, severity
-        and evidence (e.g. a culprit found later); its detection facts never change.
+        and evidence, its culprit once one is named or an earlier fault time is seen (a
+        node polled later shows the first death) unless it was acted on already; when it
+        was detected never changes.
         `checkpoint_step` (the job's newest validated step now) feeds the crash-loop guard;
         missing values default to evidence `restart`, `step`, `checkpoint_step`."""
         ev = finding.evidence
@@ -385,14 +387,26 @@ class IncidentStore:
                 detail = {"kind": finding.kind, "summary": finding.summary}
                 self._event(c, cur.lastrowid, now, "detected", detail)
                 return self._get(c, cur.lastrowid), True
-            changed = (row["summary"], row["severity"], row["evidence"]) != (
-                finding.summary, finding.severity, evidence,
-            )  # fmt: skip
-            if changed and row["state"] not in TERMINAL:
+            if row["state"] in TERMINAL:
+                return self._get(c, row["id"]), False
+            node, rank, occurred = row["node"], row["rank"], row["occurred_at"]
+            earlier = finding.occurred_at is not None and (
+                occurred is None or finding.occurred_at < occurred
+            )
+            # A culprit named later (stacks), or an earlier death seen on a node polled
+            # later, replaces the first guess; never once something was done to it.
+            if finding.rank is not None and row["acted_at"] is None and (rank is None or earlier):
+                node, rank = finding.node, finding.rank
+            if earlier:
+                occurred = finding.occurred_at
+            new = (finding.summary, finding.severity, evidence, node, rank, occurred)
+            old = tuple(row[k] for k in ("summary", "severity", "evidence", "node", "rank",
+                                         "occurred_at"))  # fmt: skip
+            if new != old:
                 c.execute(
-                    """UPDATE incidents SET summary = ?, severity = ?, evidence = ?,
-                       updated_at = ? WHERE id = ?""",
-                    (finding.summary, finding.severity, evidence, now, row["id"]),
+                    """UPDATE incidents SET summary = ?, severity = ?, evidence = ?, node = ?,
+                       rank = ?, occurred_at = ?, updated_at = ? WHERE id = ?""",
+                    (*new, now, row["id"]),
                 )
             return self._get(c, row["id"]), False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sqlite3
 import threading
@@ -266,3 +267,22 @@ def test_build_view(store):
     assert later.jobs["j"].restart_actions == ()  # outside the budget window
     store.begin_action(d0.id, ACT_STOP_JOB, {"job": "j"}, 410.0)
     assert build_view(store, findings, PolicyConfig(), 420.0).jobs["j"].stopped_at == 410.0
+
+
+def test_a_later_view_of_an_earlier_death_renames_the_culprit_until_acted_on(store):
+    """Nodes are polled at different moments: torchrun's teardown of rank 1 can be seen
+    before the first death (rank 5, on a node read later). The incident follows the
+    earliest death; when it was detected does not change."""
+    first, created = store.upsert_finding(dead("rank_dead:j:0", occurred_at=100.2), now=100.5)
+    assert created and (first.rank, first.occurred_at) == (1, 100.2)
+    earlier = dataclasses.replace(dead("rank_dead:j:0", occurred_at=100.0), node="n2", rank=5)
+    inc, created = store.upsert_finding(earlier, now=100.8)
+    assert not created
+    assert (inc.node, inc.rank, inc.occurred_at, inc.detected_at) == ("n2", 5, 100.0, 100.5)
+    later = dataclasses.replace(dead("rank_dead:j:0", occurred_at=100.3), node="n3", rank=7)
+    assert store.upsert_finding(later, now=101.0)[0].rank == 5  # not an earlier fault
+
+    hung, _ = store.upsert_finding(hang(), now=101.0)
+    store.begin_action(hung.id, ACT_KILL_RANK, {"rank": 3}, 102.0)
+    other = dataclasses.replace(hang(), rank=4, occurred_at=99.0)
+    assert store.upsert_finding(other, now=103.0)[0].rank == 3  # acted on rank 3: it stays
