@@ -101,6 +101,42 @@ def _is_launcher(pid: int) -> bool:
     return b"torch.distributed.run" in cmdline or b"torchrun" in cmdline
 
 
+def launcher_pid(pid: int, ppid: int | None) -> int | None:
+    """The torchrun launcher of a rank process: its parent; or, for a warm-started worker
+    (trainer/warm.py, forked by the warm server), the parent of the shim torchrun started,
+    which the worker watches through a pidfd. Else the parent as it is."""
+    if ppid is None or _is_launcher(ppid):
+        return ppid
+    from .ranks import read_proc_stat
+
+    for shim in _pidfd_targets(pid):
+        stat = read_proc_stat(shim)
+        if stat is not None and _is_launcher(stat.ppid):
+            return stat.ppid
+    return ppid
+
+
+def _pidfd_targets(pid: int) -> list[int]:
+    """Processes `pid` holds pidfds of (the kernel names them in fdinfo's `Pid:` line)."""
+    out = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[pidfd]":
+                continue
+            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+        except OSError:
+            continue
+        for line in info.splitlines():
+            key, _, value = line.partition(":")
+            if key == "Pid" and value.strip().isdigit():
+                out.append(int(value))
+    return out
+
+
 def stop_job(table, body: dict) -> dict:
     """End a job on this node: SIGTERM its torchrun launcher(s), so the elastic agent tears
     the workers down and does not restart them; live ranks without a launcher get SIGTERM.
@@ -118,8 +154,9 @@ def stop_job(table, body: dict) -> dict:
             continue
         verified = resolve_pid(table, job, rank)
         stat = read_proc_stat(verified)
-        if stat is not None and _is_launcher(stat.ppid):
-            launchers.add(stat.ppid)
+        launcher = launcher_pid(verified, stat.ppid) if stat is not None else None
+        if launcher is not None and _is_launcher(launcher):
+            launchers.add(launcher)
         else:
             orphans.append(verified)
     if not launchers and not orphans:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .control import launcher_pid
 from .telemetry import SPLIT_FIELDS, TelemetryRecord
 from .telemetry import json_safe as json_float  # a float for strict JSON
 
@@ -382,7 +383,9 @@ class _Rank:
         """Watch a new process from now on (first sight, or a restart)."""
         self.pid = pid
         self.start_ticks = stat.start_ticks if stat else None
-        self.parent_pid = stat.ppid if stat else None  # torchrun's agent, for stop-job
+        # torchrun's agent, for stop-job: remembered now, as between incarnations every
+        # rank is dead and the job must still be stoppable
+        self.parent_pid = launcher_pid(pid, stat.ppid) if stat else None
         self.state, self.detail = "alive", None
         self.exited_at: float | None = None
         self.cpu_seconds = stat.cpu_seconds if stat else None

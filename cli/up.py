@@ -65,6 +65,24 @@ def _start(args: list[str], log: Path, health: str, env: dict) -> subprocess.Pop
     raise typer.Exit(_fail(f"{args[0]} did not start; see {log}"))
 
 
+def _start_warm_server(run_dir: Path, env: dict) -> subprocess.Popen:
+    socket_path = run_dir / "warm.sock"
+    with open(run_dir / "warm.log", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rankguard.trainer.warm", "serve", "--socket", str(socket_path)],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    for _ in range(600):  # importing torch takes a few seconds
+        if proc.poll() is not None:
+            raise typer.Exit(
+                _fail(f"the warm-start server exited at start; see {run_dir}/warm.log")
+            )
+        if socket_path.exists():
+            return proc
+        time.sleep(0.1)
+    raise typer.Exit(_fail(f"the warm-start server did not start; see {run_dir}/warm.log"))
+
+
 def _fail(message: str) -> int:
     typer.echo(f"rankguard up: {message}", err=True)
     return 2
@@ -100,6 +118,13 @@ def up(
     trainer_arg: Annotated[
         list[str], Opt("--trainer-arg", help="extra trainer flag (repeatable)")
     ] = None,
+    warm_start: Annotated[
+        bool,
+        Opt(
+            help="fork workers from a process that imported torch once: restarts skip the "
+            "import (trainer/warm.py)"
+        ),
+    ] = False,
 ) -> None:
     """Train on this machine under full supervision: starts a node agent, the supervisor
     (incidents in RUN_DIR/rankguard.db) and torchrun with the bundled trainer (gloo on CPU,
@@ -130,9 +155,14 @@ def up(
         procs.append(_start(["supervisor", "--agents", agent_url, "--db", str(run_dir / "rankguard.db"),
                              "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}"],
                             run_dir / "supervisor.log", sup_url + "/healthz", env))  # fmt: skip
+        entry = ["rankguard.trainer"]
+        if warm_start:
+            procs.append(_start_warm_server(run_dir, env))
+            env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
+            entry = ["rankguard.trainer.warm", "run"]
         job = run_dir.name
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--max-restarts=10", "-m", "rankguard.trainer", "--preset", preset, "--steps", str(steps),
+               "--max-restarts=10", "-m", *entry, "--preset", preset, "--steps", str(steps),
                "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(ckpt_every), "--job", job,
                "--summary", str(run_dir / "summary.json"), "--log-every", "50", *(trainer_arg or [])]  # fmt: skip
         typer.echo(f"rankguard up: run {run_dir} | agent {agent_url} | supervisor {sup_url}")

@@ -35,3 +35,22 @@ def test_up_rejects_a_bad_inject_spec(tmp_path):
         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "300"},
     )  # fmt: skip
     assert proc.returncode == 2 and "expected KIND" in proc.stderr
+
+
+def test_up_warm_start_crash_loop_is_stopped_through_the_launcher(tmp_path):
+    """Warm-started workers are forked by the warm server, not by torchrun; the agent
+    still finds their torchrun launcher (through the shim), so the crash-loop guard stops
+    the job (exit 3) rather than SIGTERMing ranks that torchrun would restart."""
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--warm-start", "--steps", "60",
+         "--ckpt-every", "20", "--run-dir", str(run),
+         "--trainer-arg=--fault=crash:step=25:rank=1:restart=any"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stopped the job" in proc.stderr
+    with sqlite3.connect(run / "rankguard.db") as db:
+        kinds = [k for (k,) in db.execute("SELECT kind FROM incidents")]
+    assert "crash_loop" in kinds and kinds.count("rank_dead") == 3, kinds
+    assert "starting cold" not in (run / "trainer.log").read_text()  # really warm
