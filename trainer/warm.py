@@ -16,9 +16,9 @@ dies (torchrun SIGKILLs it) kills itself. Without a server the shim runs the tra
 itself, cold. The server must never have touched CUDA or started a process group: it
 only imports.
 
-Limitation: the worker's parent is the server, not torchrun, so the agent's stop-job
-(which signals the torchrun launcher found among the ranks' parents) finds no launcher
-for warm-started ranks; see docs/architecture.md.
+The worker's parent is the server, not torchrun; the agent finds the job's torchrun
+launcher (for stop-job) through the pidfd the worker holds on its shim
+(`agent/control.py: launcher_pid`). `rankguard up --warm-start` runs all of this.
 """
 
 from __future__ import annotations
