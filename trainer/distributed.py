@@ -29,11 +29,15 @@ def _free_port() -> int:
 
 
 def _attempt_store(environ, rank: int, world_size: int, restart_count: int) -> dist.Store:
-    """The rendezvous store, namespaced by torchrun's restart count.
+    """The rendezvous store, namespaced by torchrun's restart count when it is shared.
 
     torchrun's c10d rendezvous shares one TCPStore across restarts, so without a
     per-attempt prefix a restarted worker can read the dead incarnation's gloo
-    addresses and fail or hang in init_process_group.
+    addresses and fail or hang in init_process_group. The restart count is not the same
+    on every node after a membership change (torchrun does not count those restarts), so
+    multi-node elastic jobs should run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the
+    round's rank 0 then hosts a fresh store (a new port every round), nothing in it is
+    stale, and it is used without a prefix, whatever each node's restart count says.
     """
     agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
@@ -43,6 +47,8 @@ def _attempt_store(environ, rank: int, world_size: int, restart_count: int) -> d
         is_master=not agent_store and rank == 0,
         multi_tenant=True,
     )
+    if not agent_store:
+        return store
     return dist.PrefixStore(f"rankguard/attempt-{restart_count}", store)
 
 
