@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from .control import ControlError
+from .cursor import CursorError
 from .httpd import Raw, Service, serve
 
 API_VERSION = "rankguard.agent/v1"
@@ -24,6 +25,7 @@ def agent_service(agent) -> Service:
         "/healthz": lambda: {"ok": True},
         "/v1": lambda: {"endpoints": sorted(service.get_routes) + sorted(service.post_routes)},
     })  # fmt: skip
+    service.query_routes.add("/v1/ranks")  # ?after=<cursor>: incremental reads
     service.post_routes.update({
         "/v1/control/signal": agent.control_signal,
         "/v1/control/stacks": agent.control_stacks,
@@ -33,4 +35,4 @@ def agent_service(agent) -> Service:
 
 
 def start_http(agent, host: str, port: int):
-    return serve(agent.service, host, port, domain_errors=(ControlError,))
+    return serve(agent.service, host, port, domain_errors=(ControlError, CursorError))

@@ -139,11 +139,14 @@ class Agent:
             "facts": facts,
         }
 
-    def ranks_view(self) -> dict:
+    def ranks_view(self, query: dict | None = None) -> dict:
+        """``?after=<cursor>``: only the samples after it, and a new cursor (agent/cursor.py);
+        without it, every rank's whole window as always."""
         now = time.time()
         self.table.refresh()
-        return {"node": self.cfg.node, "time": now, "ranks": self.table.snapshot(now),
-                "telemetry": self.receiver.stats()}  # fmt: skip
+        read = self.table.read((query or {}).get("after"), now)
+        return {"node": self.cfg.node, "time": now, "ranks": read.pop("ranks"),
+                "telemetry": self.receiver.stats(), **read}  # fmt: skip
 
     # -- control --------------------------------------------------------------------
     def _audit(self, action: str, body: dict, caller: str, result: dict) -> None:

@@ -4,7 +4,10 @@ Stdlib `ThreadingHTTPServer`: one thread per request, a socket timeout against s
 clients, a hard body limit, errors as JSON (`{"api", "error": {"status", "message"}}`),
 405 with `Allow` for a known path and the wrong method, and every request counted by
 route (unknown paths folded into "other") and status. Routes that change anything take
-a bearer token, compared in constant time.
+a bearer token, compared in constant time. GET routes named in `query_routes` receive the
+query string, parsed strictly (a malformed or repeated parameter is a 400). JSON is
+compact: the clients are programs (the CLI pretty-prints), and a poll of 1,024 agents a
+second pays for every byte.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import socket
 import threading
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +29,9 @@ from .telemetry import json_safe
 log = logging.getLogger("rankguard.httpd")
 
 MAX_BODY_BYTES = 16 * 1024
+MAX_QUERY_BYTES = 2048
+MAX_QUERY_FIELDS = 16
+COMPACT = (",", ":")  # json.dumps separators of every answer (bench/agent_sim.py too)
 REQUEST_TIMEOUT_SECONDS = 10
 
 
@@ -32,6 +39,26 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.headers = status, headers or {}
+
+
+def parse_query(raw: str) -> dict[str, str]:
+    """A request's query string as one value per name; HttpError 400 for a hostile or
+    ambiguous one (too long, malformed, a name given twice)."""
+    if len(raw) > MAX_QUERY_BYTES:
+        raise HttpError(400, f"query string longer than {MAX_QUERY_BYTES} bytes")
+    try:
+        pairs = urllib.parse.parse_qsl(
+            raw, keep_blank_values=True, strict_parsing=bool(raw),
+            max_num_fields=MAX_QUERY_FIELDS, errors="strict",
+        )  # fmt: skip
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HttpError(400, f"malformed query string: {exc}") from None
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        if name in out:
+            raise HttpError(400, f"query parameter {name!r} given more than once")
+        out[name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -66,7 +93,8 @@ class Service:
         self.api_version = api_version
         self.name = name
         self.token = token
-        self.get_routes: dict[str, Callable[[], Any]] = {}
+        self.get_routes: dict[str, Callable[..., Any]] = {}
+        self.query_routes: set[str] = set()  # GET routes called with the parsed query
         self.post_routes: dict[str, Callable[[dict, str], dict]] = {}
         self.auth_failures = 0
         self.stats = RequestStats(())
@@ -116,7 +144,9 @@ def make_handler(service: Service, domain_errors: tuple[type[Exception], ...] = 
             service.stats.add(self._path(), status)
 
         def _json(self, status: int, payload: dict, headers=None) -> None:
-            body = json.dumps(json_safe({"api": service.api_version, **payload}), indent=1)
+            body = json.dumps(
+                json_safe({"api": service.api_version, **payload}), separators=COMPACT
+            )
             self._send(status, body.encode() + b"\n", "application/json", headers)
 
         def _respond(self, payload) -> None:
@@ -150,6 +180,9 @@ def make_handler(service: Service, domain_errors: tuple[type[Exception], ...] = 
         def _route(self) -> None:
             path, method = self._path(), self.command
             if method in ("GET", "HEAD") and path in service.get_routes:
+                if path in service.query_routes:
+                    query = parse_query(self.path.partition("?")[2])
+                    return self._respond(service.get_routes[path](query))
                 return self._respond(service.get_routes[path]())
             if method == "POST" and path in service.post_routes:
                 service.check_token(self.headers.get("Authorization", ""))

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .control import launcher_pid
+from .cursor import Since, answer_fields, new_incarnation, since
 from .telemetry import SPLIT_FIELDS, TelemetryRecord
 from .telemetry import json_safe as json_float  # a float for strict JSON
 
@@ -343,17 +344,20 @@ class HistoryEntry(NamedTuple):
     compute_seconds: float
     comm_seconds: float
     loss: float | None
+    seq: int = 0  # the table's sample number, for incremental reads (agent/cursor.py)
 
     @classmethod
-    def of(cls, record: TelemetryRecord, now: float) -> HistoryEntry:
+    def of(cls, record: TelemetryRecord, now: float, seq: int = 0) -> HistoryEntry:
         r = record
         return cls(
             now, r.pid, r.restart, r.step, r.phase, r.step_seconds,
-            r.data_wait_seconds, r.compute_seconds, r.comm_seconds, r.loss,
+            r.data_wait_seconds, r.compute_seconds, r.comm_seconds, r.loss, seq,
         )  # fmt: skip
 
-    def summary(self, json_safe: bool) -> dict[str, Any]:
-        return {
+    def summary(self, json_safe: bool, with_seq: bool = False) -> dict[str, Any]:
+        """One sample of ``recent``; ``seq`` only in incremental answers (the legacy
+        answer stays as it was)."""
+        out = {
             "step": self.step,
             "phase": self.phase,
             "restart": self.restart,
@@ -364,6 +368,9 @@ class HistoryEntry(NamedTuple):
             "comm_seconds": self.comm_seconds,
             "loss": json_float(self.loss) if json_safe else self.loss,
         }
+        if with_seq:
+            out["seq"] = self.seq
+        return out
 
 
 class _Rank:
@@ -393,14 +400,14 @@ class _Rank:
         # CPU utilization is measured from here (first sight), then refresh to refresh.
         self.cpu_base = (now, stat.cpu_seconds) if stat else None
 
-    def observe(self, record: TelemetryRecord, now: float) -> None:
+    def observe(self, record: TelemetryRecord, now: float, seq: int = 0) -> None:
         self.record = record
         # Heartbeats (phase changes) carry no timings: keep the last step's split.
         if record.step_seconds > 0:
             self.step_record = record
         self.last_seen = now
         self.records_received += 1
-        self.history.append(HistoryEntry.of(record, now))
+        self.history.append(HistoryEntry.of(record, now, seq))
 
     def dead_state(self, zombie: bool) -> str:
         if self.record.phase == "done":
@@ -442,7 +449,13 @@ class _Rank:
             self.cpu_utilization = max(0.0, (cpu - c0) / (now - t0))
             self.cpu_base = (now, cpu)
 
-    def to_dict(self, now: float, to_unix: float, recent: int, json_safe: bool) -> dict[str, Any]:
+    def to_dict(
+        self, now: float, to_unix: float, recent: int, json_safe: bool, after: int | None = None
+    ) -> dict[str, Any]:
+        """The rank as ``/v1/ranks`` shows it. ``after``: an incremental answer, whose
+        ``recent`` holds only the samples numbered above it, and ``recent_from`` the number
+        of the oldest sample in the whole window (a client drops what it holds below that:
+        samples that left the window)."""
         rec, st = self.record, self.step_record
         out: dict[str, Any] = {
             "job": self.job,
@@ -476,11 +489,16 @@ class _Rank:
             cpu_seconds=self.cpu_seconds,
             cpu_utilization=self.cpu_utilization,
             records_received=self.records_received,
-            recent=self._recent(recent, json_safe),
         )
+        window = self._window(recent)
+        if after is None:
+            out["recent"] = [e.summary(json_safe) for e in window]
+        else:
+            out["recent_from"] = window[0].seq if window else None
+            out["recent"] = [e.summary(json_safe, True) for e in window if e.seq > after]
         return out
 
-    def _recent(self, n: int, json_safe: bool) -> list[dict[str, Any]]:
+    def _window(self, n: int) -> list[HistoryEntry]:
         """The last n step records (heartbeats without timings left out), oldest first."""
         picked: list[HistoryEntry] = []
         for entry in reversed(self.history):
@@ -488,7 +506,8 @@ class _Rank:
                 break
             if entry.step_seconds > 0:
                 picked.append(entry)
-        return [e.summary(json_safe) for e in reversed(picked)]
+        picked.reverse()
+        return picked
 
 
 class RankTable:
@@ -536,6 +555,8 @@ class RankTable:
         self.refused = 0  # new ranks refused because the table was full of live ones
         self.evicted = 0  # dead ranks dropped early to make room
         self.forgotten = 0  # dead ranks dropped after forget_after
+        self.incarnation = new_incarnation()  # names this table in cursors (agent/cursor.py)
+        self._seq = 0  # the newest sample number handed out
         self._watcher = ProcessWatcher(
             self._on_exit, clock=clock, use_pidfd=use_pidfd, proc_root=proc_root
         )
@@ -566,7 +587,8 @@ class RankTable:
                 events = []
             else:
                 events = [self._replace_process(rank, sender_pid, now)]
-            rank.observe(record, now)
+            self._seq += 1
+            rank.observe(record, now, self._seq)
             events.append(self._settle(rank, now))
         self._emit(events)
 
@@ -714,10 +736,28 @@ class RankTable:
         now = self._now(now)
         n = self.recent if recent is None else recent
         with self._lock:
-            to_unix = self._unix_offset()
-            return [
-                self._ranks[key].to_dict(now, to_unix, n, json_safe) for key in sorted(self._ranks)
-            ]
+            return self._snapshot(now, n, json_safe, None)
+
+    def read(self, after: str | None, now: float | None = None) -> dict[str, Any]:
+        """``/v1/ranks``'s rank part for a client's ``after`` (agent/cursor.py):
+        ``{"ranks": [...]}``, and for an ``after`` the cursor fields. Raises CursorError."""
+        now = self._now(now)
+        with self._lock:  # the cursor and the samples from one moment
+            s = since(after, self.incarnation, self._seq)
+            out: dict[str, Any] = {"ranks": self._snapshot(now, self.recent, True, s)}
+            if s is not None:
+                out.update(answer_fields(s, self.incarnation, self._seq))
+            return out
+
+    def _snapshot(
+        self, now: float, n: int, json_safe: bool, s: Since | None
+    ) -> list[dict[str, Any]]:
+        to_unix = self._unix_offset()
+        after = None if s is None else s.seq
+        return [
+            self._ranks[key].to_dict(now, to_unix, n, json_safe, after)
+            for key in sorted(self._ranks)
+        ]
 
     def _unix_offset(self) -> float:
         """Table clock -> Unix time. Re-based only when the wall clock was stepped, so a

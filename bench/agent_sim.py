@@ -6,10 +6,16 @@ URL per node (`http://127.0.0.1:PORT/agents/<i>`) and addresses each as it would
 agent: AgentClient appends `/v1/...` to the URL.
 
 The JSON is the real agent's (agent/api.py, agent/ranks.py `_Rank.to_dict`, the httpd's
-`indent=1` layout), so the supervisor parses as many bytes and objects as it would in
-production: 64 recent step samples per rank. Building it must stay cheap (this process
-shares the machine with the supervisor under test), so each rank's encoded samples are
-cached and extended one step at a time, and a response is mostly a string join.
+compact layout), so the supervisor parses as many bytes and objects as it would in
+production: 64 recent step samples per rank. Incremental reads (`/v1/ranks?after=`) follow
+the real agent's protocol through its own functions (agent/cursor.py for the cursor and
+its validation, agent/httpd.py `parse_query` for the query string, agent/ranks.py
+`HistoryEntry.summary` for each sample): one incarnation and one sample counter per
+simulated agent. `--full-reads` serves as an agent before cursors did (`after` ignored,
+every rank's whole window on every poll), for the benchmark's comparison. Building
+answers must stay cheap (this process shares the machine with the supervisor under
+test), so each sample is encoded once, when it is first served, and a response is mostly
+a string join.
 
 One job ("sim") spans every node, `ranks_per_node` ranks each, all in lockstep as DDP
 ranks are. Faults (`--fault-every`) hit a random rank and are logged as JSON lines
@@ -37,14 +43,17 @@ import signal
 import time
 from pathlib import Path
 
+from rankguard.agent.api import API_VERSION as AGENT_API
+from rankguard.agent.cursor import CursorError, Since, answer_fields, new_incarnation, since
+from rankguard.agent.httpd import COMPACT, HttpError, parse_query
+from rankguard.agent.ranks import SPLIT_FIELDS, HistoryEntry
+
 JOB = "sim"
 RECENT = 64  # the agent's RankTable.recent
-AGENT_API = "rankguard.agent/v1"
 
 
-def _indent(text: str, depth: int) -> str:
-    """json.dumps(..., indent=1) text re-indented for nesting `depth` levels deeper."""
-    return text.replace("\n", "\n" + " " * depth)
+def _dumps(value) -> str:
+    return json.dumps(value, separators=COMPACT)
 
 
 class Rank:
@@ -54,7 +63,8 @@ class Rank:
         self.state = "alive"
         self.exited_at: float | None = None
         self.exit_step: int | None = None  # a dead rank reports no more steps
-        self.samples: list[str] = []  # encoded recent samples, oldest first
+        # recent samples, oldest first: (seq, encoded without seq, encoded with seq)
+        self.samples: list[tuple[int, str, str]] = []
         self.sampled_to = -1  # newest step encoded
         self.header: tuple[tuple, str] | None = None  # (cache key, encoded fields)
 
@@ -63,7 +73,7 @@ class Cluster:
     """The simulated job's timeline: incarnations, steps, checkpoints, faults."""
 
     def __init__(self, nodes: int, ranks_per_node: int, step_seconds: float, ckpt_every: int,
-                 restart_delay: float, seed: int):  # fmt: skip
+                 restart_delay: float, seed: int, cursors: bool = True):  # fmt: skip
         self.nodes, self.per_node = nodes, ranks_per_node
         self.step_seconds, self.ckpt_every = step_seconds, ckpt_every
         self.restart_delay = restart_delay
@@ -74,6 +84,9 @@ class Cluster:
         self.started = time.time()
         self.node_json = [self._node_fields(n) for n in range(nodes)]
         self.faults_injected = 0
+        self.cursors = cursors  # False: answer as an agent before incremental reads
+        self.agent_incarnation = [new_incarnation() for _ in range(nodes)]
+        self.seq = [0] * nodes  # per simulated agent, as RankTable._seq
         self._new_incarnation(0)
 
     # -- timeline ---------------------------------------------------------------------
@@ -137,21 +150,21 @@ class Cluster:
         return {"api": AGENT_API, **self.node_json[n], "time": now,
                 "uptime_seconds": now - self.started}  # fmt: skip
 
-    def _sample(self, r: Rank, step: int) -> str:
+    def _sample(self, r: Rank, step: int, now: float) -> tuple[int, str, str]:
         # Deterministic jitter per (rank, step): no rank looks like a straggler.
         j = ((r.rank * 7919 + step * 104729) % 1000) / 1000.0
         st = self.step_seconds * (0.98 + 0.04 * j)
-        d = {"step": step, "phase": "train", "restart": self.restart, "pid": r.pid,
-             "step_seconds": st, "data_wait_seconds": 0.002, "compute_seconds": st * 0.7,
-             "comm_seconds": st * 0.25, "loss": 3.0 / (1 + step / 1000) + 0.01 * j}  # fmt: skip
-        return _indent(json.dumps(d, indent=1), 4)
+        self.seq[r.node] += 1
+        e = HistoryEntry(now, r.pid, self.restart, step, "train", st, 0.002, st * 0.7,
+                         st * 0.25, 3.0 / (1 + step / 1000) + 0.01 * j, self.seq[r.node])  # fmt: skip
+        return e.seq, _dumps(e.summary(True)), _dumps(e.summary(True, True))
 
-    def rank_text(self, r: Rank, now: float) -> str:
+    def rank_text(self, r: Rank, now: float, s: Since | None) -> str:
         step = self.step(now) if r.exit_step is None else r.exit_step
         if r.state == "alive" or r.state == "stopped":
             while r.sampled_to < step:
                 r.sampled_to += 1
-                r.samples.append(self._sample(r, r.sampled_to))
+                r.samples.append(self._sample(r, r.sampled_to, now))
             del r.samples[:-RECENT]
         last_seen = self.inc_start + (step - self.base_step) * self.step_seconds
         key = (step, r.state, round(now - last_seen, 1))  # re-encode at most every 0.1 s
@@ -166,27 +179,33 @@ class Cluster:
                 "step": step, "phase": "train",
                 "heartbeat_age_seconds": max(0.0, now - last_seen),
                 "last_heartbeat_at": last_seen, "timed_step": step, "step_seconds": st,
-                "data_wait_seconds": 0.002, "compute_seconds": st * 0.7,
-                "comm_seconds": st * 0.25, "comm_exposed_seconds": st * 0.05,
-                "optimizer_seconds": 0.01,
-                "checkpoint_blocking_seconds": 0.0, "comm_compute_ratio": 0.25 / 0.7,
+                **dict(zip(SPLIT_FIELDS, (0.002, st * 0.7, st * 0.25, st * 0.05, 0.01, 0.0), strict=True)),
+                "comm_compute_ratio": 0.25 / 0.7,
                 "tokens_per_second": 310000.0, "mfu": 0.41, "loss": 3.0 / (1 + step / 1000),
                 "peak_memory_bytes": 61 << 30, "checkpoint_step": ckpt,
                 "cpu_seconds": 100.0 + now - self.inc_start,
                 "cpu_utilization": 1.0 if r.state == "alive" else 0.0,
                 "records_received": step - self.base_step,
             }  # fmt: skip
-            text = _indent(json.dumps(fields, indent=1), 2)
-            r.header = (key, text[: text.rindex("}")].rstrip() + ',\n   "recent": [\n    ')
-        return r.header[1] + ",\n    ".join(r.samples) + "\n   ]\n  }"
+            r.header = (key, _dumps(fields)[:-1])  # without the closing brace
+        if s is None:  # the legacy answer: the whole window, no sample numbers
+            return r.header[1] + ',"recent":[' + ",".join(x[1] for x in r.samples) + "]}"
+        first = _dumps(r.samples[0][0] if r.samples else None)
+        new = [x[2] for x in r.samples if x[0] > s.seq]
+        return r.header[1] + f',"recent_from":{first},"recent":[' + ",".join(new) + "]}"
 
-    def ranks_body(self, n: int, now: float) -> bytes:
+    def ranks_body(self, n: int, now: float, query: dict[str, str]) -> bytes:
+        """GET /v1/ranks[?after=...]: as agent/daemon.py `ranks_view` answers it."""
+        after = query.get("after") if self.cursors else None
         ranks = self.ranks[n * self.per_node : (n + 1) * self.per_node]
-        head = json.dumps({"api": AGENT_API, "node": f"sim-{n:04d}", "time": now,
-                           "telemetry": {"received": 0, "dropped": 0}}, indent=1)  # fmt: skip
-        body = head[: head.rindex("}")].rstrip() + ',\n "ranks": [\n  '
-        body += ",\n  ".join(self.rank_text(r, now) for r in ranks) + "\n ]\n}\n"
-        return body.encode()
+        inc = self.agent_incarnation[n]
+        s = since(after, inc, self.seq[n])  # CursorError: a 400
+        texts = [self.rank_text(r, now, s) for r in ranks]  # numbers the new samples
+        tail = {"telemetry": {"received": 0, "dropped": 0}}
+        if s is not None:
+            tail.update(answer_fields(s, inc, self.seq[n]))
+        head = _dumps({"api": AGENT_API, "node": f"sim-{n:04d}", "time": now})[:-1]
+        return (head + ',"ranks":[' + ",".join(texts) + "]," + _dumps(tail)[1:] + "\n").encode()
 
     def control(self, n: int, path: str, body: dict, now: float) -> dict:
         ranks = {r.rank: r for r in self.ranks[n * self.per_node : (n + 1) * self.per_node]}
@@ -227,9 +246,10 @@ class HttpProtocol(asyncio.Protocol):
                 length = int(value)
         if len(rest) < length:
             return
-        self.respond(method, target.split("?", 1)[0], rest[:length])
+        path, _, query = target.partition("?")
+        self.respond(method, path, query, rest[:length])
 
-    def respond(self, method: str, path: str, body: bytes) -> None:
+    def respond(self, method: str, path: str, query: str, body: bytes) -> None:
         now = time.time()
         status, payload = 200, None
         parts = path.strip("/").split("/")  # agents, i, v1, ...
@@ -239,7 +259,14 @@ class HttpProtocol(asyncio.Protocol):
                 raise ValueError
             route = "/" + "/".join(parts[2:])
             if method == "GET" and route == "/v1/ranks":
-                payload = self.cluster.ranks_body(n, now)
+                try:
+                    payload = self.cluster.ranks_body(n, now, parse_query(query))
+                except (HttpError, CursorError) as exc:  # as agent/httpd.py answers them
+                    status = getattr(exc, "status", 400)
+                    payload = {"api": AGENT_API, "error": {"status": status, "message": str(exc)}}
+                else:
+                    self.stats["ranks_requests"] += 1
+                    self.stats["ranks_bytes"] += len(payload)
             elif method == "GET" and route == "/v1/node":
                 payload = self.cluster.node_body(n, now)
             elif method == "GET" and route == "/healthz":
@@ -252,7 +279,7 @@ class HttpProtocol(asyncio.Protocol):
                 status, payload = 404, {"error": {"status": 404, "message": "not found"}}
         except (ValueError, IndexError, LookupError) as exc:
             status, payload = 404, {"error": {"status": 404, "message": str(exc)}}
-        data = payload if isinstance(payload, bytes) else json.dumps(payload, indent=1).encode()
+        data = payload if isinstance(payload, bytes) else (_dumps(payload) + "\n").encode()
         self.stats["requests"] += 1
         self.transport.write(
             f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: "
@@ -290,8 +317,8 @@ async def faults(cluster: Cluster, kinds: list[str], every: float, log_path: Pat
 
 async def main(args) -> None:
     cluster = Cluster(args.nodes, args.ranks_per_node, args.step_seconds, args.ckpt_every,
-                      args.restart_delay, args.seed)  # fmt: skip
-    stats = {"requests": 0, "control": 0}
+                      args.restart_delay, args.seed, cursors=not args.full_reads)  # fmt: skip
+    stats = {"requests": 0, "control": 0, "ranks_requests": 0, "ranks_bytes": 0}
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: HttpProtocol(cluster, stats), "127.0.0.1", args.port, backlog=4096
@@ -316,6 +343,8 @@ async def main(args) -> None:
     for t in tasks:
         t.cancel()
     server.close()
+    if args.stats_file:
+        Path(args.stats_file).write_text(json.dumps(stats))
 
 
 def parse_args(argv=None):
@@ -333,6 +362,12 @@ def parse_args(argv=None):
     p.add_argument("--agents-file", type=Path, help="write the agents' URLs here")
     p.add_argument("--ready-file", type=Path)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--full-reads",
+        action="store_true",
+        help="ignore ?after= (an agent before incremental reads)",
+    )
+    p.add_argument("--stats-file", type=Path, help="request and byte counts, written at exit")
     return p.parse_args(argv)
 
 

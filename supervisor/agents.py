@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .state import ClusterObs, NodeObs
+from .windows import NodeWindows
 
 log = logging.getLogger("rankguard.supervisor")
 
@@ -72,16 +73,37 @@ class AgentClient:
 
 
 def poll_node(
-    client: AgentClient, now: float, node_json: dict | None = None
+    client: AgentClient,
+    now: float,
+    node_json: dict | None = None,
+    windows: NodeWindows | None = None,
 ) -> tuple[NodeObs, dict | None]:
-    """Ranks every poll; the node verdict only when `node_json` (a recent copy) is None."""
+    """Ranks every poll; the node verdict only when `node_json` (a recent copy) is None.
+
+    With `windows` (the node's samples from earlier polls), ranks are read incrementally:
+    only the samples after the last answer's cursor travel (supervisor/windows.py).
+    """
     try:
         if node_json is None:
             node_json = client.get("/v1/node")
-        ranks = client.get("/v1/ranks")
+        if windows is None:
+            return NodeObs.from_json(client.url, node_json, client.get("/v1/ranks"), now), node_json
+        ranks = _read_ranks(client, windows)
     except AgentError as exc:
         return NodeObs.unreachable(client.url, str(exc), now), None
-    return NodeObs.from_json(client.url, node_json, ranks, now), node_json
+    return NodeObs.from_json(client.url, node_json, ranks, now, windows.merge(ranks)), node_json
+
+
+def _read_ranks(client: AgentClient, windows: NodeWindows) -> dict:
+    try:
+        return client.get("/v1/ranks?after=" + urllib.parse.quote(windows.after))
+    except AgentError as exc:
+        if exc.status != 400 or windows.cursor is None:
+            raise
+    # Our cursor refused (a bug on either side): start over rather than go blind.
+    log.warning("%s refused cursor %r; reading in full", client.url, windows.cursor)
+    windows.reset()
+    return client.get("/v1/ranks?after=" + windows.after)
 
 
 class Poller:
@@ -114,11 +136,13 @@ class Poller:
         self._node_cache: dict[str, tuple[float, dict]] = {}
         self._inflight: dict[str, tuple[Future, list[float]]] = {}  # url -> (poll, [started])
         self._last: dict[str, NodeObs] = {}  # url -> newest completed observation
+        self._windows: dict[str, NodeWindows] = {}  # url -> samples kept between polls
 
     def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
         cached = self._node_cache.get(client.url)
         fresh = cached[1] if cached and now - cached[0] < self.node_interval else None
-        obs, node_json = poll_node(client, now, fresh)
+        windows = self._windows.setdefault(client.url, NodeWindows())
+        obs, node_json = poll_node(client, now, fresh, windows)
         if node_json is not None and fresh is None:
             self._node_cache[client.url] = (now, node_json)
         return obs
@@ -165,6 +189,8 @@ class Poller:
         for gone in [u for u in self._last if u not in urls]:  # removed from the agents file
             self._last.pop(gone)
             self._node_cache.pop(gone, None)
+        for gone in [u for u in self._windows if u not in urls]:
+            self._windows.pop(gone)  # a poll still in flight merges into its own copy
         return ClusterObs(time=now, nodes=tuple(nodes))
 
     def close(self) -> None:

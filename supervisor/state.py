@@ -80,7 +80,11 @@ class RankObs:
         return self.state in DEAD_STATES
 
     @classmethod
-    def from_json(cls, node: str, d: dict) -> RankObs:
+    def from_json(cls, node: str, d: dict, recent: tuple[StepSample, ...] | None = None) -> RankObs:
+        """`recent`: the rank's window merged from incremental reads (supervisor/windows.py)
+        instead of the answer's own."""
+        if recent is None:
+            recent = tuple(StepSample.from_json(s) for s in d.get("recent") or ())
         return cls(
             node=node,
             job=str(d["job"]),
@@ -100,7 +104,7 @@ class RankObs:
             loss=_float(d.get("loss")),
             checkpoint_step=d.get("checkpoint_step"),
             cpu_utilization=_float(d.get("cpu_utilization")),
-            recent=tuple(StepSample.from_json(s) for s in d.get("recent") or ()),
+            recent=recent,
         )
 
 
@@ -116,8 +120,17 @@ class NodeObs:
     ranks: tuple[RankObs, ...] = ()
 
     @classmethod
-    def from_json(cls, url: str, node_json: dict, ranks_json: dict, observed_at: float) -> NodeObs:
+    def from_json(
+        cls,
+        url: str,
+        node_json: dict,
+        ranks_json: dict,
+        observed_at: float,
+        windows: dict[tuple[str, int], tuple[StepSample, ...]] | None = None,
+    ) -> NodeObs:
+        """`windows`: each rank's merged samples (an incremental read), else the answer's."""
         name = str(node_json.get("node") or url)
+        w = windows or {}
         return cls(
             node=name,
             url=url,
@@ -125,7 +138,10 @@ class NodeObs:
             observed_at=observed_at,
             status=node_json.get("status"),
             reasons=tuple(node_json.get("reasons") or ()),
-            ranks=tuple(RankObs.from_json(name, r) for r in ranks_json.get("ranks") or ()),
+            ranks=tuple(
+                RankObs.from_json(name, r, w.get((str(r["job"]), int(r["rank"]))))
+                for r in ranks_json.get("ranks") or ()
+            ),
         )
 
     def aged(self, now: float) -> NodeObs:

@@ -1,0 +1,87 @@
+"""One node's step-sample windows, kept between polls and fed by incremental reads.
+
+The supervisor asks an agent `GET /v1/ranks?after=<cursor>` (agent/cursor.py) and gets,
+per rank, only the samples numbered above the cursor, plus `recent_from`: the number of
+the oldest sample still in the agent's window. Merging is then exact, whatever happened
+between two polls: keep what we hold from `recent_from` on, append what is new, so every
+rank's window equals the one a full read would have returned (a property test checks
+this against random histories). That also covers a rank's process being replaced (the
+agent keeps its window across restarts, and so do we) and a rank forgotten and
+registered again (its new samples are numbered above everything we hold).
+
+A `"full": true` answer (first read, agent restarted, cursor not accepted) replaces every
+window. An agent without cursors ignores `after` and answers in full without `cursor`:
+its samples are taken as they are and the next read asks from the start again.
+
+Not thread-safe: the Poller never polls one node twice at once, so one thread at a time
+touches a node's windows.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from .state import StepSample
+
+START = "start"  # agent/cursor.py: "everything, in the incremental format"
+DEPTH = 64  # samples per rank, as the agent keeps (agent/ranks.py RankTable.recent)
+
+Key = tuple[str, int]
+
+
+class NodeWindows:
+    def __init__(self, depth: int = DEPTH):
+        self.depth = depth
+        self.cursor: str | None = None  # None: the next read asks for everything
+        # (job, rank) -> (sample numbers, samples), oldest first, at most `depth` each
+        self._windows: dict[Key, tuple[list[int], list[StepSample]]] = {}
+        self.full_reads = 0  # answers that replaced every window, for tests and logs
+
+    @property
+    def after(self) -> str:
+        return self.cursor or START
+
+    def reset(self) -> None:
+        self.cursor = None
+        self._windows.clear()
+
+    def merge(self, answer: dict) -> dict[Key, tuple[StepSample, ...]] | None:
+        """Fold one /v1/ranks answer in; each rank's merged window, or None for an agent
+        that does not know cursors (its answer's `recent` is the whole window)."""
+        cursor = answer.get("cursor")
+        if not isinstance(cursor, str):
+            self.reset()
+            return None
+        if answer.get("full", True):
+            self._windows.clear()
+            self.full_reads += 1
+        windows: dict[Key, tuple[list[int], list[StepSample]]] = {}
+        out: dict[Key, tuple[StepSample, ...]] = {}
+        for r in answer.get("ranks") or ():
+            key = (str(r["job"]), int(r["rank"]))
+            seqs, samples = self._merge_rank(self._windows.get(key), r)
+            windows[key] = (seqs, samples)
+            out[key] = tuple(samples)
+        self._windows = windows  # a rank the agent no longer shows is dropped
+        self.cursor = cursor
+        return out
+
+    def _merge_rank(
+        self, held: tuple[list[int], list[StepSample]] | None, r: dict
+    ) -> tuple[list[int], list[StepSample]]:
+        first = r.get("recent_from")
+        if first is None:  # the agent's window is empty
+            return [], []
+        seqs, samples = ([], []) if held is None else held
+        keep = bisect_left(seqs, int(first))  # older samples left the agent's window
+        seqs, samples = seqs[keep:], samples[keep:]
+        newest = seqs[-1] if seqs else -1
+        for d in r.get("recent") or ():
+            seq = int(d["seq"])
+            if seq > newest:  # never twice, never out of order
+                seqs.append(seq)
+                samples.append(StepSample.from_json(d))
+                newest = seq
+        if len(seqs) > self.depth:
+            del seqs[: -self.depth], samples[: -self.depth]
+        return seqs, samples
