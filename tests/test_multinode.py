@@ -206,16 +206,27 @@ def test_lost_node_job_continues_on_two_nodes(rig, resumed_reference):
     (dead,) = rig.incidents("rank_dead")  # the survivors' ranks failed with their peer
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: the survivors hang in the all-reduce with the partitioned rank; every "
+    "reachable rank's stack waits in the collective, so the hang detector finds no culprit and "
+    "nothing restarts the job until gloo's 30-minute timeout (docs/architecture.md, "
+    "Multi-node tests)",
+)
 def test_partitioned_node_job_continues_without_it(rig, resumed_reference):
     victim = rig.nodes[2]
     rig.train()
     rig.when(rig.nodes[0], lambda r: (r["checkpoint_step"] or 0) >= 30, "checkpoint 30")
     rig.cluster.cut_link(victim)
+    # the monitoring fault is reported, and is not by itself a reason to act
+    wait_until(lambda: rig.incidents("agent_unreachable"), 15, "the unreachable incident")
+    (gone,) = rig.incidents("agent_unreachable")
+    assert victim.agent_url in gone["summary"] and gone["actions"] == [], gone
+    # hang detection (about 10 s here) + re-rendezvous (6 s keep-alive, 3 s last call)
+    rig.when(rig.nodes[0], lambda r: r["world_size"] == 2, "the job to go on at 2 nodes", 40)
     rcs = rig.wait(lost(rig, victim))
     assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
     assert_shrunk_exactly(rig, resumed_reference)
-    (gone,) = rig.incidents("agent_unreachable")
-    assert victim.agent_url in gone["summary"] and gone["state"] == "reported", gone
 
 
 def test_supervisor_cut_off_from_one_agent_does_not_touch_training(rig, clean):
@@ -247,4 +258,8 @@ def test_node_with_hardware_fault_is_excluded(rig, resumed_reference):
     assert victim.torchrun.wait(30) != 0
     assert_shrunk_exactly(rig, resumed_reference)
     (fault,) = rig.incidents("node_fault")
-    assert fault["node"] == victim.name, fault
+    assert fault["node"] == victim.name and "xid_79" in fault["key"], fault
+    (act,) = fault["actions"]
+    assert (act["kind"], act["ok"]) == ("exclude_node", True), act
+    assert victim.name in "".join(act["result"] or {}), act  # stop-job ran on that node only
+    assert len(act["result"]) == 1, act
