@@ -1,7 +1,8 @@
 """The supervisor against many simulated agents: loop time, CPU, memory, time to detect.
 
 For each cluster size, starts bench/agent_sim.py (every node's /v1/node and /v1/ranks, 8
-ranks per node, 64 recent steps per rank, as the real agent serves them) and a real
+ranks per node, 64 recent steps per rank, as the real agent serves them, incremental
+`?after=` reads included) and a real
 `rankguard supervisor --agents-file ... --db ... --token-file ... --interval 1` process,
 injects faults into random ranks, and measures over the run:
 
@@ -11,9 +12,15 @@ injects faults into random ranks, and measures over the run:
 - RSS: the largest VmRSS seen;
 - time to detect: the incident's `detected_at` (supervisor's SQLite) minus the
   simulator's injection time, matched by kind and incarnation. `detected_at` is the start
-  of the pass that saw the fault; the incident is written within that pass's loop time.
+  of the pass that saw the fault; the incident is written within that pass's loop time;
+- bytes per /v1/ranks answer (counted by the simulator) and the machine's 1-minute load
+  average over the run (the machine is shared: a loaded one slows everything).
 
-Usage: python bench/supervisor_scale.py --nodes 64 256 1024 --duration 60
+`--full-reads` has the simulated agents ignore `after` (agents from before incremental
+reads: every rank's whole window on every poll); `--both` runs each size both ways, one
+after the other, and adds a table of ratios (full reads / incremental).
+
+Usage: python bench/supervisor_scale.py --nodes 64 256 1024 --duration 60 [--both]
 Writes a markdown table to bench/results/supervisor_scale.md (--out) and prints it.
 """
 
@@ -92,7 +99,7 @@ def summary(v: list[float]) -> dict:
             "mean": statistics.fmean(v)}  # fmt: skip
 
 
-def run_one(nodes: int, args, work: Path) -> dict:
+def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     token = work / "token"
     token.write_text(TOKEN)
@@ -102,7 +109,8 @@ def run_one(nodes: int, args, work: Path) -> dict:
         [str(ROOT / "bench/agent_sim.py"), "--nodes", str(nodes),
          "--agents-file", str(agents), "--ready-file", str(ready), "--fault-log", str(faults),
          "--faults", args.faults, "--fault-every", str(args.fault_every),
-         "--step-seconds", str(args.step_seconds), "--seed", str(args.seed)],
+         "--step-seconds", str(args.step_seconds), "--seed", str(args.seed),
+         "--stats-file", str(work / "sim-stats.json"), *(["--full-reads"] if full_reads else [])],
         work / "sim.log",
     )  # fmt: skip
     port = free_port()
@@ -136,8 +144,9 @@ def run_one(nodes: int, args, work: Path) -> dict:
         t0, c0 = time.monotonic(), cpu_seconds(sup.pid)
         sim_c0 = cpu_seconds(sim.pid)
         loops: dict[float, float] = {}  # pass time -> loop seconds
-        rss = 0
+        rss, load = 0, []
         while time.monotonic() - t0 < args.duration:
+            load.append(os.getloadavg()[0])
             try:
                 view = get(base + "/v1/cluster")
                 loops[view["time"]] = view["loop_seconds"]
@@ -159,6 +168,7 @@ def run_one(nodes: int, args, work: Path) -> dict:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+    sim_stats = json.loads((work / "sim-stats.json").read_text())
     injected = [json.loads(line) for line in faults.read_text().splitlines() if line.strip()]
     injected = [f for f in injected if wall0 <= f["at"] <= wall0 + wall]  # the measured window
     written = written_at(work / "supervisor.log")
@@ -183,8 +193,12 @@ def run_one(nodes: int, args, work: Path) -> dict:
             logged.setdefault(f["kind"], []).append(written[hit[0]] - f["at"])
     loop_values = list(loops.values())
     return {
+        "reads": "full" if full_reads else "incremental",
         "nodes": nodes,
         "ranks": nodes * 8,
+        "load1_mean": statistics.fmean(load),
+        "load1_max": max(load),
+        "ranks_kib": sim_stats["ranks_bytes"] / max(1, sim_stats["ranks_requests"]) / 1024,
         "passes": len(loop_values),
         "loop_p50": quantile(loop_values, 0.5),
         "loop_p99": quantile(loop_values, 0.99),
@@ -207,20 +221,45 @@ def fmt(v, digits=2) -> str:
 
 def table(results: list[dict]) -> str:
     kinds = sorted({k for r in results for k in r["detect"]})
-    head = ["nodes", "ranks", "passes", "loop p50 s", "loop p99 s", "supervisor CPU (cores)",
+    head = ["reads", "nodes", "ranks", "load avg (1 min) mean / max", "KiB per /v1/ranks",
+            "passes", "loop p50 s", "loop p99 s", "supervisor CPU (cores)",
             "simulator CPU (cores)", "RSS MiB"]  # fmt: skip
     for k in kinds:
         head += [f"{k}: detected/injected", f"{k}: to detected_at p50 / p99 s",
                  f"{k}: to incident written p50 / p99 / max s"]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        cells = [str(r["nodes"]), str(r["ranks"]), str(r["passes"]), fmt(r["loop_p50"], 3),
+        cells = [r["reads"], str(r["nodes"]), str(r["ranks"]),
+                 f"{fmt(r['load1_mean'], 1)} / {fmt(r['load1_max'], 1)}", fmt(r["ranks_kib"], 1),
+                 str(r["passes"]), fmt(r["loop_p50"], 3),
                  fmt(r["loop_p99"], 3), fmt(r["cpu"]), fmt(r["sim_cpu"]), fmt(r["rss_mib"], 0)]  # fmt: skip
         for k in kinds:
             d = r["detect"].get(k, {"n": 0, "p50": None, "p99": None})
             w = r["written"].get(k, {"p50": None, "p99": None, "max": None})
             cells += [f"{d['n']}/{r['injected'].get(k, 0)}", f"{fmt(d['p50'])} / {fmt(d['p99'])}",
                       f"{fmt(w['p50'])} / {fmt(w['p99'])} / {fmt(w['max'])}"]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.1f}x"
+
+
+def ratios(results: list[dict]) -> str:
+    """Full reads / incremental, per size, for the figures that incremental reads move."""
+    head = ["nodes", "KiB per /v1/ranks", "supervisor CPU", "loop p50", "loop p99",
+            "dead: to incident written p50", "dead: to incident written max"]  # fmt: skip
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {(r["reads"], r["nodes"]): r for r in results}
+    for n in sorted({r["nodes"] for r in results}):
+        f, i = by.get(("full", n)), by.get(("incremental", n))
+        if f is None or i is None:
+            continue
+        fw, iw = f["written"].get("dead", {}), i["written"].get("dead", {})
+        cells = [str(n), _ratio(f["ranks_kib"], i["ranks_kib"]), _ratio(f["cpu"], i["cpu"]),
+                 _ratio(f["loop_p50"], i["loop_p50"]), _ratio(f["loop_p99"], i["loop_p99"]),
+                 _ratio(fw.get("p50"), iw.get("p50")), _ratio(fw.get("max"), iw.get("max"))]  # fmt: skip
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -237,13 +276,23 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/supervisor_scale.md")
     p.add_argument("--json", type=Path, help="also write the raw results here")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--full-reads",
+        action="store_true",
+        help="agents ignore ?after= (every rank's whole window on every poll)",
+    )
+    mode.add_argument("--both", action="store_true",
+                      help="each size with full reads, then incremental; ratios table")  # fmt: skip
     args = p.parse_args(argv)
+    modes = [True, False] if args.both else [args.full_reads]
     results = []
     with tempfile.TemporaryDirectory(prefix="rankguard-scale-") as tmp:
         for n in args.nodes:
-            r = run_one(n, args, Path(tmp) / f"n{n}")
-            print(json.dumps(r), file=sys.stderr, flush=True)
-            results.append(r)
+            for full in modes:
+                r = run_one(n, args, Path(tmp) / f"n{n}-{'full' if full else 'inc'}", full)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+                results.append(r)
     cmd = "python bench/supervisor_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())  # fmt: skip
@@ -261,6 +310,7 @@ def main(argv=None) -> None:
         "",
         table(results),
         "",
+        *(["Full reads / incremental:", "", ratios(results), ""] if args.both else []),
     ])  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

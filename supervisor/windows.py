@@ -52,18 +52,18 @@ class NodeWindows:
         if not isinstance(cursor, str):
             self.reset()
             return None
-        if answer.get("full", True):
-            self._windows.clear()
-            self.full_reads += 1
+        full = bool(answer.get("full", True))
+        held = {} if full else self._windows
         windows: dict[Key, tuple[list[int], list[StepSample]]] = {}
         out: dict[Key, tuple[StepSample, ...]] = {}
-        for r in answer.get("ranks") or ():
+        for r in answer.get("ranks") or ():  # a malformed answer raises, nothing changed
             key = (str(r["job"]), int(r["rank"]))
-            seqs, samples = self._merge_rank(self._windows.get(key), r)
+            seqs, samples = self._merge_rank(held.get(key), r)
             windows[key] = (seqs, samples)
             out[key] = tuple(samples)
         self._windows = windows  # a rank the agent no longer shows is dropped
         self.cursor = cursor
+        self.full_reads += full
         return out
 
     def _merge_rank(

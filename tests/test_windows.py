@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,3 +117,15 @@ def test_an_agent_without_cursors():
     w.merge(answer("a-3", True, [rank(0, 1, [1, 2, 3])]))
     assert w.merge({"ranks": [rank(0, None, [1])]}) is None  # old agent: use its recent
     assert w.cursor is None and w.after == "start"
+
+
+def test_a_malformed_answer_changes_nothing():
+    w = NodeWindows()
+    w.merge(answer("a-3", True, [rank(0, 1, [1, 2, 3])]))
+    bad = answer("b-9", True, [rank(0, 1, [1]), {"job": "j", "rank": 1, "recent_from": 1,
+                                                 "recent": [{"step": 1}]}])  # fmt: skip
+    with pytest.raises(KeyError):
+        w.merge(bad)
+    assert w.cursor == "a-3" and w.full_reads == 1
+    got = w.merge(answer("a-4", False, [rank(0, 1, [4])]))
+    assert [s.step for s in got[("j", 0)]] == [1, 2, 3, 4]
