@@ -11,7 +11,9 @@ Rules, per finding kind:
 
 - RANK_DEAD: none, torchrun restarts the worker group by itself (crash-loop guard aside).
 - RANK_HUNG: kill the culprit (the rank that never reached the collective the others wait
-  in). Without a culprit the decision is ACT_NONE "culprit unknown: capture stacks": the
+  in). When the missing ranks sit behind an unreachable agent (a partition), kill a
+  reachable rank (`evidence["restart_via"]`): torchrun then re-forms the job without the
+  cut-off node. Without a culprit the decision is ACT_NONE "culprit unknown: capture stacks": the
   loop captures the stacks of the job's ranks, re-runs culprit selection, and calls
   `decide` again with the refined finding (same key, `evidence["culprit"]` filled in).
 - BAD_NUMERICS: kill a rank (the finding's, else rank 0) so torchrun restarts the group and
@@ -161,6 +163,13 @@ def _dead(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
 
 def _hung(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
     culprit = _culprit(f)
+    via = f.evidence.get("restart_via")
+    if culprit is None and isinstance(via, Mapping) and _int(via.get("rank")) is not None:
+        # the culprit is out of reach (partition): end a reachable rank so torchrun
+        # re-forms the job without the missing ones
+        target = _drop_none({"job": f.job, "node": via.get("node"), "rank": _int(via["rank"]),
+                             "node_url": via.get("node_url"), "pid": via.get("pid")})  # fmt: skip
+        return Decision(f, ACT_KILL_RANK, f"hung: {f.evidence.get('culprit_reason')}", target)
     if culprit is None:
         return Decision(f, ACT_NONE, CULPRIT_UNKNOWN, deferred=True)
     return Decision(f, ACT_KILL_RANK, f"hung: rank {culprit['rank']} is the culprit", culprit)

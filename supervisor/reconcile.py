@@ -114,6 +114,8 @@ class Supervisor:
         """A hang without a culprit yet: read every rank's stacks and pick the odd one out."""
         if finding.kind != RANK_HUNG or finding.rank is not None:
             return finding
+        if not finding.evidence.get("stacks_needed", True):
+            return finding  # explained without stacks (ranks behind an unreachable agent)
         existing = self.store.by_key(finding.key)
         if existing is not None and existing.rank is not None:
             return dataclasses.replace(finding, rank=existing.rank, node=existing.node)

@@ -271,6 +271,25 @@ def test_hang_finding_evidence_and_occurred_at():
     assert "stacks needed" in ev["culprit_reason"]
 
 
+def test_hang_behind_an_unreachable_agent_restarts_through_a_reachable_rank():
+    """A partition: 2 of 3 ranks in view, all waiting, the third's agent unreachable. No
+    stack can name a culprit out of reach: the finding says so and names a reachable rank
+    to end, so torchrun re-forms the job without the cut-off node."""
+    seen = [dataclasses.replace(r, world_size=3) for r in hung(2, age=12.0)]
+    down = NodeObs.unreachable("http://n2:9400", "timed out", T0, node="n2")
+    [f] = hang.detect(cluster(*seen, nodes=(down,)), History(), CFG)
+    ev = f.evidence
+    assert f.rank is None and ev["stacks_needed"] is False
+    assert (ev["missing_ranks"], ev["unreachable_nodes"]) == (1, ["n2"])
+    assert ev["restart_via"]["rank"] == 0 and ev["restart_via"]["pid"] == seen[0].pid
+    assert "unreachable" in ev["culprit_reason"]
+    # every rank in view, or every agent reachable: an ordinary hang, stacks needed
+    [f] = hang.detect(cluster(*seen), History(), CFG)
+    assert "restart_via" not in f.evidence and f.evidence["stacks_needed"] is True
+    [f] = hang.detect(cluster(*hung(2, age=12.0), nodes=(down,)), History(), CFG)
+    assert "restart_via" not in f.evidence
+
+
 # -- hang: culprits -------------------------------------------------------------------------
 
 

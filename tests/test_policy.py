@@ -81,6 +81,13 @@ def test_hung_without_culprit_asks_for_stacks():
     assert "node" not in refined.target  # rank 5's node is not the finding's: loop resolves
 
 
+def test_hung_behind_an_unreachable_agent_kills_a_reachable_rank():
+    via = {"rank": 0, "node": "n0", "pid": 1000, "node_url": "http://n0"}
+    d = one(finding(RANK_HUNG, restart_via=via, culprit_reason="1 of 3 ranks out of view"))
+    assert d.action == ACT_KILL_RANK and "out of view" in d.reason
+    assert d.target == {"job": "j", **via}
+
+
 @pytest.mark.parametrize("evidence", [{"nonfinite": True}, {"loss": float("nan")},
                                       {"loss": "Infinity"}, {"reason": "non_finite"}])  # fmt: skip
 def test_nonfinite_loss_restarts_from_checkpoint(evidence):

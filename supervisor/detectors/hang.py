@@ -86,6 +86,9 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
         return None
 
     culprit, reason = pick_culprit(live, cfg)
+    behind = _behind_unreachable(obs, ranks) if culprit is None else {}
+    if behind:
+        reason = behind.pop("reason")
     steps = [r.step for r in live if r.step is not None]
     min_step = min(steps) if steps else None
     ages = [r.heartbeat_age_seconds for r in live if r.heartbeat_age_seconds is not None]
@@ -117,10 +120,32 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
             "phases": {str(r.rank): r.phase for r in live},
             "cpu_utilization": {str(r.rank): r.cpu_utilization for r in live},
             "culprit_reason": reason,
-            "stacks_needed": culprit is None,
+            "stacks_needed": culprit is None and not behind,
             **_culprit_process(obs, culprit),
+            **behind,
         },
     )
+
+
+def _behind_unreachable(obs: ClusterObs, ranks: list[RankObs]) -> dict:
+    """A partition: the job's world is larger than the ranks in view, and an agent is
+    unreachable. The missing ranks are where the others wait, and no agent can end them;
+    ending a reachable rank instead makes torchrun re-form the job without them (an
+    elastic job goes on at the smaller size, like after a node loss)."""
+    world = max((r.world_size for r in ranks), default=0)
+    unreachable = sorted(n.node for n in obs.nodes if not n.reachable)
+    live = [r for r in ranks if r.state in LIVE_STATES and r.state != "stopped"]
+    if world <= len(ranks) or not unreachable or not live:
+        return {}
+    via = min(live, key=lambda r: r.rank)
+    return {
+        "reason": f"{world - len(ranks)} of {world} ranks out of view behind unreachable "
+        f"agent(s) {', '.join(unreachable)}: restart the job without them",
+        "missing_ranks": world - len(ranks),
+        "unreachable_nodes": unreachable,
+        "restart_via": {"rank": via.rank, "node": via.node, "pid": via.pid,
+                        "node_url": node_url(obs, via.node)},
+    }  # fmt: skip
 
 
 def _culprit_process(obs: ClusterObs, culprit: RankObs | None) -> dict:
