@@ -206,13 +206,6 @@ def test_lost_node_job_continues_on_two_nodes(rig, resumed_reference):
     (dead,) = rig.incidents("rank_dead")  # the survivors' ranks failed with their peer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: the survivors hang in the all-reduce with the partitioned rank; every "
-    "reachable rank's stack waits in the collective, so the hang detector finds no culprit and "
-    "nothing restarts the job until gloo's 30-minute timeout (docs/architecture.md, "
-    "Multi-node tests)",
-)
 def test_partitioned_node_job_continues_without_it(rig, resumed_reference):
     victim = rig.nodes[2]
     rig.train()
@@ -227,6 +220,11 @@ def test_partitioned_node_job_continues_without_it(rig, resumed_reference):
     rcs = rig.wait(lost(rig, victim))
     assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
     assert_shrunk_exactly(rig, resumed_reference)
+    # the hang was explained by the partition and ended through a reachable rank
+    (hang,) = rig.incidents("rank_hung")
+    assert hang["evidence"]["missing_ranks"] == 1, hang
+    (act,) = hang["actions"]
+    assert act["kind"] == "kill_rank" and act["target"]["node"] != victim.name, act
 
 
 def test_supervisor_cut_off_from_one_agent_does_not_touch_training(rig, clean):
