@@ -117,7 +117,7 @@ def test_a_slow_agent_is_shown_by_its_last_answer(sim):
         assert second.observed_at == third.observed_at == first.observed_at
         assert [r.pid for r in third.ranks] == [r.pid for r in first.ranks]
         ages = [[r.heartbeat_age_seconds for r in n.ranks] for n in (first, second, third)]
-        assert all(a < b < c for a, b, c in zip(*ages)), ages
+        assert all(a < b < c for a, b, c in zip(*ages, strict=True)), ages
         assert len(calls) == 1
         gate.set()
         wait_until(lambda: poller.poll([client]).nodes[0].observed_at > first.observed_at, 5,

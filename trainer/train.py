@@ -112,6 +112,7 @@ class Trainer:
             if info.device.type == "cuda"
             else contextlib.nullcontext()
         )
+        self._settle_ddp_buckets()
         self.resumed_from: int | None = None
         self._pending_loss: dict[int, torch.Tensor] = {}
         self._natural_compute = 0.0  # last step's fwd+bwd per micro-batch, without injected delay
@@ -119,6 +120,21 @@ class Trainer:
         self.checkpoint_block_seconds = 0.0
         self.train_seconds = 0.0
         self.steps_trained = 0
+
+    def _settle_ddp_buckets(self) -> None:
+        """One zero-gradient forward/backward, so every step of every incarnation runs with
+        DDP's rebuilt buckets. DDP reorders its buckets after the first backward; with 3+
+        ranks the all-reduce's summation order depends on an element's place in its
+        bucket, so a resumed run's first step (initial layout) was not bit-identical to
+        the same step in an uninterrupted run (rebuilt layout). No data, RNG or optimizer
+        state is touched."""
+        if self.cfg.fsdp or self.info.world_size < 3:
+            return
+        m = self.cfg.model
+        x = torch.zeros((1, m.seq_len), dtype=torch.long, device=self.info.device)
+        with self.autocast:
+            (self.model(x, x) * 0.0).backward()
+        self.optim.zero_grad(set_to_none=True)
 
     # -- telemetry ------------------------------------------------------------------
     def _record(self, t: StepTiming | None, loss: float | None) -> dict:
