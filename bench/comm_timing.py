@@ -81,9 +81,8 @@ def main() -> None:
     rows = [measure(model, timer, batch, args.steps, d, cuda) for d in (0.0, args.delay)]
     if info.rank == 0:
         base, delayed = rows
-        per_call = (delayed["hook_comm_median_ms"] - base["hook_comm_median_ms"]) / max(
-            1, base["allreduce_calls_per_step"]
-        )
+        per_step = delayed["hook_comm_median_ms"] - base["hook_comm_median_ms"]
+        per_call = per_step / max(1, base["allreduce_calls_per_step"])
         result = {
             "device": str(info.device),
             "world_size": info.world_size,
@@ -91,6 +90,9 @@ def main() -> None:
             "rows": rows,
             "hook_over_profiler": base["hook_comm_ms"] / base["profiler_comm_ms"],
             "added_ms_per_allreduce": per_call,
+            # The delays of a step's buckets may overlap (their callbacks can run at once),
+            # so a step gains at least one delay and at most one per all-reduce.
+            "added_ms_per_step": per_step,
             "injected_ms_per_allreduce": 1e3 * args.delay,
             "ratio_increase": delayed["comm_compute_ratio"] / max(1e-9, base["comm_compute_ratio"]),
         }

@@ -28,6 +28,8 @@ def test_comm_hook_agrees_with_profiler_and_sees_injected_delay(tmp_path):
     assert base["allreduce_calls_per_step"] >= 1
     # Same steps, two instruments: generous bounds for a noisy shared 2-core machine.
     assert 0.5 < r["hook_over_profiler"] < 2.0, r
-    # 50 ms injected per all-reduce shows up as (most of) 50 ms more communication.
-    assert r["added_ms_per_allreduce"] > 0.6 * r["injected_ms_per_allreduce"], r
+    # 50 ms injected per all-reduce shows up as at least (most of) 50 ms more communication
+    # per step: the buckets' delays may overlap, so not necessarily 50 ms per call.
+    calls = base["allreduce_calls_per_step"]
+    assert 0.6 * 50 < r["added_ms_per_step"] < 1.5 * 50 * calls + 50, r
     assert delayed["comm_compute_ratio"] > base["comm_compute_ratio"] * 1.1, r
