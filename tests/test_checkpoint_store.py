@@ -510,3 +510,14 @@ def test_cli_help_explains_states_and_exit_codes():
         assert r.exit_code == 0
         text = " ".join(r.output.split())
         assert "validated" in text and "quarantined" in text and "Exit codes" in text
+
+
+def test_incarnation_numbers_grow_with_every_start_and_survive_damage(tmp_path):
+    root = tmp_path / "ckpt"
+    assert [cs.claim_incarnation(root) for _ in range(3)] == [0, 1, 2]
+    # torchrun's restart count is a floor (a directory wiped mid-job)
+    assert cs.claim_incarnation(root, at_least=7) == 7
+    assert cs.claim_incarnation(root) == 8
+    (root / cs.INCARNATION_FILE).write_text("garbage")
+    assert cs.claim_incarnation(root, at_least=2) == 2
+    assert cs.scan(root) == []  # not a checkpoint entry

@@ -184,9 +184,13 @@ def test_killed_rank_restarts_every_node_and_resumes_exactly(rig, clean):
     assert (inc["rank"], inc["node"]) == (rank["rank"], victim.name), inc
     assert inc["state"] == "resolved" and inc["resumed_step"] == s["resumed_from"], inc
     # the whole job restarted: every node's rank is a new process, and it finished
+    incarnations = set()
     for node in rig.nodes:
         (r,) = rig.ranks(node)
         assert r["state"] == "finished" and r["pid"] not in before[node.name], (node.name, r)
+        incarnations.add(r["restart"])
+    # one incarnation number on every node, though torchrun's restart counts differ there
+    assert incarnations == {1}, incarnations
 
 
 def test_lost_node_job_continues_on_two_nodes(rig, resumed_reference):

@@ -407,6 +407,28 @@ def _short(v: Any, limit: int = 40) -> str:
 # --------------------------------------------------------------------------- write path
 
 
+INCARNATION_FILE = "incarnation"
+
+
+def claim_incarnation(root: str | os.PathLike[str], at_least: int = 0) -> int:
+    """The job's next incarnation number, kept in `root/incarnation` (the shared checkpoint
+    directory): rank 0 of each start claims one. torchrun's restart count is per node and
+    does not count membership changes, so on several nodes it is neither the same
+    everywhere nor always growing; this number is both. Raises OSError when the
+    directory cannot be written (the caller falls back to the restart count)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / INCARNATION_FILE
+    try:
+        current = int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        current = 0  # a first start, or a damaged file: the restart count still bounds it
+    value = max(current, at_least)
+    _write_durably(path, f"{value + 1}\n".encode())
+    _fsync_dir(root)
+    return value
+
+
 def partial_dir(root: str | os.PathLike[str], step: int) -> Path:
     """Create and return ``ROOT/step-N.partial`` for a new save (call on one rank only).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+log = logging.getLogger("rankguard.trainer")
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,24 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool, timer) -> nn.Module
 
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
+
+
+def agree_incarnation(ckpt_dir, info: DistInfo) -> int:
+    """One incarnation number for every rank of this start, growing with every start: rank
+    0 claims it in the shared checkpoint directory and broadcasts it. It is what the
+    telemetry reports as `restart`, so the supervisor groups the ranks of one start
+    together on every node. Without a checkpoint directory (or when it cannot be
+    written) rank 0's torchrun restart count is used, still the same on every rank."""
+    value = info.restart_count
+    if info.rank == 0 and ckpt_dir is not None:
+        from .checkpoint_store import claim_incarnation
+
+        try:
+            value = claim_incarnation(ckpt_dir, at_least=value)
+        except OSError as exc:
+            log.warning("incarnation number: %s; using the restart count %d", exc, value)
+    if info.world_size > 1:
+        t = torch.tensor([value], dtype=torch.int64, device=info.device)
+        dist.broadcast(t, src=0)
+        value = int(t.item())
+    return value

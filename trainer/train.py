@@ -20,7 +20,7 @@ from ..agent.telemetry import SCHEMA_VERSION
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
 from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
-from .distributed import DistInfo, init_distributed, unwrap, wrap_model
+from .distributed import DistInfo, agree_incarnation, init_distributed, unwrap, wrap_model
 from .faults import FaultInjector
 from .model import GPT, parameter_digest
 from .startup_trace import StartupTrace
@@ -82,6 +82,7 @@ class Trainer:
         self.cfg, self.info = cfg, info
         self.faults = FaultInjector(cfg.faults, info.rank, info.restart_count, cfg.fault_file)
         self.telemetry = TelemetrySender(cfg.telemetry_socket)
+        self.incarnation = agree_incarnation(cfg.ckpt.dir, info)
         self.phase = "init"
         self.step = 0
         self.last_loss: float | None = None
@@ -147,7 +148,7 @@ class Trainer:
         mfu = min(1.0, self.flops_per_token * tps / self.peak_flops) if tps else 0.0
         return dict(
             v=SCHEMA_VERSION, job=self.cfg.job, rank=info.rank, local_rank=info.local_rank,
-            world_size=info.world_size, pid=os.getpid(), restart=info.restart_count,
+            world_size=info.world_size, pid=os.getpid(), restart=self.incarnation,
             step=t.step if t else self.step, phase=self.phase, time=time.time(),
             step_seconds=t.step_seconds if t else 0.0,
             data_wait_seconds=t.data_wait_seconds if t else 0.0,
@@ -330,6 +331,7 @@ class Trainer:
             "accum_steps": self.accum,
             "resumed_from": self.resumed_from,
             "restart_count": self.info.restart_count,
+            "incarnation": self.incarnation,
             "num_params": unwrap(self.model).num_params(),
             "newest_validated_checkpoint": self.ckpt.newest_validated if self.ckpt else None,
             "checkpoint_failures": self.ckpt.failures if self.ckpt else 0,
