@@ -131,3 +131,30 @@ def start_supervisor(tmp: Path, agent_urls: list[str], db: Path | None = None) -
     for url in agent_urls:
         args += ["--agents", url]
     return Daemon(args, tmp / f"supervisor-{port}.log", f"http://127.0.0.1:{port}")
+
+
+def check_sd_notify_lifecycle(
+    tmp: Path, args: list[str], env: dict | None = None, watchdog_prefix: str = "WATCHDOG=1"
+) -> None:
+    """Run `rankguard ARGS` as systemd would (Type=notify): READY=1 once serving, watchdog
+    pings (`watchdog_prefix`), STOPPING=1 on SIGTERM and a clean exit, all through
+    $NOTIFY_SOCKET."""
+    import socket
+
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp / "notify.sock"))
+    notify.settimeout(30)
+    full_env = {**os.environ, "NOTIFY_SOCKET": str(tmp / "notify.sock"), **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "rankguard.cli.main", *args], env=full_env,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        messages = [notify.recv(4096).decode() for _ in range(3)]
+        assert messages[0].startswith("READY=1"), messages
+        assert all(m.startswith(watchdog_prefix) for m in messages[1:]), messages
+        proc.terminate()
+        while not (m := notify.recv(4096).decode()).startswith("STOPPING=1"):
+            assert m.startswith("WATCHDOG=1"), m
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+        notify.close()

@@ -4,15 +4,13 @@ real Prometheus server (Debian's package, on a loopback port) scraping the agent
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import urllib.parse
 import urllib.request
 
 import pytest
-from harness import free_port, http_json, run_ok, wait_until
+from harness import check_sd_notify_lifecycle, free_port, http_json, run_ok, wait_until
 from prometheus_harness import Prometheus, prometheus_bin
 
 from rankguard.agent.nvml_double import make_double
@@ -87,23 +85,8 @@ def test_prometheus_scrapes_rank_and_storage_series_during_training(tmp_path, ru
 def test_agent_speaks_sd_notify(tmp_path):
     """Under systemd (Type=notify, WatchdogSec): READY once serving, WATCHDOG every
     interval, STOPPING on SIGTERM, all through $NOTIFY_SOCKET."""
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "notify.sock"))
-    notify.settimeout(30)
-    env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.cli.main", "agent", "--bind", f"127.0.0.1:{free_port()}",
-         "--interval", "0.2", "--telemetry-socket", str(tmp_path / "t.sock")],
-        env=env, stderr=subprocess.DEVNULL,
+    check_sd_notify_lifecycle(
+        tmp_path,
+        ["agent", "--bind", f"127.0.0.1:{free_port()}", "--interval", "0.2",
+         "--telemetry-socket", str(tmp_path / "t.sock")],
     )  # fmt: skip
-    try:
-        messages = [notify.recv(4096).decode() for _ in range(3)]
-        assert messages[0].startswith("READY=1")
-        assert all(m.startswith("WATCHDOG=1") for m in messages[1:])
-        proc.terminate()
-        while not (m := notify.recv(4096).decode()).startswith("STOPPING=1"):
-            assert m.startswith("WATCHDOG=1")
-        assert proc.wait(timeout=15) == 0
-    finally:
-        proc.kill()
-        notify.close()

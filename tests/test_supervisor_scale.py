@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import TOKEN, Daemon, free_port, http_json, wait_until
+from harness import TOKEN, Daemon, check_sd_notify_lifecycle, free_port, http_json, wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -189,27 +188,12 @@ def test_supervisor_follows_its_agents_file(tmp_path, sim):
 
 def test_supervisor_speaks_sd_notify(tmp_path, sim):
     """Type=notify: READY once serving, WATCHDOG as passes complete, STOPPING on SIGTERM."""
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "notify.sock"))
-    notify.settimeout(30)
-    env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "400000"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.cli.main", "supervisor", "--bind",
-         f"127.0.0.1:{free_port()}", "--interval", "0.1", "--agents", sim[0],
-         "--db", str(tmp_path / "db")],
-        env=env, stderr=subprocess.DEVNULL,
+    check_sd_notify_lifecycle(
+        tmp_path,
+        ["supervisor", "--bind", f"127.0.0.1:{free_port()}", "--interval", "0.1",
+         "--agents", sim[0], "--db", str(tmp_path / "db")],
+        env={"WATCHDOG_USEC": "400000"}, watchdog_prefix="WATCHDOG=1\nSTATUS=",
     )  # fmt: skip
-    try:
-        messages = [notify.recv(4096).decode() for _ in range(3)]
-        assert messages[0].startswith("READY=1")
-        assert all(m.startswith("WATCHDOG=1\nSTATUS=") for m in messages[1:])
-        proc.terminate()
-        while not (m := notify.recv(4096).decode()).startswith("STOPPING=1"):
-            assert m.startswith("WATCHDOG=1")
-        assert proc.wait(timeout=15) == 0
-    finally:
-        proc.kill()
-        notify.close()
 
 
 def test_watchdog_stops_when_passes_stop(tmp_path, monkeypatch):
