@@ -223,7 +223,7 @@ class Cluster:
 
 
 class HttpProtocol(asyncio.Protocol):
-    """A minimal HTTP/1.1 server: one request per connection (urllib never reuses one)."""
+    """A minimal HTTP/1.1 server with keep-alive, as the real agent's (agent/httpd.py)."""
 
     def __init__(self, cluster: Cluster, stats: dict):
         self.cluster, self.stats = cluster, stats
@@ -234,22 +234,27 @@ class HttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        head, sep, rest = self.buf.partition(b"\r\n\r\n")
-        if not sep:
-            return
-        lines = head.decode("latin-1").split("\r\n")
-        method, target, _ = lines[0].split(" ", 2)
-        length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value)
-        if len(rest) < length:
-            return
-        path, _, query = target.partition("?")
-        self.respond(method, path, query, rest[:length])
+        while not self.transport.is_closing():
+            head, sep, rest = self.buf.partition(b"\r\n\r\n")
+            if not sep:
+                return
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = lines[0].split(" ", 2)
+            length, close = 0, False
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                name = name.strip().lower()
+                if name == "content-length":
+                    length = int(value)
+                elif name == "connection":
+                    close = value.strip().lower() == "close"
+            if len(rest) < length:
+                return
+            self.buf = rest[length:]
+            path, _, query = target.partition("?")
+            self.respond(method, path, query, rest[:length], close)
 
-    def respond(self, method: str, path: str, query: str, body: bytes) -> None:
+    def respond(self, method: str, path: str, query: str, body: bytes, close: bool) -> None:
         now = time.time()
         status, payload = 200, None
         parts = path.strip("/").split("/")  # agents, i, v1, ...
@@ -281,12 +286,11 @@ class HttpProtocol(asyncio.Protocol):
             status, payload = 404, {"error": {"status": 404, "message": str(exc)}}
         data = payload if isinstance(payload, bytes) else (_dumps(payload) + "\n").encode()
         self.stats["requests"] += 1
-        self.transport.write(
-            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: "
-            f"{len(data)}\r\nConnection: close\r\n\r\n".encode()
-            + data
-        )
-        self.transport.close()
+        head = f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(data)}\r\n" + ("Connection: close\r\n" if close else "")
+        self.transport.write((head + "\r\n").encode() + data)
+        if close:
+            self.transport.close()
 
 
 async def faults(cluster: Cluster, kinds: list[str], every: float, log_path: Path | None,

@@ -6,12 +6,12 @@ agent is polled in parallel and the loop waits for all of them up to the same de
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
@@ -28,32 +28,91 @@ class AgentError(Exception):
         self.url, self.status = url, status
 
 
+class _Connections:
+    """Idle keep-alive HTTP connections per agent address, shared by every AgentClient
+    (clients are made afresh each pass). A new TCP connection per request was the
+    supervisor's largest cost at 1,024 agents (docs/scaling.md)."""
+
+    def __init__(self, idle_per_agent: int = 2):
+        self.idle_per_agent = idle_per_agent
+        self._idle: dict[tuple, list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+
+    def take(
+        self, key: tuple, timeout: float, fresh: bool = False
+    ) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection to `key` (scheme, host, port), and whether it was used before."""
+        with self._lock:
+            idle = self._idle.get(key)
+            conn = idle.pop() if idle and not fresh else None
+        if conn is not None:
+            conn.timeout = timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            return conn, True
+        scheme, host, port = key
+        cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        return cls(host, port, timeout=timeout), False
+
+    def give(self, key: tuple, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < self.idle_per_agent:
+                idle.append(conn)
+                return
+        conn.close()
+
+
+_CONNECTIONS = _Connections()
+# The agent closed an idle connection before this request reached it: safe to send again.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+
 class AgentClient:
     def __init__(self, url: str, token: str | None = None, timeout: float = 2.0):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        parts = urllib.parse.urlsplit(self.url)
+        self._key = (parts.scheme, parts.hostname, parts.port)
+        self._prefix = parts.path  # e.g. a simulator's /agents/7
 
     def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path, data=data, method="GET" if body is None else "POST"
-        )
+        headers = {}
         if body is not None:
-            req.add_header("Content-Type", "application/json")
+            headers["Content-Type"] = "application/json"
             if self.token:
-                req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as err:
+                headers["Authorization"] = f"Bearer {self.token}"
+        for attempt in (1, 2):
+            conn, reused = _CONNECTIONS.take(self._key, timeout or self.timeout, attempt == 2)
             try:
-                message = json.loads(err.read())["error"]["message"]
+                conn.request("GET" if body is None else "POST", self._prefix + path, data, headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+            except _STALE as exc:
+                conn.close()
+                if reused and attempt == 1:
+                    continue
+                raise AgentError(self.url, str(exc) or type(exc).__name__) from None
+            except (OSError, http.client.HTTPException) as exc:  # refused, timed out, garbage
+                conn.close()
+                raise AgentError(self.url, str(exc) or type(exc).__name__) from None
+            if resp.will_close:
+                conn.close()
+            else:
+                _CONNECTIONS.give(self._key, conn)
+            break
+        if resp.status >= 400:
+            try:
+                message = json.loads(raw)["error"]["message"]
             except (ValueError, KeyError, TypeError):
-                message = err.reason
-            raise AgentError(self.url, f"HTTP {err.code}: {message}", err.code) from None
-        except (OSError, ValueError) as exc:  # refused, timed out, reset, not JSON
-            raise AgentError(self.url, str(getattr(exc, "reason", exc))) from None
+                message = resp.reason
+            raise AgentError(self.url, f"HTTP {resp.status}: {message}", resp.status)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise AgentError(self.url, "answer is not JSON") from None
 
     def get(self, path: str) -> dict:
         return self._request(path)
