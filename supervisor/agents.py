@@ -148,9 +148,16 @@ def poll_node(
         if windows is None:
             return NodeObs.from_json(client.url, node_json, client.get("/v1/ranks"), now), node_json
         ranks = _read_ranks(client, windows)
+        return NodeObs.from_json(client.url, node_json, ranks, now, windows.merge(ranks)), node_json
     except AgentError as exc:
         return NodeObs.unreachable(client.url, str(exc), now), None
-    return NodeObs.from_json(client.url, node_json, ranks, now, windows.merge(ranks)), node_json
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        # JSON that is not an agent's answer: this node goes unseen (a monitoring fault),
+        # the rest of the cluster does not.
+        if windows is not None:
+            windows.reset()
+        log.warning("%s: malformed answer: %r", client.url, exc)
+        return NodeObs.unreachable(client.url, f"malformed answer: {exc!r}", now), None
 
 
 def _read_ranks(client: AgentClient, windows: NodeWindows) -> dict:

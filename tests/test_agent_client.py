@@ -18,6 +18,7 @@ class _Agent(ThreadingHTTPServer):
     def __init__(self):
         self.connections = 0
         self.close_after_each = False
+        self.answer = None  # None: echo the path
         super().__init__(("127.0.0.1", 0), _Handler)
 
     @property
@@ -38,6 +39,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         status = 404 if self.path == "/missing" else 200
         body = {"error": {"message": "no such thing"}} if status == 404 else {"path": self.path}
+        if self.server.answer is not None and self.path != "/v1/node":
+            body = self.server.answer
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
@@ -78,3 +81,21 @@ def test_errors_keep_their_status_and_message(agent):
     with pytest.raises(AgentError) as err:
         AgentClient(nobody.url, timeout=1).get("/v1/node")
     assert err.value.status is None and "refused" in str(err.value).lower()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [[1, 2], {"ranks": [{"job": "j"}]}, {"ranks": [{"job": "j", "rank": "x"}]}, {"ranks": 5},
+     {"ranks": [{"job": "j", "rank": 0, "recent_from": 1, "recent": [{"seq": 1, "step": "?"}]}],
+      "cursor": "c", "full": True}],
+)  # fmt: skip
+def test_a_malformed_answer_makes_one_node_unseen_not_the_poll_fail(agent, answer):
+    from rankguard.supervisor.agents import Poller
+
+    agent.answer = answer
+    poller = Poller()
+    try:
+        [node] = poller.poll([AgentClient(agent.url)]).nodes
+    finally:
+        poller.close()
+    assert not node.reachable and "malformed answer" in node.error
