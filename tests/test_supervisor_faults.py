@@ -8,12 +8,22 @@ import json
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from harness import http_json, read_json, start_agent, start_supervisor, torchrun, wait_until
+from harness import (
+    free_port,
+    http_json,
+    read_json,
+    start_agent,
+    start_supervisor,
+    torchrun,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +52,13 @@ class Rig:
              "--job", job, *args],
             cwd=self.tmp, max_restarts=max_restarts,
             env={"RANKGUARD_TELEMETRY_SOCKET": str(self.agent.socket)}, timeout=timeout,
+        )  # fmt: skip
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        """A query command (`rankguard health|ranks|incidents`) against this supervisor."""
+        return subprocess.run(
+            [sys.executable, "-m", "rankguard.cli.main", *args, "--supervisor",
+             self.supervisor.url], capture_output=True, text=True, timeout=60,
         )  # fmt: skip
 
     def incidents(self, kind: str | None = None) -> list[dict]:
@@ -75,7 +92,9 @@ def clean(tmp_path_factory):
         assert proc.returncode == 0, proc.stderr[-3000:]
         time.sleep(1)  # one more pass after the end
         cluster = http_json(rig.supervisor.url + "/v1/cluster")
-        return {"summary": rig.summary(), "incidents": rig.incidents(), "cluster": cluster}
+        cli = {c: rig.cli(c, "--json") for c in ("health", "ranks", "incidents")}
+        return {"summary": rig.summary(), "incidents": rig.incidents(), "cluster": cluster,
+                "cli": cli}  # fmt: skip
     finally:
         rig.close()
 
@@ -106,6 +125,17 @@ def test_clean_run_raises_no_hang_or_other_alarm(clean):
     job = clean["cluster"]["jobs"]["job"]  # the supervisor really watched it to the end
     assert (job["state"], job["max_step"]) == ("finished", STEPS), clean["cluster"]
     assert [i for i in clean["incidents"] if i["kind"] != "straggler"] == [], clean["incidents"]
+
+
+def test_query_commands_on_a_healthy_run(clean):
+    health, ranks, incidents = (clean["cli"][c] for c in ("health", "ranks", "incidents"))
+    assert health.returncode == 0, health.stderr  # healthy
+    assert json.loads(health.stdout)["jobs"]["job"]["state"] == "finished"
+    assert sorted(r["rank"] for r in json.loads(ranks.stdout)["ranks"]) == [0, 1]
+    assert incidents.returncode == 0 and "incidents" in json.loads(incidents.stdout)
+    gone = subprocess.run([sys.executable, "-m", "rankguard.cli.main", "health", "--supervisor",
+                           f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True)  # fmt: skip
+    assert gone.returncode == 2 and "unreachable" in gone.stderr
 
 
 @pytest.mark.soak
@@ -195,6 +225,10 @@ def test_crash_loop_is_stopped_with_a_verdict(rig):
     assert len(rig.incidents("rank_dead")) == 3
     cluster = http_json(rig.supervisor.url + "/v1/cluster")
     assert cluster["status"] == "unhealthy" and cluster["jobs"]["job"]["state"] == "stopped"
+    health = rig.cli("health")
+    assert health.returncode == 2 and "stopped" in health.stdout, health.stdout
+    timeline = rig.cli("incidents").stdout
+    assert "crash_loop" in timeline and "verdict:" in timeline and "rank_dead" in timeline
 
 
 def test_supervisor_restart_mid_run_never_acts_twice(rig, clean):

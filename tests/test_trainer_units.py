@@ -136,3 +136,15 @@ def test_fault_file_is_picked_up_when_it_changes(tmp_path):
     f.write_text("nan:step=7:rank=1:restart=2\nbogus line\nnan:step=8:rank=0\n")
     inj.poll_file()
     assert inj.corrupt_loss(7) and not inj.corrupt_loss(8)
+
+
+def test_fault_file_restart_is_the_incarnation_and_flags_the_torchrun_count(tmp_path):
+    """Runtime faults name the incarnation the telemetry shows (what `rankguard inject`
+    reads); command-line faults keep the node's torchrun restart count."""
+    f = tmp_path / "faults"
+    static = (FaultSpec("exception", step=3, rank=0, restart=0),)
+    inj = FaultInjector(static, rank=0, restart_count=0, fault_file=str(f), incarnation=5)
+    f.write_text("nan:step=7:rank=0:restart=5\nnan:step=8:rank=0:restart=0\n")
+    inj.poll_file()
+    assert inj.corrupt_loss(7) and not inj.corrupt_loss(8)
+    assert [s.kind for s in inj.specs] == ["exception", "nan"]

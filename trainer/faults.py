@@ -16,7 +16,9 @@ A fault fires only in the incarnation whose torchrun restart count is `restart`
 
 Faults can also arrive while training runs (`rankguard inject`): a fault file (one spec
 per line) named by `--fault-file` / `$RANKGUARD_FAULT_FILE` is re-read when it changes,
-checked with one stat() per step.
+checked with one stat() per step. There `restart` is the job-wide incarnation number the
+telemetry reports (what `rankguard inject` reads from the agent), not the node's torchrun
+count: the two differ once a checkpoint directory is reused or nodes have come and gone.
 """
 
 from __future__ import annotations
@@ -98,16 +100,17 @@ class FaultInjector:
         rank: int,
         restart_count: int,
         fault_file: str | None = None,
+        incarnation: int | None = None,
     ):
         self.rank, self.restart_count = rank, restart_count
-        self.static = list(specs)
+        self.incarnation = restart_count if incarnation is None else incarnation
+        self.static = self._mine(specs, self.restart_count)
         self.fault_file = fault_file
         self._file_mtime: float | None = None
-        self._file_specs: list[FaultSpec] = []
-        self.specs = self._mine(self.static)
+        self.specs = list(self.static)
 
-    def _mine(self, specs) -> list[FaultSpec]:
-        return [s for s in specs if s.rank == self.rank and s.restart in (None, self.restart_count)]
+    def _mine(self, specs, restart: int) -> list[FaultSpec]:
+        return [s for s in specs if s.rank == self.rank and s.restart in (None, restart)]
 
     def poll_file(self) -> None:
         """Pick up faults injected at run time; a bad line is reported and skipped."""
@@ -131,8 +134,7 @@ class FaultInjector:
                     specs.append(parse_fault_spec(line))
                 except FaultSpecError as exc:
                     print(f"rankguard trainer: ignoring fault {line!r}: {exc}", file=sys.stderr)
-        self._file_specs = specs
-        self.specs = self._mine(self.static + specs)
+        self.specs = self.static + self._mine(specs, self.incarnation)
 
     def _active(self, kind: str, step: int, *, from_step: bool) -> FaultSpec | None:
         for s in self.specs:

@@ -80,9 +80,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 class Trainer:
     def __init__(self, cfg: TrainConfig, info: DistInfo):
         self.cfg, self.info = cfg, info
-        self.faults = FaultInjector(cfg.faults, info.rank, info.restart_count, cfg.fault_file)
         self.telemetry = TelemetrySender(cfg.telemetry_socket)
         self.incarnation = agree_incarnation(cfg.ckpt.dir, info)
+        self.faults = FaultInjector(
+            cfg.faults, info.rank, info.restart_count, cfg.fault_file, self.incarnation
+        )
         self.phase = "init"
         self.step = 0
         self.last_loss: float | None = None
