@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from harness import http_json, start_agent, start_supervisor  # noqa: E402
 from telemetry_sink import TelemetrySink  # noqa: E402
 
+from rankguard.trainer.warm import start_server  # noqa: E402
+
 FAULT_STEP = 150
 
 
@@ -92,14 +94,8 @@ def warm_server(tmp: Path, enabled: bool):
         yield None
         return
     path = tmp / "warm.sock"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.trainer.warm", "serve", "--socket", str(path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server = start_server(path, {**os.environ, "OMP_NUM_THREADS": "1"}, subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
         yield path
     finally:
         server.terminate()

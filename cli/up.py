@@ -66,21 +66,13 @@ def _start(args: list[str], log: Path, health: str, env: dict) -> subprocess.Pop
 
 
 def _start_warm_server(run_dir: Path, env: dict) -> subprocess.Popen:
-    socket_path = run_dir / "warm.sock"
+    from rankguard.trainer.warm import start_server
+
     with open(run_dir / "warm.log", "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rankguard.trainer.warm", "serve", "--socket", str(socket_path)],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    for _ in range(600):  # importing torch takes a few seconds
-        if proc.poll() is not None:
-            raise typer.Exit(
-                _fail(f"the warm-start server exited at start; see {run_dir}/warm.log")
-            )
-        if socket_path.exists():
-            return proc
-        time.sleep(0.1)
-    raise typer.Exit(_fail(f"the warm-start server did not start; see {run_dir}/warm.log"))
+        try:
+            return start_server(run_dir / "warm.sock", env, stdout=out)
+        except RuntimeError as exc:
+            raise typer.Exit(_fail(f"{exc}; see {run_dir}/warm.log")) from None
 
 
 def _fail(message: str) -> int:

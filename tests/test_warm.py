@@ -11,7 +11,9 @@ import sys
 import time
 
 import pytest
-from harness import read_json, torchrun, wait_until
+from harness import free_port, read_json, torchrun, wait_until
+
+from rankguard.trainer.warm import start_server
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +23,7 @@ WARM = ("rankguard.trainer.warm", "run")
 @pytest.fixture
 def server(tmp_path):
     path = tmp_path / "warm.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.trainer.warm", "serve", "--socket", str(path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    wait_until(lambda: path.exists(), 60, "the warm server's socket")
+    proc = start_server(path, {**os.environ, "OMP_NUM_THREADS": "1"}, subprocess.DEVNULL)
     yield path, proc
     proc.terminate()
     proc.wait(timeout=10)
@@ -69,7 +67,7 @@ def shim(path, tmp_path, trace, *args: str) -> subprocess.Popen:
          "--log-every", "0", *args],
         env={**os.environ, "RANKGUARD_WARM_SOCKET": str(path), "RANKGUARD_STARTUP_TRACE": str(trace),
              "RANKGUARD_TELEMETRY_SOCKET": "off", "WORLD_SIZE": "1", "RANK": "0",
-             "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())},
+             "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
         cwd=tmp_path, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -108,9 +106,3 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(server):
     assert proc.poll() is None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(path))  # still accepting
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

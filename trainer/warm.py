@@ -94,6 +94,25 @@ def _wait_for_exit(pid: int) -> None:
 # -- server -------------------------------------------------------------------------------
 
 
+def start_server(path, env: dict | None = None, stdout=None, timeout: float = 60):
+    """Start `serve` as a child process and wait for its socket (importing torch takes a
+    few seconds); RuntimeError if it exits or does not listen in time."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rankguard.trainer.warm", "serve", "--socket", str(path)],
+        env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the warm-start server did not start (exit {proc.poll()})")
+        time.sleep(0.05)
+    return proc
+
+
 def serve(path: str) -> int:
     from . import train  # the point of the server: pay for torch once
 

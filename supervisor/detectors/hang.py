@@ -86,9 +86,9 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
         return None
 
     culprit, reason = pick_culprit(live, cfg)
-    behind = _behind_unreachable(obs, ranks) if culprit is None else {}
-    if behind:
-        reason = behind.pop("reason")
+    behind: dict = {}
+    if culprit is None:
+        reason, behind = _behind_unreachable(obs, ranks) or (reason, {})
     steps = [r.step for r in live if r.step is not None]
     min_step = min(steps) if steps else None
     ages = [r.heartbeat_age_seconds for r in live if r.heartbeat_age_seconds is not None]
@@ -127,7 +127,7 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
     )
 
 
-def _behind_unreachable(obs: ClusterObs, ranks: list[RankObs]) -> dict:
+def _behind_unreachable(obs: ClusterObs, ranks: list[RankObs]) -> tuple[str, dict] | None:
     """A partition: the job's world is larger than the ranks in view, and an agent is
     unreachable. The missing ranks are where the others wait, and no agent can end them;
     ending a reachable rank instead makes torchrun re-form the job without them (an
@@ -136,11 +136,13 @@ def _behind_unreachable(obs: ClusterObs, ranks: list[RankObs]) -> dict:
     unreachable = sorted(n.node for n in obs.nodes if not n.reachable)
     live = [r for r in ranks if r.state in LIVE_STATES and r.state != "stopped"]
     if world <= len(ranks) or not unreachable or not live:
-        return {}
+        return None
     via = min(live, key=lambda r: r.rank)
-    return {
-        "reason": f"{world - len(ranks)} of {world} ranks out of view behind unreachable "
-        f"agent(s) {', '.join(unreachable)}: restart the job without them",
+    reason = (
+        f"{world - len(ranks)} of {world} ranks out of view behind unreachable agent(s) "
+        f"{', '.join(unreachable)}: restart the job without them"
+    )
+    return reason, {
         "missing_ranks": world - len(ranks),
         "unreachable_nodes": unreachable,
         "restart_via": {"rank": via.rank, "node": via.node, "pid": via.pid,
