@@ -51,12 +51,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_agent(tmp: Path, gpus: int) -> tuple[subprocess.Popen, str, Path]:
+def start_agent(tmp: Path, gpus: int | None) -> tuple[subprocess.Popen, str, Path]:
+    """An agent with an NVML double of `gpus` GPUs, or real NVML when `gpus` is None."""
     port, sock, double = free_port(), tmp / "telemetry.sock", tmp / "nvml.json"
-    double.write_text(json.dumps(make_double(n_gpus=gpus)))
+    nvml_args = []
+    if gpus is not None:
+        double.write_text(json.dumps(make_double(n_gpus=gpus)))
+        nvml_args = ["--nvml-double", str(double)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "rankguard.cli.main", "agent", "--bind", f"127.0.0.1:{port}",
-         "--interval", "1", "--telemetry-socket", str(sock), "--nvml-double", str(double),
+         "--interval", "1", "--telemetry-socket", str(sock), *nvml_args,
          "--ckpt-dir", str(tmp), "--log-level", "warning"],
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -69,9 +73,9 @@ def start_agent(tmp: Path, gpus: int) -> tuple[subprocess.Popen, str, Path]:
     return proc, base, sock
 
 
-def agent_cost(seconds: float) -> dict:
+def agent_cost(seconds: float, real_nvml: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:
-        agent, base, sock = start_agent(Path(tmp), gpus=8)
+        agent, base, sock = start_agent(Path(tmp), gpus=None if real_nvml else 8)
         senders = [
             subprocess.Popen([sys.executable, "-c", SENDER, str(sock), str(r)]) for r in range(8)
         ]
@@ -88,6 +92,8 @@ def agent_cost(seconds: float) -> dict:
                 body = urllib.request.urlopen(base + "/metrics", timeout=5).read()
                 latencies.append(time.perf_counter() - start)
             ranks = json.loads(urllib.request.urlopen(base + "/v1/ranks").read())["ranks"]
+            gpus = json.loads(urllib.request.urlopen(base + "/v1/node").read())
+            gpus = gpus.get("facts", {}).get("gpu", {}).get("count")
         finally:
             for s in senders:
                 s.kill()
@@ -100,6 +106,7 @@ def agent_cost(seconds: float) -> dict:
         "scrape_p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)],
         "metrics_bytes": len(body),
         "ranks_seen": len(ranks),
+        "gpus": gpus,
         "window_seconds": seconds,
     }
 
@@ -137,19 +144,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--real-nvml", action="store_true", help="the node's real GPUs instead of 8 doubled ones"
+    )
     args = p.parse_args()
 
     print("part 1: agent cost ...", file=sys.stderr, flush=True)
-    cost = agent_cost(args.seconds)
+    cost = agent_cost(args.seconds, args.real_nvml)
     runs: dict[str, list[float]] = {"without agent": [], "with agent": []}
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:
         for i in range(args.repeats):
             for label in runs:
                 print(f"part 2 [{i + 1}/{args.repeats}] {label} ...", file=sys.stderr, flush=True)
                 runs[label].append(train(label == "with agent", Path(tmp), args.steps))
-    base = statistics.median(runs["without agent"])
+    gpu_desc = f"{cost['gpus']} GPU(s), real NVML" if args.real_nvml else "8 GPUs (NVML double)"
     lines = [
-        f"Agent cost: 1 s interval, 8 GPUs (NVML double), 8 ranks x 10 records/s, {args.seconds:.0f} s window",
+        f"Agent cost: 1 s interval, {gpu_desc}, 8 ranks x 10 records/s, {args.seconds:.0f} s window",
         "",
         "| measure | value | target |",
         "|---|---|---|",
@@ -157,13 +167,19 @@ def main() -> None:
         f"| /metrics scrape p50 | {cost['scrape_p50_ms']:.2f} ms | < 10 ms |",
         f"| /metrics scrape p99 | {cost['scrape_p99_ms']:.2f} ms | |",
         f"| /metrics size | {cost['metrics_bytes']:,} bytes | |",
-        "",
-        f"Training throughput (tiny preset, 2 ranks, {args.steps} steps; median of {args.repeats} alternated runs)",
-        "",
-        "| configuration | tokens/s (runs) | ratio to no agent |",
-        "|---|---|---|",
     ]
+    if args.repeats:
+        lines += [
+            "",
+            f"Training throughput (tiny preset, 2 ranks, {args.steps} steps; median of {args.repeats} alternated runs)",
+            "",
+            "| configuration | tokens/s (runs) | ratio to no agent |",
+            "|---|---|---|",
+        ]
     for label, values in runs.items():
+        if not values:
+            continue
+        base = statistics.median(runs["without agent"])
         shown = ", ".join(f"{v:,.0f}" for v in values)
         lines.append(
             f"| {label} | {statistics.median(values):,.0f} ({shown}) | {statistics.median(values) / base:.4f} |"

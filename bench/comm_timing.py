@@ -45,7 +45,10 @@ def measure(model, timer: StepTimer, batch, steps: int, delay: float, cuda: bool
         for e in prof.events()
         if "all_reduce" in e.name and ("gloo" in e.name or "nccl" in e.name)
     ]
-    prof_us = sum((e.device_time_total if cuda else e.cpu_time_total) for e in collective)
+    # NCCL runs on the GPU (its kernel's time); gloo on the host, also with CUDA tensors.
+    prof_us = sum(
+        (e.device_time_total if "nccl" in e.name else e.cpu_time_total) for e in collective
+    )
     return {
         "delay_seconds": delay,
         "steps": steps,
@@ -85,6 +88,7 @@ def main() -> None:
         per_call = per_step / max(1, base["allreduce_calls_per_step"])
         result = {
             "device": str(info.device),
+            "backend": str(dist.get_backend()),
             "world_size": info.world_size,
             "params": sum(p.numel() for p in model.parameters()),
             "rows": rows,

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -143,13 +144,13 @@ def plain(fault: str, steps: int, hang_wait: float) -> dict:
         sock = tmp / "t.sock"
         with TelemetrySink(sock) as sink:
             proc = subprocess.Popen(trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang"),
-                                    env=env_for(tmp, sock),
+                                    env=env_for(tmp, sock), start_new_session=True,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             try:
                 proc.wait(timeout=hang_wait + 60 if fault == "kill" else hang_wait + 20)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                subprocess.run(["pkill", "-9", "-f", "--", "--job bench"], check=False)
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our group only
+                proc.wait()
                 return {"ok": False, "note": f"not recovered within {hang_wait:.0f} s"}
             records = list(sink.records)
         milestones = trace_milestones(tmp / "trace.jsonl", 1)

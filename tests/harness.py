@@ -18,15 +18,18 @@ def torchrun(
     env: dict | None = None,
     timeout: float = 240,
     entry: tuple[str, ...] = ("rankguard.trainer",),
+    deterministic: bool = True,
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone` of the bundled trainer (`entry`: the module and its first
-    arguments); output captured for assertions."""
+    arguments); output captured for assertions. Deterministic kernels by default, as the
+    digest comparisons of exact resume need them on a GPU."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off"}
     full_env.update(env or {})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        "-m", *entry, "--preset", "tiny", "--log-every", "0", *args,
+        "-m", *entry, "--preset", "tiny", "--log-every", "0",
+        *(["--deterministic"] if deterministic else []), *args,
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -453,6 +457,68 @@ def test_metric_names_follow_the_conventions(make):
 # --- real NVML --------------------------------------------------------------------------------
 
 
+MATMUL_LOOP = """
+import sys, time, torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+print("ready", flush=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+"""
+
+HOLD_MEMORY = """
+import sys, torch
+x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+class RecordingNvml:
+    """Real pynvml, every call recorded with its outcome: (name, None | NVML error code).
+    `lose` makes one GPU's handle answer NVML_ERROR_GPU_IS_LOST, as a fallen-off GPU does."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int | None]] = []
+        self.lost_handles: list = []
+
+    def __getattr__(self, name: str):
+        real = getattr(pynvml, name)
+        if not callable(real) or not name.startswith("nvml"):
+            return real
+
+        def call(*args, **kwargs):
+            if any(a is h for a in args for h in self.lost_handles):
+                self.calls.append((name, pynvml.NVML_ERROR_GPU_IS_LOST))
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            try:
+                out = real(*args, **kwargs)
+            except pynvml.NVMLError as exc:
+                self.calls.append((name, exc.value))
+                raise
+            self.calls.append((name, None))
+            return out
+
+        return call
+
+
+def spawn_gpu_child(code: str, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def end_child(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 @pytest.mark.gpu
 class TestRealNvml:
     @pytest.fixture
@@ -489,3 +555,112 @@ class TestRealNvml:
                 assert sm is None
         assert isinstance(r.facts["xid_supported"], bool)
         assert first.facts["driver"]
+
+    def test_every_field_read_on_the_real_device(self):
+        """Each NVML query the collector makes answers, or says NOT_SUPPORTED for this GPU
+        (nothing else), and the fields every datacenter GPU has are filled in."""
+        nvml = RecordingNvml()
+        collector = GpuCollector(
+            CollectorContext(nvml=nvml, rank_processes=lambda: [("job", 0, os.getpid())]),
+            GpuConfig(gpm_interval=0, pcie_interval=0),
+        )
+        try:
+            collector.collect()
+            time.sleep(0.2)
+            result = collector.collect()
+            gpu = collector.gpus[0]
+            reading = collector._read(gpu, do_gpm=True, do_pcie=True, want_procs=True)
+        finally:
+            collector.close()
+        failures = {
+            (n, c) for n, c in nvml.calls if c not in (None, pynvml.NVML_ERROR_NOT_SUPPORTED)
+        }
+        # The XID wait times out when nothing happened: that is its normal answer.
+        failures.discard(("nvmlEventSetWait_v2", pynvml.NVML_ERROR_TIMEOUT))
+        assert not failures, failures
+        unsupported = sorted({n for n, c in nvml.calls if c == pynvml.NVML_ERROR_NOT_SUPPORTED})
+        print("NOT_SUPPORTED on this GPU:", unsupported or "none")
+        for field in ("utilization", "memory_used", "memory_total", "temperature",
+                      "power_watts", "energy_joules", "sm_clock_hertz", "clock_event_mask",
+                      "ecc", "pcie"):  # fmt: skip
+            assert getattr(reading, field) is not None, field
+        assert reading.memory_total > reading.memory_used >= 0
+        assert 0 < reading.power_watts < 2000 and 0 < reading.temperature < 120
+        assert reading.sm_clock_hertz > 1e8
+        # Hopper and later report row remapping; older parts page retirement: one of them.
+        assert reading.remapped_rows is not None or reading.retired_pages is not None
+        assert value(result, "rankguard_gpu_nvml_up") == 1
+        assert result.facts["gpus"][0]["ecc_uncorrected"] is not None
+
+    def test_gpm_reads_high_under_a_matmul_loop_and_low_when_idle(self, collector):
+        if not collector.collect().facts["gpus"][0]["gpm_supported"]:
+            pytest.skip("GPM not supported on this GPU (Hopper or newer needed)")
+        key = lambda r: (str(r.facts["gpus"][0]["index"]), r.facts["gpus"][0]["uuid"])  # noqa: E731
+
+        def activity(result):
+            sm = samples(result, "rankguard_gpu_sm_activity_ratio")[key(result)]
+            tensor = samples(result, "rankguard_gpu_tensor_activity_ratio")[key(result)]
+            return sm, tensor
+
+        busy_child = spawn_gpu_child(MATMUL_LOOP, "6")
+        try:
+            time.sleep(1.0)
+            collector.collect()
+            time.sleep(1.0)
+            busy = activity(collector.collect())
+        finally:
+            end_child(busy_child)
+        time.sleep(1.0)
+        collector.collect()
+        time.sleep(1.0)
+        idle = activity(collector.collect())
+        print(
+            f"GPM busy sm={busy[0]:.2f} tensor={busy[1]:.2f}; idle sm={idle[0]:.2f} tensor={idle[1]:.2f}"
+        )
+        assert busy[0] > 0.5 and busy[1] > 0.2, busy
+        assert idle[0] < 0.1 and idle[1] < 0.1, idle
+
+    def test_xid_event_set_is_registered_and_drained(self, collector):
+        collector.collect()
+        watcher = collector.watcher
+        assert watcher is not None and watcher.supported, watcher and watcher.unsupported
+        assert watcher.thread.is_alive()  # waiting on the event set: timeouts, no errors
+        time.sleep(3 * collector.config.event_timeout_ms / 1000)
+        assert watcher.thread.is_alive()
+        assert collector.xids.snapshot() == {}  # no XID on a healthy GPU
+        collector.close()
+        assert not watcher.thread.is_alive() and watcher.event_set is None
+
+    def test_per_rank_gpu_memory(self):
+        child = spawn_gpu_child(HOLD_MEMORY, str(GIB))
+        try:
+            collector = GpuCollector(
+                CollectorContext(nvml=pynvml, rank_processes=lambda: [("job", 3, child.pid)]),
+                GpuConfig(gpm_interval=0, pcie_interval=0),
+            )
+            try:
+                result = collector.collect()
+            finally:
+                collector.close()
+        finally:
+            end_child(child)
+        per_rank = samples(result, "rankguard_rank_gpu_memory_bytes")
+        assert per_rank, "the rank's process was not found on the GPU"
+        (labels, used), *_ = per_rank.items()
+        assert tuple(map(str, labels))[:2] == ("job", "3"), labels
+        assert GIB <= used < 2 * GIB
+
+    def test_a_gpu_that_falls_off_reads_lost_then_recovers(self):
+        """A real GPU whose queries start answering GPU_IS_LOST (as one that fell off the
+        bus does) reads lost with the error; when it answers again it is back."""
+        nvml = RecordingNvml()
+        collector = GpuCollector(CollectorContext(nvml=nvml), GpuConfig(gpm_interval=0))
+        try:
+            assert collector.collect().facts["gpus"][0]["lost"] is False
+            nvml.lost_handles.append(collector.gpus[0].handle)
+            gone = collector.collect().facts["gpus"][0]
+            assert gone["lost"] is True and "Lost" in gone["error"], gone
+            nvml.lost_handles.clear()
+            assert collector.collect().facts["gpus"][0]["lost"] is False
+        finally:
+            collector.close()

@@ -127,6 +127,7 @@ class TrainConfig:
     log_every: int = 10
     fsdp: bool = False
     peak_flops: float | None = None
+    deterministic: bool = False  # bit-identical resume on GPU too, at some speed
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
     fault_file: str | None = None
 
@@ -179,7 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints every N steps")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard")
-    p.add_argument("--peak-flops", type=float, help="device peak FLOP/s for MFU")
+    p.add_argument(
+        "--peak-flops",
+        type=float,
+        help="device peak FLOP/s for MFU (default: the datasheet's dense bf16 figure of a known"
+        " GPU, else a measured matrix product)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace,"
+        " math attention), so a resumed run's parameters match an uninterrupted run's bit for"
+        " bit on a GPU too; slower. On the CPU runs are reproducible without it",
+    )
     p.add_argument(
         "--fault-file",
         default=None,
@@ -250,6 +263,7 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         log_every=args.log_every,
         fsdp=args.fsdp,
         peak_flops=args.peak_flops,
+        deterministic=args.deterministic,
         faults=parse_fault_specs(fault_text),
         fault_file=args.fault_file or environ.get("RANKGUARD_FAULT_FILE") or None,
     )

@@ -68,9 +68,14 @@ def init_distributed(environ=os.environ) -> DistInfo:
     restart_count = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", local_rank % gpus)
         torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl"  # async checkpointing needs a CPU backend too
+        # Async checkpointing needs a CPU backend too. NCCL refuses two ranks on one GPU,
+        # so ranks that share GPUs (more local ranks than GPUs) all-reduce through gloo.
+        backend = "cpu:gloo,cuda:nccl" if local_world <= gpus else "gloo"
+        if backend == "gloo" and local_rank == 0:
+            log.warning("%d local ranks share %d GPU(s): gloo instead of NCCL", local_world, gpus)
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -81,7 +86,7 @@ def init_distributed(environ=os.environ) -> DistInfo:
         store=_attempt_store(environ, rank, world_size, restart_count),
         rank=rank,
         world_size=world_size,
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if backend != "gloo" and device.type == "cuda" else None,
     )
     ckpt_group = dist.new_group(backend="gloo")
     return DistInfo(rank, local_rank, world_size, local_world, restart_count, device, ckpt_group)

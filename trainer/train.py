@@ -22,15 +22,13 @@ from .config import ConfigError, TrainConfig, config_from_args
 from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
 from .distributed import DistInfo, agree_incarnation, init_distributed, unwrap, wrap_model
 from .faults import FaultInjector
+from .mfu import peak_flops
 from .model import GPT, parameter_digest
 from .startup_trace import StartupTrace
 from .telemetry import TelemetrySender
 from .timing import StepTimer, StepTiming
 
 log = logging.getLogger("rankguard.trainer")
-
-# Dense bf16 peak FLOP/s by device name, for MFU (vendor datasheets, SXM parts).
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
 def lr_schedule(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -41,24 +39,36 @@ def lr_schedule(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def peak_flops(device: torch.device, override: float | None) -> float:
-    """The device's peak, or on CPU the measured fp32 matmul throughput of this process."""
-    if override:
-        return override
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return value
-    a = torch.randn(256, 256, device=device)
-    a @ a  # warm up
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.05:
-        a @ a
-        n += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * 256**3 * n / (time.perf_counter() - start)
+STEADY_AFTER = 3  # steps left out of steady-state speed
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def digest_expectation(device_type: str, deterministic: bool) -> dict:
+    """Whether a resumed run's parameter digest should equal an uninterrupted run's."""
+    if deterministic:
+        note = "deterministic kernels: a resumed run matches an uninterrupted one bit for bit"
+        return {"deterministic": True, "digest_reproducible": True, "digest_note": note}
+    if device_type == "cpu":
+        note = "CPU kernels sum in a fixed order: resumed runs match bit for bit"
+        return {"deterministic": False, "digest_reproducible": True, "digest_note": note}
+    note = (
+        "not expected to match an uninterrupted run: without --deterministic, CUDA kernels"
+        " (fused attention backward, some reductions) may accumulate in a different order"
+        " from run to run"
+    )
+    return {"deterministic": False, "digest_reproducible": False, "digest_note": note}
+
+
+def enable_determinism() -> None:
+    """Deterministic algorithms everywhere; cuBLAS needs its workspace fixed before the
+    first handle is created, so call this before anything touches CUDA."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -110,11 +120,6 @@ class Trainer:
         )
         self.ckpt = AsyncCheckpointer(cfg.ckpt, info, self.faults) if cfg.ckpt.dir else None
         self.peak_flops = peak_flops(info.device, cfg.peak_flops)
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if info.device.type == "cuda"
-            else contextlib.nullcontext()
-        )
         self._settle_ddp_buckets()
         self.resumed_from: int | None = None
         self._pending_loss: dict[int, torch.Tensor] = {}
@@ -123,6 +128,8 @@ class Trainer:
         self.checkpoint_block_seconds = 0.0
         self.train_seconds = 0.0
         self.steps_trained = 0
+        # This incarnation's (step, data wait) seconds per step, for steady-state speed.
+        self.step_times: list[tuple[float, float]] = []
 
     def _settle_ddp_buckets(self) -> None:
         """One zero-gradient forward/backward, so every step of every incarnation runs with
@@ -135,9 +142,22 @@ class Trainer:
             return
         m = self.cfg.model
         x = torch.zeros((1, m.seq_len), dtype=torch.long, device=self.info.device)
-        with self.autocast:
+        with self._kernels():
             (self.model(x, x) * 0.0).backward()
         self.optim.zero_grad(set_to_none=True)
+
+    def _kernels(self) -> contextlib.ExitStack:
+        """The forward/backward context: bf16 autocast on a GPU; with --deterministic, the
+        math attention backend (the fused backends' backward passes may accumulate in a
+        different order from run to run)."""
+        stack = contextlib.ExitStack()
+        if self.info.device.type == "cuda":
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        if self.cfg.deterministic:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        return stack
 
     # -- telemetry ------------------------------------------------------------------
     def _record(self, t: StepTiming | None, loss: float | None) -> dict:
@@ -175,6 +195,7 @@ class Trainer:
         for t in timings:
             loss = self._pending_loss.pop(t.step).item()
             self.last_loss = loss
+            self.step_times.append((t.step_seconds, t.data_wait_seconds))
             self.telemetry.send(self._record(t, loss))
             every = self.cfg.log_every
             if self.info.rank == 0 and every and (t.step % every == 0 or t.step == self.cfg.steps):
@@ -248,7 +269,7 @@ class Trainer:
         total = torch.zeros((), device=info.device)
         for k, (x, y) in enumerate(batches):
             last = k == self.accum - 1
-            with self._grad_sync(last), self.autocast:
+            with self._grad_sync(last), self._kernels():
                 loss = self.model(x, y)
                 if self.faults.corrupt_loss(step):
                     loss = loss * float("nan")
@@ -347,6 +368,30 @@ class Trainer:
             / max(self.train_seconds, 1e-9),
             "telemetry_sent": self.telemetry.sent,
             "telemetry_dropped": self.telemetry.dropped,
+            **self.speed(),
+            **digest_expectation(self.info.device.type, self.cfg.deterministic),
+        }
+
+    def speed(self) -> dict:
+        """Steady-state speed: medians over the steps after the first few (allocator warm-up,
+        kernel selection, DDP's bucket rebuild), and MFU against the peak this run used."""
+        steady = self.step_times[STEADY_AFTER:] or self.step_times
+
+        def median(values: list[float]) -> float:
+            return sorted(values)[len(values) // 2] if values else 0.0
+
+        step = median([s for s, _ in steady])
+        tokens = self.cfg.batch.global_batch * self.cfg.model.seq_len / self.info.world_size
+        tps = tokens / step if step else 0.0
+        return {
+            "device": device_name(self.info.device),
+            "median_step_seconds": step,
+            "median_data_wait_seconds": median([d for _, d in steady]),
+            "steady_tokens_per_second_per_rank": tps,
+            "peak_memory_bytes": peak_memory_bytes(self.info.device),
+            "flops_per_token": self.flops_per_token,
+            "peak_flops": self.peak_flops,
+            "mfu": self.flops_per_token * tps / self.peak_flops if tps else 0.0,
         }
 
 
@@ -363,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # ConfigError, FaultSpecError
         print(f"rankguard trainer: {exc}", file=sys.stderr)
         return 2
+    if cfg.deterministic:
+        enable_determinism()
     info = init_distributed()
     trace.mark("process_group")
     try:
