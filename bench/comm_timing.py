@@ -45,17 +45,19 @@ def measure(model, timer: StepTimer, batch, steps: int, delay: float, cuda: bool
         for e in prof.events()
         if "all_reduce" in e.name and ("gloo" in e.name or "nccl" in e.name)
     ]
-    # NCCL runs on the GPU (its kernel's time); gloo on the host, also with CUDA tensors.
-    prof_us = sum(
-        (e.device_time_total if "nccl" in e.name else e.cpu_time_total) for e in collective
-    )
+    # NCCL runs on the GPU (its kernels' time); gloo on the host, also with CUDA tensors. An
+    # NCCL all-reduce at world size 1 may launch no kernel at all: then its host time.
+    device_us = sum(e.device_time_total for e in collective if "nccl" in e.name)
+    host_us = sum(e.cpu_time_total for e in collective)
+    profiler_clock = "device" if device_us > 0 else "host"
     return {
         "delay_seconds": delay,
         "steps": steps,
         # Means compare with the profiler's totals; medians resist a step that waited on a peer.
         "hook_comm_ms": 1e3 * statistics.fmean(t.comm_seconds for t in timings),
         "hook_comm_median_ms": 1e3 * statistics.median(t.comm_seconds for t in timings),
-        "profiler_comm_ms": prof_us / 1e3 / steps,
+        "profiler_comm_ms": (device_us if device_us > 0 else host_us) / 1e3 / steps,
+        "profiler_clock": profiler_clock,
         "compute_ms": 1e3 * statistics.median(t.compute_seconds for t in timings),
         "comm_compute_ratio": statistics.median(t.comm_compute_ratio for t in timings),
         "allreduce_calls_per_step": len(collective) / steps,
@@ -92,7 +94,9 @@ def main() -> None:
             "world_size": info.world_size,
             "params": sum(p.numel() for p in model.parameters()),
             "rows": rows,
-            "hook_over_profiler": base["hook_comm_ms"] / base["profiler_comm_ms"],
+            "hook_over_profiler": base["hook_comm_ms"] / base["profiler_comm_ms"]
+            if base["profiler_comm_ms"]
+            else None,  # the profiler saw no collective
             "added_ms_per_allreduce": per_call,
             # The delays of a step's buckets may overlap (their callbacks can run at once),
             # so a step gains at least one delay and at most one per all-reduce.
@@ -103,8 +107,9 @@ def main() -> None:
         print(f"{'injected delay':>15} {'hook comm ms':>13} {'profiler ms':>12} {'hook/prof':>10} "
               f"{'compute ms':>11} {'comm/compute':>13}")  # fmt: skip
         for r in rows:
+            ratio = r["hook_comm_ms"] / r["profiler_comm_ms"] if r["profiler_comm_ms"] else 0.0
             print(f"{r['delay_seconds'] * 1e3:>12.1f} ms {r['hook_comm_ms']:>13.2f} "
-                  f"{r['profiler_comm_ms']:>12.2f} {r['hook_comm_ms'] / r['profiler_comm_ms']:>10.2f} "
+                  f"{r['profiler_comm_ms']:>12.2f} {ratio:>10.2f} "
                   f"{r['compute_ms']:>11.2f} {r['comm_compute_ratio']:>13.3f}")  # fmt: skip
         print(f"added per all-reduce: {per_call:.2f} ms (injected {1e3 * args.delay:.2f} ms); "
               f"comm/compute ratio x{result['ratio_increase']:.2f}")  # fmt: skip

@@ -81,17 +81,10 @@ def part_env(_: argparse.Namespace) -> str:
         ("cuDNN", str(torch.backends.cudnn.version())),
         ("Python", platform.python_version()),
         ("host", f"{os.cpu_count()} CPUs, {platform.release()}"),
-        ("rankguard commit", git_commit()),
         ("date", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
     ]
     lines = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     return "\n".join(lines)
-
-
-def git_commit() -> str:
-    proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True)  # fmt: skip
-    return proc.stdout.strip() or "unknown"
 
 
 def part_tests(_: argparse.Namespace) -> str:
@@ -209,7 +202,8 @@ def part_comm(_: argparse.Namespace) -> str:
             base, delayed = r["rows"]
             rows.append(
                 f"| {nproc} | {r['backend']} | {base['hook_comm_ms']:.3f} | "
-                f"{base['profiler_comm_ms']:.3f} | {r['hook_over_profiler']:.2f} | "
+                f"{base['profiler_comm_ms']:.3f} ({base['profiler_clock']}) | "
+                f"{r['hook_over_profiler'] or 0:.2f} | "
                 f"{r['added_ms_per_allreduce']:.2f} (injected 20.00) | "
                 f"{base['comm_compute_ratio']:.3f} -> {delayed['comm_compute_ratio']:.3f} | "
                 f"`{shown(cmd).replace(str(out), 'OUT.json')}` |"
@@ -217,8 +211,8 @@ def part_comm(_: argparse.Namespace) -> str:
     return "\n".join([
         "The trainer's DDP comm hook times each all-reduce with CUDA events (launch to completion"
         " on the stream); torch.profiler sums the collective's events over the same 20 steps"
-        " (NCCL: kernel time on the GPU; gloo: host time). One GPU: NCCL at world size 1, and two"
-        " ranks sharing the GPU through gloo.",
+        " (NCCL: kernel time on the GPU, or the host's where no kernel ran; gloo: host time). One"
+        " GPU: NCCL at world size 1, and two ranks sharing the GPU through gloo.",
         "",
         "| ranks | backend | hook ms/step | profiler ms/step | hook / profiler | added per all-reduce ms"
         " | comm/compute without -> with delay | command |",
@@ -334,7 +328,9 @@ def main() -> int:
         print("gpu-check: torch sees no CUDA device here; nothing checked")
         return 0
     args.parts_dir.mkdir(parents=True, exist_ok=True)
-    stamp = f"_{torch.cuda.get_device_name(0)}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {git_commit()}_"
+    stamp = (
+        f"_{torch.cuda.get_device_name(0)}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}_"
+    )
     failed = []
     for part in args.part or PARTS:
         start = time.monotonic()

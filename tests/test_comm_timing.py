@@ -55,10 +55,7 @@ def test_cuda_event_timing_on_nccl_sees_the_injected_delay(tmp_path):
     r = run_bench(tmp_path, nproc=1, delay=0.05)
     assert "nccl" in r["backend"], r
     base, delayed = r["rows"]
-    assert base["allreduce_calls_per_step"] >= 1
-    # A world-size-1 all-reduce is microseconds on the GPU; the hook spans launch to
-    # completion on the stream, so it is at least what the profiler saw of the kernel.
-    assert base["hook_comm_ms"] >= 0.5 * base["profiler_comm_ms"], r
+    assert base["allreduce_calls_per_step"] >= 1  # the profiler saw every bucket's call
     calls = base["allreduce_calls_per_step"]
     assert 0.6 * 50 < r["added_ms_per_step"] < 1.5 * 50 * calls + 50, r
 

@@ -26,7 +26,9 @@ def test_killed_run_resumes_to_the_uninterrupted_digest_with_deterministic_kerne
     )  # fmt: skip
     a, b = read_json(clean / "s.json"), read_json(killed / "s.json")
     assert "exitcode: -9" in proc.stderr  # the rank really died by SIGKILL
-    assert b["resumed_from"] == 20 and b["final_step"] == 30
+    # Step 20's save may still be in flight at the crash (GPU steps are fast): then the
+    # newest validated checkpoint is step 10's, and resuming from it must match all the same.
+    assert b["resumed_from"] in (10, 20) and b["final_step"] == 30
     assert a["deterministic"] and a["digest_reproducible"]
     assert a["checkpoint_saves"] == 3 and a["newest_validated_checkpoint"] == 30
     assert b["param_digest"] == a["param_digest"]
