@@ -149,16 +149,18 @@ def dist(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def venv(dist, tmp_path_factory) -> dict:
+def venv(dist, tmp_path_factory):
     """A fresh venv (no system site-packages) with the wheel, without extras; the import
-    walk runs here, before any test can add the trainer extra."""
+    walk runs here, before any test can add the trainer extra. Removed afterwards (with
+    torch it is about 1 GB, and pytest keeps its last three temporary trees)."""
     tmp = tmp_path_factory.mktemp("venv")
     env_dir = tmp / "venv"
     run([sys.executable, "-m", "venv", env_dir], cwd=tmp)
     run([env_dir / "bin/pip", "install", "-q", dist["wheel"]], cwd=tmp, env=venv_env(env_dir))
     walked = import_all(env_dir, tmp, "no-trainer")
-    return {"dir": env_dir, "tmp": tmp, "rankguard": env_dir / "bin/rankguard",
-            "no_trainer": walked, "env": venv_env(env_dir)}  # fmt: skip
+    yield {"dir": env_dir, "tmp": tmp, "rankguard": env_dir / "bin/rankguard",
+           "no_trainer": walked, "env": venv_env(env_dir)}  # fmt: skip
+    shutil.rmtree(env_dir, ignore_errors=True)
 
 
 def rankguard(venv: dict, *args, timeout: float = 120) -> subprocess.CompletedProcess:
