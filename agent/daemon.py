@@ -6,7 +6,6 @@ import logging
 import signal
 import threading
 import time
-from importlib.metadata import PackageNotFoundError, version
 
 from . import sdnotify
 from .api import agent_service, start_http
@@ -27,13 +26,9 @@ from .health import SEVERITIES, node_verdict
 from .nvml_double import load_nvml
 from .ranks import RankTable
 from .receiver import TelemetryReceiver
+from .version import VERSION
 
 log = logging.getLogger("rankguard.agent")
-
-try:
-    VERSION = version("rankguard")
-except PackageNotFoundError:  # running from a source tree
-    VERSION = "0+unknown"
 
 
 class Agent:

@@ -1,10 +1,13 @@
 """The `rankguard` command line: one console script, a sub-command per part."""
 
+from typing import Annotated
+
 import typer
 
 from .agent import agent
 from .checkpoints import app as checkpoints_app
 from .dashboards import app as dashboards_app
+from .deploy import app as deploy_app
 from .inject import inject
 from .supervisor import health, incidents, ranks, supervisor
 from .trainer import app as trainer_app
@@ -25,6 +28,30 @@ app.command("incidents")(incidents)
 app.command("inject")(inject)
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(dashboards_app, name="dashboards")
+app.add_typer(deploy_app, name="deploy")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from rankguard.agent.version import VERSION
+
+        typer.echo(f"rankguard {VERSION}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the installed version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """rankguard: keep large-model training alive on GPU clusters."""
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import CollectorRegistry
 
 from ..agent.collectors import JOB_LABEL
+from ..agent.version import VERSION
 from .model import KINDS
 
 VERDICTS = ("healthy", "degraded", "unhealthy")
@@ -107,6 +108,11 @@ class SupervisorCollector:
 
     def collect(self):
         sup = self.sup
+        info = GaugeMetricFamily(
+            "rankguard_supervisor_info", "The supervisor's version.", labels=["version"]
+        )
+        info.add_metric([VERSION], 1.0)
+        yield info
         incidents = sup.store.list_incidents(limit=100_000)
         total = CounterMetricFamily(
             "rankguard_supervisor_incidents", "Incidents by kind.", labels=["kind"]

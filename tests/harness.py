@@ -82,14 +82,27 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+RANKGUARD = [sys.executable, "-m", "rankguard.cli.main"]
+
+
 class Daemon:
     """A `rankguard` daemon as a real subprocess, its log kept for failure messages."""
 
-    def __init__(self, args: list[str], log: Path, url: str, env: dict | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        url: str,
+        env: dict | None = None,
+        command: list[str] | None = None,
+        cwd: Path | None = None,
+    ):
+        """`command`: how to run `rankguard` (default: this interpreter's module; an
+        installed console script in tests/test_packaging.py); `env` adds to os.environ."""
         self.url, self.log = url, log
         with open(log, "w") as out:  # the child keeps its own copy of the fd
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rankguard.cli.main", *args],
+                [*(command or RANKGUARD), *args], cwd=cwd,
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             )  # fmt: skip
         wait_until(lambda: self.proc.poll() is None and http_json(url + "/healthz")["ok"], 60,
@@ -112,7 +125,9 @@ class Daemon:
 TOKEN = "test-token-0123456789abcdef"
 
 
-def start_agent(tmp: Path, name: str = "node-a", extra: list[str] | None = None) -> Daemon:
+def start_agent(
+    tmp: Path, name: str = "node-a", extra: list[str] | None = None, **daemon_kw
+) -> Daemon:
     token = tmp / "token"
     if not token.exists():
         token.write_text(TOKEN)
@@ -121,19 +136,21 @@ def start_agent(tmp: Path, name: str = "node-a", extra: list[str] | None = None)
     d = Daemon(
         ["agent", "--bind", f"127.0.0.1:{port}", "--interval", "1", "--token-file", str(token),
          "--telemetry-socket", str(tmp / f"{name}.sock"), "--node", name, *(extra or [])],
-        tmp / f"agent-{name}.log", f"http://127.0.0.1:{port}",
+        tmp / f"agent-{name}.log", f"http://127.0.0.1:{port}", **daemon_kw,
     )  # fmt: skip
     d.socket = tmp / f"{name}.sock"
     return d
 
 
-def start_supervisor(tmp: Path, agent_urls: list[str], db: Path | None = None) -> Daemon:
+def start_supervisor(
+    tmp: Path, agent_urls: list[str], db: Path | None = None, **daemon_kw
+) -> Daemon:
     port = free_port()
     args = ["supervisor", "--bind", f"127.0.0.1:{port}", "--interval", "0.25",
             "--db", str(db or tmp / "rankguard.db"), "--token-file", str(tmp / "token")]  # fmt: skip
     for url in agent_urls:
         args += ["--agents", url]
-    return Daemon(args, tmp / f"supervisor-{port}.log", f"http://127.0.0.1:{port}")
+    return Daemon(args, tmp / f"supervisor-{port}.log", f"http://127.0.0.1:{port}", **daemon_kw)
 
 
 def check_sd_notify_lifecycle(

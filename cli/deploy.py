@@ -1,0 +1,67 @@
+"""`rankguard deploy`: the deployment files shipped with the package (systemd units, an
+example agent.toml, the Slurm scripts, the Grafana dashboards and Prometheus rules)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+EXIT_OK, EXIT_ERROR = 0, 2
+
+app = typer.Typer(
+    no_args_is_help=True,
+    help="The deployment files installed with rankguard: systemd units, agent.toml, Slurm "
+    "scripts, Grafana dashboards and Prometheus rules (docs/deploy.md).",
+)
+
+
+@app.command("path")
+def path_cmd() -> None:
+    """Print the installed deploy folder (read-only: copy it out with `rankguard deploy copy`
+    before editing anything)."""
+    from rankguard.deploy import deploy_dir
+
+    typer.echo(str(deploy_dir()))
+
+
+@app.command("copy")
+def copy_cmd(
+    dest: Annotated[
+        Path,
+        typer.Argument(
+            help="Folder to copy into (created if missing), e.g. /opt/rankguard/deploy, "
+            "which the Slurm prolog and epilog use.",
+            show_default=False,
+        ),
+    ],
+) -> None:
+    """Copy every deployment file to DEST, keeping the layout (DEST/systemd/,
+    DEST/slurm/, DEST/grafana/, DEST/prometheus/, DEST/agent.toml). Existing files are
+    replaced; scripts (the Slurm prolog, epilog, helper and sbatch file) are made
+    executable. Prints each file written.
+
+    Exit codes: 0 copied; 2 DEST cannot be written.
+    """
+    from rankguard.deploy import deploy_dir, deploy_files, is_script
+
+    src = deploy_dir()
+    written = []
+    try:
+        for rel in deploy_files():
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, target)
+            mode = 0o755 if is_script(rel) else 0o644
+            os.chmod(target, mode)
+            written.append(target)
+    except OSError as exc:
+        typer.echo(f"rankguard deploy copy: cannot write under {dest}: {exc}", err=True)
+        raise typer.Exit(EXIT_ERROR) from None
+    for path in written:
+        mode = stat.filemode(path.stat().st_mode)
+        typer.echo(f"{mode} {path}")
