@@ -306,6 +306,9 @@ def assemble(parts_dir: Path, report: Path) -> None:
         " that measured it. Parts may come from separate invocations on the same machine kind;"
         " each section's first line names its run.",
     ]
+    notes = parts_dir / "notes.md"  # hand-written: what the runs found, and what was fixed
+    if notes.exists():
+        sections += ["", notes.read_text().strip()]
     for part in PARTS:
         path = parts_dir / f"{part}.md"
         if path.exists():

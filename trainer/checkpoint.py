@@ -38,6 +38,12 @@ from .distributed import DistInfo
 
 log = logging.getLogger("rankguard.trainer.checkpoint")
 
+# Before torch 2.13, dcp.async_save closes a caller's stager once that save's upload ends
+# (its staging tables are cleared), so the next save through it fails with
+# KeyError(<class 'type'>): found on an H100 with torch 2.11. From 2.13 the caller owns the
+# stager, and one stager reuses its pinned host buffers from save to save.
+STAGER_REUSABLE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
 
 def _trainer_state_name(rank: int) -> str:
     return f"trainer-state-rank{rank}.pt"
@@ -58,9 +64,13 @@ class AsyncCheckpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankguard-ckpt")
         self._inflight: Future | None = None
         self._staging: Future | None = None
-        cuda = info.device.type == "cuda"
-        # One stager for the whole run: it reuses its host buffers from save to save.
-        self._stager = DefaultStager(
+        self._stager = self._new_stager() if STAGER_REUSABLE else None
+        self.newest_validated: int | None = None  # as known to this rank
+        self.failures = 0
+
+    def _new_stager(self) -> DefaultStager:
+        cuda = self.info.device.type == "cuda"
+        return DefaultStager(
             StagingOptions(
                 use_pinned_memory=cuda,
                 use_shared_memory=False,
@@ -68,8 +78,6 @@ class AsyncCheckpointer:
                 use_non_blocking_copy=cuda,
             )
         )
-        self.newest_validated: int | None = None  # as known to this rank
-        self.failures = 0
 
     @property
     def root(self) -> Path:
@@ -99,7 +107,7 @@ class AsyncCheckpointer:
             state,
             storage_writer=writer,
             process_group=self.info.ckpt_group,
-            async_stager=self._stager,
+            async_stager=self._stager or self._new_stager(),  # a new one: torch closes it
         )
         self._staging = response.staging_completion
         self._inflight = self._executor.submit(
@@ -179,7 +187,8 @@ class AsyncCheckpointer:
     def close(self) -> None:
         self.wait()
         self._executor.shutdown(wait=True)
-        self._stager.close()
+        if self._stager is not None:
+            self._stager.close()
 
     # -- resume -------------------------------------------------------------------
     def resume(self, model, optim) -> dict | None:
