@@ -148,3 +148,39 @@ def test_fault_file_restart_is_the_incarnation_and_flags_the_torchrun_count(tmp_
     inj.poll_file()
     assert inj.corrupt_loss(7) and not inj.corrupt_loss(8)
     assert [s.kind for s in inj.specs] == ["exception", "nan"]
+
+
+def test_datasheet_peaks_pick_the_most_specific_name():
+    from rankguard.trainer.mfu import datasheet_peak
+
+    assert datasheet_peak("NVIDIA H100 80GB HBM3") == 989e12  # SXM
+    assert datasheet_peak("NVIDIA H100 PCIe") == 756e12
+    assert datasheet_peak("NVIDIA H100 NVL") == 835e12
+    assert datasheet_peak("NVIDIA H200") == 989e12
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB") == 312e12  # not the A10's figure
+    assert datasheet_peak("NVIDIA A10") == 125e12
+    assert datasheet_peak("NVIDIA GB200") == 2500e12 and datasheet_peak("NVIDIA B200") == 2250e12
+    assert datasheet_peak("NVIDIA L40S") == 362e12
+    assert datasheet_peak("Some Future GPU") is None
+
+
+def test_unknown_device_peak_is_a_measured_matmul():
+    from rankguard.trainer.mfu import measured_matmul_flops, peak_flops
+
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu, override=5e12) == 5e12
+    assert 1e8 < measured_matmul_flops(cpu, seconds=0.02) < 1e14  # fp32 on this CPU
+
+
+def test_digest_expectation_names_when_resume_is_bit_identical():
+    from rankguard.trainer.train import digest_expectation
+
+    assert digest_expectation("cpu", False)["digest_reproducible"] is True
+    assert digest_expectation("cuda", True)["digest_reproducible"] is True
+    gpu = digest_expectation("cuda", False)
+    assert gpu["digest_reproducible"] is False and "--deterministic" in gpu["digest_note"]
+
+
+def test_deterministic_flag():
+    assert config_from_args(["--deterministic"]).deterministic is True
+    assert config_from_args([]).deterministic is False
