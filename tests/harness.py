@@ -9,19 +9,17 @@ import sys
 from pathlib import Path
 
 
-def torchrun(
+def trainer_command(
     args: list[str],
     *,
-    cwd: Path,
     nproc: int = 2,
     max_restarts: int = 0,
     env: dict | None = None,
-    timeout: float = 240,
     entry: tuple[str, ...] = ("rankguard.trainer",),
     deterministic: bool = True,
-) -> subprocess.CompletedProcess:
-    """`torchrun --standalone` of the bundled trainer (`entry`: the module and its first
-    arguments); output captured for assertions. Deterministic kernels by default, as the
+) -> tuple[list[str], dict]:
+    """The command and environment of `torchrun --standalone` of the bundled trainer
+    (`entry`: the module and its first arguments). Deterministic kernels by default, as the
     digest comparisons of exact resume need them on a GPU."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off"}
     full_env.update(env or {})
@@ -31,10 +29,15 @@ def torchrun(
         "-m", *entry, "--preset", "tiny", "--log-every", "0",
         *(["--deterministic"] if deterministic else []), *args,
     ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
-    return proc
+    return cmd, full_env
+
+
+def torchrun(
+    args: list[str], *, cwd: Path, timeout: float = 240, **kw
+) -> subprocess.CompletedProcess:
+    """`trainer_command` run to completion, output captured for assertions."""
+    cmd, env = trainer_command(args, **kw)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_ok(args: list[str], **kw) -> subprocess.CompletedProcess:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -43,6 +44,16 @@ log = logging.getLogger("rankguard.trainer.checkpoint")
 # KeyError(<class 'type'>): found on an H100 with torch 2.11. From 2.13 the caller owns the
 # stager, and one stager reuses its pinned host buffers from save to save.
 STAGER_REUSABLE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+def _done(error: BaseException | None = None) -> Future:
+    """A finished future: a save that completed, or failed with `error`, on this thread."""
+    done: Future = Future()
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
+    return done
 
 
 def _trainer_state_name(rank: int) -> str:
@@ -88,32 +99,51 @@ class AsyncCheckpointer:
 
     # -- save ---------------------------------------------------------------------
     def save(self, step: int, model, optim, trainer_state: dict) -> float:
-        """Start an asynchronous save of `step`; returns the seconds training blocked."""
+        """Start an asynchronous save of `step`; returns the seconds training blocked.
+
+        A save that fails (a full disk, say) is counted and logged, never raised: training
+        goes on, the newest validated checkpoint stays, and the next due save tries again."""
         start = time.perf_counter()
         self.wait()
         partial = self.root / f"{store.step_dir_name(step)}.partial"
-        partial.mkdir(parents=True, exist_ok=True)
-        torch.save(trainer_state, partial / _trainer_state_name(self.info.rank))
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+            torch.save(trainer_state, partial / _trainer_state_name(self.info.rank))
+            prepared = None
+        except Exception as exc:  # OSError, or torch.save's RuntimeError on a full disk
+            prepared = f"rank {self.info.rank}: {exc!r}"
+        # Every rank must take part in DCP's collectives, or none: agree first.
+        if not self._all_ranks_ready(prepared is None):
+            self.failures += 1
+            log.error("checkpoint of step %d skipped: %s", step, prepared or "another rank failed")
+            return time.perf_counter() - start
         model_sd, optim_sd = get_state_dict(model, optim)
         state = {"model": model_sd, "optim": optim_sd}
         writer = dcp.FileSystemWriter(partial, sync_files=True)
-        if self.cfg.mode == "sync":  # the baseline the benchmark compares against
-            dcp.save(state, storage_writer=writer, process_group=self.info.ckpt_group)
-            done: Future = Future()
-            done.set_result(None)
-            self._finish(step, partial, done)
+        try:
+            if self.cfg.mode == "sync":  # the baseline the benchmark compares against
+                dcp.save(state, storage_writer=writer, process_group=self.info.ckpt_group)
+                self._finish(step, partial, _done())
+                return time.perf_counter() - start
+            response = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self.info.ckpt_group,
+                async_stager=self._stager or self._new_stager(),  # a new one: torch closes it
+            )
+        except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
+            self._finish(step, partial, _done(exc))  # reported to rank 0 like a failed write
             return time.perf_counter() - start
-        response = dcp.async_save(
-            state,
-            storage_writer=writer,
-            process_group=self.info.ckpt_group,
-            async_stager=self._stager or self._new_stager(),  # a new one: torch closes it
-        )
         self._staging = response.staging_completion
         self._inflight = self._executor.submit(
             self._finish, step, partial, response.upload_completion
         )
         return time.perf_counter() - start
+
+    def _all_ranks_ready(self, ready: bool) -> bool:
+        flag = torch.tensor([1 if ready else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.info.ckpt_group)
+        return bool(flag.item())
 
     def wait_staged(self) -> float:
         """Block until the in-flight save has copied the weights; call before they change."""
@@ -135,7 +165,7 @@ class AsyncCheckpointer:
             for path in _own_files(partial, info.rank):
                 entries.append(store.hash_file(path, fsync=True).to_dict())  # durable, then hashed
             mine = ("ok", entries)
-        except Exception as exc:  # reported to rank 0, which then does not commit
+        except (Exception, CheckpointException) as exc:  # reported to rank 0: no commit
             mine = ("error", f"rank {info.rank}: {exc!r}")
         gathered: list = [None] * info.world_size
         dist.all_gather_object(gathered, mine, group=info.ckpt_group)
@@ -161,6 +191,7 @@ class AsyncCheckpointer:
                     removed = store.apply_retention(self.root, self.cfg.keep)
                     if removed:
                         log.info("retention removed %s", ", ".join(p.name for p in removed))
+                    store.quarantine_failed_saves(self.root, step)
                     outcome[0] = ("ok", step)
                 except Exception as exc:  # e.g. ENOSPC: stays .partial, never validated
                     outcome[0] = ("error", f"commit failed: {exc!r}")

@@ -852,8 +852,12 @@ def quarantine(
         "original_path": str(path.absolute()),
         "step": parsed[0],
     }
-    _write_durably(dest / QUARANTINE_RECORD, json.dumps(record, indent=2).encode() + b"\n")
-    _fsync_dir(dest)
+    try:
+        _write_durably(dest / QUARANTINE_RECORD, json.dumps(record, indent=2).encode() + b"\n")
+        _fsync_dir(dest)
+    except OSError as e:  # e.g. ENOSPC: the entry is aside already; scan says the record is missing
+        log.warning("quarantined %s without its record (%s): %s", path.name, dest, e)
+        return dest
     log.warning("quarantined checkpoint %s (%s: %s) -> %s", path.name, state, reason, dest)
     return dest
 
@@ -875,7 +879,11 @@ def select_resume(
     moved: list[CheckpointStatus] = []
 
     def put_aside(st: CheckpointStatus) -> None:
-        dest = quarantine(st, st.reason)
+        try:
+            dest = quarantine(st, st.reason)
+        except OSError as e:  # no room even for the quarantine folder: leave it where it is
+            log.warning("cannot quarantine %s (%s); left in place, never chosen", st.path.name, e)
+            return
         moved.append(dataclasses.replace(st, path=dest, state=QUARANTINED, original_state=st.state))
 
     for _, p in sorted(partial):
@@ -899,6 +907,23 @@ def select_resume(
             return st, moved
         put_aside(st)
     return None, moved
+
+
+def quarantine_failed_saves(root: str | os.PathLike[str], before_step: int) -> list[Path]:
+    """Quarantine every ``.partial`` of a step older than ``before_step``: called by the
+    committer right after step ``before_step`` committed, when no older save can still be in
+    flight, so they are saves that failed (a full disk, a crashed writer). A move that cannot
+    be made now (no space for the quarantine folder) is tried again after the next commit."""
+    _, partial, _ = _entries(Path(root))
+    moved = []
+    for step, p in sorted(partial):
+        if step >= before_step:
+            continue
+        try:
+            moved.append(quarantine(p, "save failed; a later step committed", state=INCOMPLETE))
+        except (OSError, CheckpointError) as e:
+            log.warning("cannot quarantine failed save %s yet: %s", p.name, e)
+    return moved
 
 
 def apply_retention(root: str | os.PathLike[str], keep: int) -> list[Path]:
