@@ -355,16 +355,17 @@ def test_enospc_during_quarantine_loses_nothing(tmp_path, monkeypatch, name, n):
     flip_byte(bad / "__0_0.distcp")
     before = data_files(tmp_path)
     calls = _fail_nth(monkeypatch, name, n)
-    with pytest.raises(OSError):
-        cs.select_resume(tmp_path)
+    # A full disk must not stop the resume: the bad one is left in place or put aside
+    # without its record, and the older validated checkpoint is chosen all the same.
+    chosen, _ = cs.select_resume(tmp_path)
+    assert chosen.step == 10
     monkeypatch.undo()
-    assert calls[0] == n + 1
+    assert calls[0] >= n + 1
     assert data_files(tmp_path) == before
-    # the bad one is either still in place or aside, never validated; a retry settles it
     assert {s.step: s.state for s in cs.scan(tmp_path) if s.state == "validated"} == {
         10: "validated"
     }
-    chosen, _ = cs.select_resume(tmp_path)
+    chosen, _ = cs.select_resume(tmp_path)  # with space again, a retry settles it
     assert chosen.step == 10
     assert data_files(tmp_path) == before
     [q] = [s for s in cs.scan(tmp_path) if s.state == "quarantined"]
