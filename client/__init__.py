@@ -7,16 +7,22 @@ Nothing here blocks on the node agent or raises into training: failures are coun
 - :class:`Reporter`: a few lines in a loop give the agent the step, its phases, loss,
   tokens, and heartbeats during long phases (see :mod:`rankguard.client.reporter`).
 - :class:`TelemetrySender`: the non-blocking datagram sender underneath.
+- :class:`CheckpointStore`: validated checkpoints (manifest, checksums, quarantine,
+  keep-K) of a script's own state: ``save(step, state)``, ``latest()``, ``load()``.
 - :class:`StepTimer`, :func:`timed_allreduce_hook`, :func:`attach_fsdp`: the timing
   machinery (phase marks, communication intervals) for loops that drive it themselves,
   as the bundled trainer does.
 """
 
+from .checkpoints import CheckpointError, CheckpointStatus, CheckpointStore
 from .reporter import ERROR_REASONS, STEP_PHASES, Reporter, Step
 from .sender import DROP_REASONS, TelemetrySender
 from .timing import Clock, StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook, union_length
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointStatus",
+    "CheckpointStore",
     "DROP_REASONS",
     "ERROR_REASONS",
     "STEP_PHASES",

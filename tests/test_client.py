@@ -23,7 +23,14 @@ from hypothesis import strategies as st
 from telemetry_sink import TelemetrySink
 
 from rankguard.agent.telemetry import PHASES
-from rankguard.client import ERROR_REASONS, STEP_PHASES, Reporter, StepTimer
+from rankguard.client import (
+    ERROR_REASONS,
+    STEP_PHASES,
+    CheckpointError,
+    CheckpointStore,
+    Reporter,
+    StepTimer,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "ddp_client.py"
@@ -183,6 +190,7 @@ def test_full_socket_is_counted_never_blocks(sock_dir):
         assert time.monotonic() - start < 10
         assert rg.sender.dropped_by_reason.get("queue_full", 0) > 0
         assert rg.sent + rg.dropped == 2001
+        rg.close()
     finally:
         rx.close()
 
@@ -250,6 +258,47 @@ def test_cpu_loss_tensor_and_timer_api():
         s.loss(torch.tensor(1.25))
     assert rg.last_loss == 1.25
     assert isinstance(rg.timer, StepTimer)
+
+
+def test_checkpoint_store_save_latest_load_keep(tmp_path):
+    torch = pytest.importorskip("torch")
+    rg = Reporter(socket_path=None, heartbeat_seconds=0)
+    store = CheckpointStore(tmp_path / "ckpt", keep=2, reporter=rg)
+    assert store.latest() is None
+    for step in (10, 20, 30):
+        final = store.save(step, {"w": torch.full((3,), float(step)), "step": step})
+        assert final == tmp_path / "ckpt" / f"step-{step:08d}"
+        assert rg.checkpoint_step == step
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step-00000020", "step-00000030"
+    ]  # fmt: skip
+    found = store.latest()
+    assert found.step == 30
+    state = store.load(found)
+    assert state["step"] == 30 and torch.equal(state["w"], torch.full((3,), 30.0))
+    assert store.load(20)["step"] == 20 and store.load()["step"] == 30
+    # A corrupted newest one is quarantined with its reason; the one before is chosen.
+    (found.path / "state.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        store.load(found.path / ".." / "step-00000030")
+    assert store.latest().step == 20
+    (entry,) = (tmp_path / "ckpt" / "quarantine").iterdir()
+    assert "QUARANTINE.json" in {p.name for p in entry.iterdir()}
+    assert store.failures == 0 and store.saves == 3
+
+
+def test_checkpoint_store_failures_are_counted_not_raised(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt")
+    assert store.save(1, {"a": 1}) is not None
+    assert store.save(1, {"a": 2}) is None  # already committed
+    assert store.save(2, {"lock": __import__("threading").Lock()}) is None  # cannot pickle
+    assert store.save(-1, {}) is None
+    assert store.failures == 3 and "step" in store.last_error
+    assert store.latest().step == 1  # the failed step 2 left a .partial: quarantined
+    assert (tmp_path / "ckpt" / "quarantine").is_dir()
+    blocked = tmp_path / "file"
+    blocked.write_text("not a dir")
+    assert CheckpointStore(blocked / "ckpt").save(1, {}) is None
 
 
 phase_calls = st.lists(st.sampled_from([*STEP_PHASES, "bogus"]), max_size=8)
