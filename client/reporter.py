@@ -189,8 +189,8 @@ class Reporter:
     disables sending; unset is the agent's default path).
 
     ``device``: a ``torch.device`` or "cuda:N" to time compute with CUDA events (default:
-    the device of ``model``'s first parameter, else the host clock). ``flops_per_token`` and ``peak_flops`` (per rank) give MFU (0 without
-    them). ``heartbeat_seconds``: how often a long phase (:meth:`phase`) re-announces
+    the device of ``model``'s first parameter, else the host clock). ``flops_per_token``
+    and ``peak_flops`` (per rank) give MFU (0 without them). ``heartbeat_seconds``: how often a long phase (:meth:`phase`) re-announces
     itself; ``heartbeat_limit_seconds``: after this long in one phase the beats stop, so a
     save that is truly stuck still looks hung to the supervisor.
     """
@@ -237,7 +237,6 @@ class Reporter:
         self.timings: list[StepTiming] = []  # the newest resolved steps (bounded)
         self._open: Step | None = None
         self._pending: dict[int, tuple[Any, float | None]] = {}
-        self._lock = threading.Lock()
         self._pid = os.getpid()
         self.heartbeat()
         if model is not None:
@@ -307,6 +306,9 @@ class Reporter:
     def _end_step(self, s: Step) -> None:
         try:
             self.timer.end()
+            if len(self._pending) >= 64:  # steps whose timings never came: forget them
+                self._pending.clear()
+                self._count("timer")
             self._pending[s.step] = (s._loss, s._tokens)
             self.last_step = s.step
             if self.current_phase != "train":
