@@ -301,6 +301,26 @@ def test_checkpoint_store_failures_are_counted_not_raised(tmp_path):
     assert CheckpointStore(blocked / "ckpt").save(1, {}) is None
 
 
+@pytest.mark.gpu
+def test_cuda_steps_are_read_a_step_late_and_loss_tensors_never_sync():
+    torch = pytest.importorskip("torch")
+    dev = torch.device("cuda")
+    rg = Reporter(socket_path=None, device=dev)
+    x = torch.randn(2048, 2048, device=dev)
+    for n in (1, 2, 3):
+        with rg.step(n, tokens=2048) as s:
+            s.phase("compute")
+            y = x @ x
+            s.phase("optimizer")
+            y.mul_(0.5)
+            s.loss(y.mean())
+    assert [t.step for t in rg.timings] == [1, 2]  # the newest waits for its events
+    rg.flush()
+    assert [t.step for t in rg.timings] == [1, 2, 3]
+    assert all(t.compute_seconds > 0 and t.optimizer_seconds > 0 for t in rg.timings)
+    assert isinstance(rg.last_loss, float) and rg.errors == {}
+
+
 phase_calls = st.lists(st.sampled_from([*STEP_PHASES, "bogus"]), max_size=8)
 
 
