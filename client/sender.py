@@ -83,9 +83,10 @@ class TelemetrySender:
         if self.closed:
             return self._drop("closed")
         try:
-            if not isinstance(record, TelemetryRecord):
-                record = TelemetryRecord.from_dict(record)
-            data = encode(record)
+            if isinstance(record, TelemetryRecord):
+                data = encode(record)  # revalidated: a record can be altered after its check
+            else:  # validated by its constructor just now
+                data = encode(TelemetryRecord.from_dict(record), validate=False)
         except Exception as e:  # nothing may reach the training loop
             return self._drop("invalid", e)
         try:
