@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from harness import run_ok
 from telemetry_sink import TelemetrySink
 
 from rankguard.agent.telemetry import PHASES
@@ -452,3 +453,18 @@ def test_fsdp2_communication_is_timed(sock_dir):
         assert [r.step for r in steps] == list(range(1, 9))
         # all-gathers in forward and backward, reduce-scatters in backward
         assert all(r.comm_seconds > 0 for r in steps), [r.comm_seconds for r in steps]
+
+
+@pytest.mark.slow
+def test_bundled_trainer_with_fsdp_reports_communication(sock_dir):
+    """`--fsdp` used to report no communication; the client's FSDP2 collectives time it."""
+    path = sock_dir / "agent.sock"
+    with TelemetrySink(path) as sink:
+        run_ok(
+            ["--steps", "6", "--fsdp"], cwd=sock_dir, env={"RANKGUARD_TELEMETRY_SOCKET": str(path)}
+        )
+        time.sleep(0.2)
+        for rank in (0, 1):
+            steps = sink.train_records(rank)
+            assert [r.step for r in steps] == list(range(1, 7))
+            assert all(r.comm_seconds > 0 for r in steps), [r.comm_seconds for r in steps]
