@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import run_ok
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from harness import run_ok
 from telemetry_sink import TelemetrySink
 
 from rankguard.agent.telemetry import PHASES
