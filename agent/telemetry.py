@@ -314,16 +314,19 @@ class TelemetryRecord:
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TelemetryRecord))
 
 
-def encode(record: TelemetryRecord) -> bytes:
+def encode(record: TelemetryRecord, *, validate: bool = True) -> bytes:
     """Compact UTF-8 JSON for one record (NaN/Infinity literals for a non-finite loss).
 
     Raises :class:`TelemetryError` if the record is invalid, ``too_large`` if the
     datagram would exceed :data:`MAX_DATAGRAM_BYTES`, and ``TypeError`` if ``record``
-    is not a :class:`TelemetryRecord`.
+    is not a :class:`TelemetryRecord`. ``validate=False`` skips the second check, for a
+    record the caller has just constructed (the constructor validated it): the sender's
+    hot path.
     """
     if not isinstance(record, TelemetryRecord):
         raise TypeError(f"expected TelemetryRecord, got {type(record).__name__}")
-    record.validate()
+    if validate:
+        record.validate()
     data = json.dumps(record.to_dict(), separators=(",", ":"), allow_nan=True).encode("ascii")
     if len(data) > MAX_DATAGRAM_BYTES:
         raise TelemetryError(

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from rankguard.client import StepTimer
 from rankguard.trainer.config import ModelConfig
 from rankguard.trainer.distributed import init_distributed, wrap_model
 from rankguard.trainer.model import GPT
-from rankguard.trainer.timing import StepTimer
 
 
 def measure(model, timer: StepTimer, batch, steps: int, delay: float, cuda: bool) -> dict:

@@ -27,7 +27,7 @@ TOKEN = "s3cret-token-for-tests-0123456789"
 # A child that registers as rank 1 of job "j" (its own pid) and then idles.
 RANK_CHILD = """
 import os, sys, time
-from rankguard.trainer.telemetry import TelemetrySender
+from rankguard.client import TelemetrySender
 from rankguard.agent.telemetry import SCHEMA_VERSION
 sender = TelemetrySender(sys.argv[1])
 rec = dict(v=SCHEMA_VERSION, job="j", rank=1, local_rank=1, world_size=2, pid=os.getpid(),

@@ -16,9 +16,9 @@ import pytest
 from harness import start_agent, wait_until
 
 from rankguard.agent.telemetry import SCHEMA_VERSION
+from rankguard.client import TelemetrySender
 from rankguard.supervisor.agents import AgentClient, poll_node
 from rankguard.supervisor.windows import NodeWindows
-from rankguard.trainer.telemetry import TelemetrySender
 
 ROOT = Path(__file__).resolve().parent.parent
 

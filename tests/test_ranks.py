@@ -35,7 +35,7 @@ from rankguard.agent.ranks import (
 )
 from rankguard.agent.receiver import RECEIVER_REASONS, SocketInUseError, TelemetryReceiver
 from rankguard.agent.telemetry import PHASES, REASONS, TelemetryRecord, encode
-from rankguard.trainer.telemetry import TelemetrySender
+from rankguard.client import TelemetrySender
 
 # --------------------------------------------------------------------------- helpers
 
@@ -74,7 +74,7 @@ def rank_of(table: RankTable, job: str = "llama", rank: int = 0) -> dict | None:
 CHILD = """
 import json, os, sys, time
 from rankguard.agent.telemetry import TelemetryRecord
-from rankguard.trainer.telemetry import TelemetrySender
+from rankguard.client import TelemetrySender
 f = json.loads(sys.argv[2]); f["pid"] = os.getpid(); f["time"] = time.time()
 assert TelemetrySender(sys.argv[1]).send(TelemetryRecord(**f))
 time.sleep(float(sys.argv[3]))

@@ -19,7 +19,7 @@ from rankguard.supervisor.views import cluster_view, make_registry
 
 RANK = """
 import os, sys, time
-from rankguard.trainer.telemetry import TelemetrySender
+from rankguard.client import TelemetrySender
 from rankguard.agent.telemetry import SCHEMA_VERSION
 sender, rank = TelemetrySender(sys.argv[1]), int(sys.argv[2])
 for step in range(1, 10**6):

@@ -30,7 +30,7 @@ from rankguard.agent.telemetry import (
     encode,
     socket_path_from_env,
 )
-from rankguard.trainer.telemetry import DROP_REASONS, TelemetrySender
+from rankguard.client import DROP_REASONS, TelemetrySender
 
 MAX_INT = 2**63
 

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rankguard.client import StepTimer, union_length
 from rankguard.trainer.config import BatchConfig, ConfigError, config_from_args
 from rankguard.trainer.faults import FaultInjector, FaultSpec, FaultSpecError, parse_fault_spec
 from rankguard.trainer.model import GPT, parameter_digest
-from rankguard.trainer.timing import StepTimer, union_length
 from rankguard.trainer.train import lr_schedule
 
 

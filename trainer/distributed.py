@@ -93,8 +93,9 @@ def init_distributed(environ=os.environ) -> DistInfo:
 
 
 def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool, timer) -> nn.Module:
-    """DDP with the timed all-reduce hook, or FSDP2 `fully_shard` per block."""
-    from .timing import timed_allreduce_hook
+    """DDP with the timed all-reduce hook, or FSDP2 `fully_shard` per block with timed
+    all-gathers and reduce-scatters."""
+    from ..client import attach_fsdp, timed_allreduce_hook
 
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -102,6 +103,8 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool, timer) -> nn.Module
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+        if attach_fsdp(timer, model) == 0:
+            log.warning("FSDP2 communication is not timed (no custom-collective API)")
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ..agent.telemetry import SCHEMA_VERSION
+from ..client import StepTimer, StepTiming, TelemetrySender
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
 from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
@@ -25,8 +26,6 @@ from .faults import FaultInjector
 from .mfu import peak_flops
 from .model import GPT, parameter_digest
 from .startup_trace import StartupTrace
-from .telemetry import TelemetrySender
-from .timing import StepTimer, StepTiming
 
 log = logging.getLogger("rankguard.trainer")
 

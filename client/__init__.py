@@ -1,0 +1,38 @@
+"""rankguard.client: the rank side of rankguard, for any training script.
+
+Imports with the standard library alone; torch is imported only by the parts that need
+it (CUDA event timing, the DDP comm hook, the FSDP2 collectives), when they are used.
+Nothing here blocks on the node agent or raises into training: failures are counted.
+
+- :class:`Reporter`: a few lines in a loop give the agent the step, its phases, loss,
+  tokens, and heartbeats during long phases (see :mod:`rankguard.client.reporter`).
+- :class:`TelemetrySender`: the non-blocking datagram sender underneath.
+- :class:`CheckpointStore`: validated checkpoints (manifest, checksums, quarantine,
+  keep-K) of a script's own state: ``save(step, state)``, ``latest()``, ``load()``.
+- :class:`StepTimer`, :func:`timed_allreduce_hook`, :func:`attach_fsdp`: the timing
+  machinery (phase marks, communication intervals) for loops that drive it themselves,
+  as the bundled trainer does.
+"""
+
+from .checkpoints import CheckpointError, CheckpointStatus, CheckpointStore
+from .reporter import ERROR_REASONS, STEP_PHASES, Reporter, Step
+from .sender import DROP_REASONS, TelemetrySender
+from .timing import Clock, StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook, union_length
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointStatus",
+    "CheckpointStore",
+    "DROP_REASONS",
+    "ERROR_REASONS",
+    "STEP_PHASES",
+    "Clock",
+    "Reporter",
+    "Step",
+    "StepTimer",
+    "StepTiming",
+    "TelemetrySender",
+    "attach_fsdp",
+    "timed_allreduce_hook",
+    "union_length",
+]

@@ -1,0 +1,165 @@
+"""`CheckpointStore`: the bundled trainer's validated checkpoints for any script's own state.
+
+    store = CheckpointStore("/ckpt/myjob", keep=3, reporter=rg)
+    found = store.latest()                 # newest validated (bad ones quarantined), or None
+    if found is not None:
+        state = store.load(found)          # what save() was given
+        model.load_state_dict(state["model"]); start = found.step
+    ...
+    if dist.get_rank() == 0:               # one writer: replicated (DDP) state
+        store.save(step, {"model": model.module.state_dict(), "opt": opt.state_dict()})
+
+A save writes ``ROOT/step-N.partial/state.pt`` (``torch.save`` when torch is imported,
+else ``pickle``), fsyncs and hashes it, writes ``manifest.json`` and renames the dir to
+``ROOT/step-N``: only then is it *validated* (the layout, manifest and checks of
+:mod:`rankguard.trainer.checkpoint_store`, the same ones ``rankguard checkpoints``
+reads). ``latest()`` verifies committed checkpoints newest first with their checksums
+and moves anything incomplete or corrupt to ``ROOT/quarantine/`` with the reason (never
+deletes it); ``keep`` retains the newest K validated ones and never the newest.
+
+One process writes and selects (rank 0 for replicated state); any rank may
+:meth:`load` the path it is given. Saving is synchronous (the caller decides when; the
+reporter's heartbeats keep a slow save from looking like a hang). Like the rest of
+:mod:`rankguard.client`, :meth:`save` never raises into training: a failed save returns
+None, is logged and counted in :attr:`failures` (the ``.partial`` dir stays, and the
+next ``latest()`` quarantines it). :meth:`load` does raise (``CheckpointError``), since a
+resume that silently loads nothing would be worse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..trainer import checkpoint_store as cs
+from ..trainer.checkpoint_store import CheckpointError, CheckpointStatus
+
+__all__ = ["CheckpointError", "CheckpointStatus", "CheckpointStore"]
+
+log = logging.getLogger(__name__)
+
+TORCH_FILE = "state.pt"
+PICKLE_FILE = "state.pkl"
+
+
+class CheckpointStore:
+    """Validated checkpoints of a script's own state under ``root``.
+
+    ``keep``: how many validated checkpoints to retain (0: all). ``reporter``: a
+    :class:`~rankguard.client.Reporter`; each save then runs in its ``checkpoint_save``
+    phase (heartbeats) and reports the step as the newest validated checkpoint.
+    ``world_size`` is recorded in the manifest (default: ``$WORLD_SIZE`` or 1).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep: int = 0,
+        reporter: Any = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.reporter = reporter
+        try:
+            ws = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
+        except (TypeError, ValueError):
+            ws = 1
+        self.world_size = max(1, ws)
+        self.failures = 0
+        self.saves = 0
+        self.last_error: str | None = None
+
+    def save(self, step: int, state: Any, *, extra: dict | None = None) -> Path | None:
+        """Write ``state`` as validated checkpoint ``step``; its dir, or None on failure."""
+        phase = (
+            self.reporter.phase("checkpoint_save")
+            if self.reporter is not None
+            else contextlib.nullcontext()
+        )
+        with phase:
+            try:
+                final = self._save(step, state, extra)
+            except Exception as exc:  # nothing may reach the training loop
+                self.failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                with contextlib.suppress(Exception):
+                    log.error("checkpoint step %s not saved: %s", step, self.last_error)
+                return None
+        self.saves += 1
+        if self.reporter is not None:
+            self.reporter.checkpoint_saved(step)
+        return final
+
+    def _save(self, step: int, state: Any, extra: dict | None) -> Path:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be an integer >= 0, got {step!r}")
+        partial = cs.partial_dir(self.root, step)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            path = partial / TORCH_FILE
+            torch.save(state, path)
+        else:
+            path = partial / PICKLE_FILE
+            with open(path, "wb") as f:
+                pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        entry = cs.hash_file(path, base=partial)  # fsyncs: durable before the commit
+        final = cs.commit(partial, step, self.world_size, [entry], extra or {})
+        if self.keep > 0:
+            try:
+                cs.apply_retention(self.root, self.keep)
+            except Exception as exc:  # the save itself is committed
+                log.warning("checkpoint retention under %s: %s", self.root, exc)
+        return final
+
+    def latest(self) -> CheckpointStatus | None:
+        """The newest validated checkpoint (``.step``, ``.path``), verified with its
+        checksums; every incomplete or corrupt one met first is quarantined. None when
+        there is none (or the root cannot be read: counted in :attr:`failures`)."""
+        try:
+            found, moved = cs.select_resume(self.root)
+        except Exception as exc:
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("no checkpoint selected under %s: %s", self.root, self.last_error)
+            return None
+        for st in moved:
+            log.warning("quarantined %s (%s): %s", st.path, st.original_state, st.reason)
+        if found is not None and self.reporter is not None:
+            self.reporter.checkpoint_saved(found.step)
+        return found
+
+    def load(
+        self,
+        which: CheckpointStatus | str | os.PathLike[str] | int | None = None,
+        **torch_load: Any,
+    ) -> Any:
+        """The state saved in ``which``: a status from :meth:`latest`, a step dir, a step
+        number, or None for :meth:`latest`. Checks the dir's manifest (sizes) first.
+        ``torch_load`` goes to ``torch.load`` (e.g. ``map_location``, ``weights_only``).
+        Raises ``CheckpointError`` when there is nothing valid to load."""
+        if which is None:
+            which = self.latest()
+            if which is None:
+                raise CheckpointError(f"no validated checkpoint under {self.root}")
+        if isinstance(which, CheckpointStatus):
+            path = Path(which.path)
+        elif isinstance(which, int) and not isinstance(which, bool):
+            path = self.root / cs.step_dir_name(which)
+        else:
+            path = Path(which)
+        status = cs.inspect(path, verify_checksums=False)
+        if status.state != cs.VALIDATED:
+            raise CheckpointError(f"{path} is {status.state}: {status.reason}")
+        if (path / TORCH_FILE).exists():
+            import torch
+
+            return torch.load(path / TORCH_FILE, **torch_load)
+        with open(path / PICKLE_FILE, "rb") as f:
+            return pickle.load(f)

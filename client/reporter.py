@@ -1,0 +1,479 @@
+"""`Reporter`: a few lines in any training loop give the agent what the bundled trainer sends.
+
+    rg = Reporter(model)                  # torchrun's env, $RANKGUARD_TELEMETRY_SOCKET;
+    for n in range(1, steps + 1):         # DDP or FSDP2: communication timed
+        s = rg.step(n, tokens=tokens)     # or: with rg.step(n) as s:
+        x, y = next(batches)              # before "compute": the data wait
+        s.phase("compute"); loss = model(x, y); loss.backward()
+        s.phase("optimizer"); opt.step(); opt.zero_grad()
+        s.loss(loss)                      # a tensor is read a step late, never synced
+        if n % 100 == 0:
+            with rg.phase("checkpoint_save"):   # ends the step; heartbeats while saving
+                save(...)
+            rg.checkpoint_saved(n)
+    rg.close()                            # (or at exit) flush the last steps, say "done"
+
+Contract: nothing here blocks on the agent or raises into the loop. A wrong call (an
+unknown phase, a bad value, a broken timer) is counted in :attr:`Reporter.errors` by
+reason and the step goes on; a record the schema refuses or the socket cannot take is
+counted by the sender (:attr:`Reporter.sender`, ``dropped_by_reason``). The agent sees
+what the schema allows: every record that arrives, with its phase and step, and the
+``restart`` and ``checkpoint_step`` fields; it cannot see records that never left.
+
+Timing: "data" and "checkpoint" are host phases (the loop waits on them);
+"compute" (forward + backward) and "optimizer" are read on the device clock (CUDA
+events when ``device`` is a GPU, read one step late, so the host never waits for the
+device). Communication comes from the DDP comm hook or the FSDP2 custom collectives
+(:meth:`Reporter.attach`); its exposed part is subtracted from compute.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import math
+import os
+import resource
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..agent.telemetry import MAX_JOB_CHARS, PHASES, SCHEMA_VERSION, socket_path_from_env
+from .sender import TelemetrySender
+from .timing import StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook
+
+__all__ = ["ERROR_REASONS", "STEP_PHASES", "Reporter", "Step"]
+
+log = logging.getLogger(__name__)
+
+#: Phases inside a step, in the order a loop usually runs them.
+STEP_PHASES = ("data", "compute", "optimizer", "checkpoint")
+
+#: Every key Reporter.errors can hold.
+ERROR_REASONS = (
+    "bad_phase",  # s.phase()/rg.phase() with a name that is not a phase
+    "bad_value",  # a loss, token count or step that is not a number (or is negative)
+    "timer",  # the step timer failed (e.g. a CUDA event could not be read)
+    "record",  # the record's fields could not be built
+    "attach",  # attach() found nothing to time or failed
+    "internal",  # anything else caught on the way
+)
+
+_HOST_PHASES = {"data": "data_wait", "checkpoint": "checkpoint_block"}
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return int(environ.get(name, default))
+    except (TypeError, ValueError):
+        return default
+
+
+class Step:
+    """One training step, from :meth:`Reporter.step` until :meth:`end` (or the end of its
+    ``with`` block, or the next ``rg.step()``, ``rg.phase()`` or ``rg.close()``).
+
+    ``s.phase(name)`` closes the running phase and opens ``name`` (one of
+    :data:`STEP_PHASES`). A step opens unnamed: what runs before ``s.phase("compute")``
+    is its data wait, and a step that never names a phase is all compute. One compute
+    phase per step: a second one extends the first. ``s.loss(x)`` and ``s.tokens(n)``
+    attach the step's loss (float or 0-d tensor) and the tokens this rank processed.
+    Nothing here raises: a wrong call is counted in ``Reporter.errors``.
+    """
+
+    __slots__ = ("_rg", "step", "_phase", "_host_start", "_loss", "_tokens", "_computed")
+
+    def __init__(self, rg: Reporter, step: int, tokens: int | float | None) -> None:
+        self._rg, self.step = rg, step
+        self._phase: str | None = None  # unnamed: data wait if compute follows, else compute
+        self._host_start = time.perf_counter()
+        self._loss: Any = None
+        self._tokens = tokens
+        self._computed = False  # a compute phase has begun (its start mark stands)
+
+    def phase(self, name: str) -> None:
+        """Close the running phase, open ``name``. Never raises."""
+        try:
+            if name not in STEP_PHASES:
+                self._rg._count("bad_phase")
+                return
+            if name == self._phase or self._rg._open is not self:
+                return
+            timer, now = self._rg.timer, time.perf_counter()
+            current = self._phase
+            if current is None:
+                if name == "compute":  # the unnamed start was the data wait
+                    timer.host("data_wait", now - self._host_start)
+                elif name != "data":  # it was compute (begun at the step's start)
+                    self._computed = True
+                    timer.mark("backward_end")
+            else:
+                self._leave(now)
+            self._phase = name
+            self._host_start = now
+            if name == "compute" and not self._computed:
+                self._computed = True
+                timer.mark("compute_start")
+        except Exception:
+            self._rg._count("timer")
+
+    def _leave(self, now: float) -> None:
+        timer, current = self._rg.timer, self._phase
+        if current in _HOST_PHASES:
+            timer.host(_HOST_PHASES[current], now - self._host_start)
+        elif current == "compute" or current is None:
+            timer.mark("backward_end")
+        elif current == "optimizer":
+            timer.mark("optimizer_end")
+
+    def loss(self, value: Any) -> None:
+        """The step's loss: a float, or a tensor (copied off the device without waiting and
+        read when the step's timings are, a step later on a GPU)."""
+        self._loss = self._rg._hold_loss(value)
+
+    def tokens(self, count: int | float) -> None:
+        """Tokens this rank processed in the step (for tokens/s and MFU)."""
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or not count >= 0:
+            self._rg._count("bad_value")
+            return
+        self._tokens = count
+
+    def end(self) -> None:
+        """Close the step and report the steps whose timings can be read. Idempotent."""
+        rg = self._rg
+        if rg._open is not self:
+            return
+        rg._open = None
+        try:
+            self._leave(time.perf_counter())
+        except Exception:
+            rg._count("timer")
+        rg._end_step(self)
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.end()
+
+
+class _HeldLoss:
+    """A loss tensor on its way to the host: a non-blocking copy and the event after it."""
+
+    __slots__ = ("cpu", "event")
+
+    def __init__(self, tensor: Any) -> None:
+        import torch
+
+        t = tensor.detach().reshape(())
+        self.cpu = torch.empty((), dtype=t.dtype, pin_memory=True)
+        self.cpu.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def value(self) -> float:
+        self.event.synchronize()  # recorded a step ago: already complete
+        return float(self.cpu)
+
+
+class Reporter:
+    """The rank side of rankguard's telemetry for any training script.
+
+    ``model``: a DDP model or a model holding FSDP2 modules, passed to :meth:`attach`.
+    Every argument is optional: the rank, local rank, world size and restart count come
+    from torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``TORCHELASTIC_RESTART_COUNT``), the job from ``RANKGUARD_JOB`` or
+    ``TORCHELASTIC_RUN_ID``, the socket from ``RANKGUARD_TELEMETRY_SOCKET`` (``off``
+    disables sending; unset is the agent's default path).
+
+    ``device``: a ``torch.device`` or "cuda:N" to time compute with CUDA events (default:
+    the device of ``model``'s first parameter, else the host clock). ``flops_per_token``
+    and ``peak_flops`` (per rank) give MFU (0 without them). ``heartbeat_seconds``: how often a long phase (:meth:`phase`) re-announces
+    itself; ``heartbeat_limit_seconds``: after this long in one phase the beats stop, so a
+    save that is truly stuck still looks hung to the supervisor.
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        job: str | None = None,
+        socket_path: str | None | bool = True,
+        device: Any = None,
+        flops_per_token: float = 0.0,
+        peak_flops: float = 0.0,
+        restart: int | None = None,
+        heartbeat_seconds: float = 10.0,
+        heartbeat_limit_seconds: float = 1800.0,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        self.errors: dict[str, int] = {}
+        self.world_size = max(1, _env_int(env, "WORLD_SIZE", 1))
+        self.rank = min(max(0, _env_int(env, "RANK", 0)), self.world_size - 1)
+        self.local_rank = min(max(0, _env_int(env, "LOCAL_RANK", self.rank)), self.world_size - 1)
+        self.restart = (
+            restart if restart is not None else _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+        )
+        job = job or env.get("RANKGUARD_JOB") or env.get("TORCHELASTIC_RUN_ID") or "local"
+        self.job = job[:MAX_JOB_CHARS]
+        path = socket_path_from_env(env) if socket_path is True else (socket_path or None)
+        self.sender = TelemetrySender(path)
+        if device is None and model is not None:
+            with contextlib.suppress(Exception):
+                device = next(iter(model.parameters())).device
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.heartbeat_seconds = heartbeat_seconds
+        self.heartbeat_limit_seconds = heartbeat_limit_seconds
+        self.timer = StepTimer(device)
+        self.current_phase = "init"
+        self.last_step = 0
+        self.last_loss: float | None = None
+        self.checkpoint_step: int | None = None
+        self.timings: list[StepTiming] = []  # the newest resolved steps (bounded)
+        self._open: Step | None = None
+        self._pending: dict[int, tuple[Any, float | None]] = {}
+        self._pid = os.getpid()
+        self.heartbeat()
+        if model is not None:
+            self.attach(model)
+        atexit.register(self._close_quietly)
+
+    # -- counters -----------------------------------------------------------------------
+    def _count(self, reason: str) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+        if self.errors[reason] == 1:
+            with contextlib.suppress(Exception):
+                log.warning("rankguard.client: %s (further ones are only counted)", reason)
+
+    @property
+    def sent(self) -> int:
+        return self.sender.sent
+
+    @property
+    def dropped(self) -> int:
+        return self.sender.dropped
+
+    # -- set-up -------------------------------------------------------------------------
+    def attach(self, model: Any) -> Any:
+        """Time the gradient communication of a DDP model (registers a comm hook that
+        all-reduces exactly like DDP's default) or of FSDP2 modules (wraps their
+        all-gather and reduce-scatter). Returns ``model``. Never raises: a model with
+        neither, or a failure, is counted as ``"attach"``."""
+        try:
+            if hasattr(model, "register_comm_hook"):
+                model.register_comm_hook(self.timer, timed_allreduce_hook)
+            elif attach_fsdp(self.timer, model) == 0:
+                self._count("attach")
+        except Exception:
+            self._count("attach")
+        return model
+
+    attach_ddp = attach
+    attach_fsdp = attach
+
+    def set_comm_delay(self, seconds: float) -> None:
+        """Fault injection: sleep this long in every gradient all-reduce's completion."""
+        self.timer.comm_delay_seconds = seconds
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self, step: int, *, tokens: int | float | None = None) -> Step:
+        """Open step ``step`` (ending a step still open): ``with rg.step(n) as s:`` or
+        ``s = rg.step(n)`` at the top of the loop. Closing it reports the finished steps
+        whose timings can be read (on a GPU, the one before)."""
+        self.end_step()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            self._count("bad_value")
+            step = self.last_step + 1
+        s = Step(self, step, tokens)
+        try:
+            self.timer.begin(step)
+            self.timer.mark("compute_start")
+            self._open = s
+        except Exception:
+            self._count("timer")
+        return s
+
+    def end_step(self) -> None:
+        """End the open step, if any."""
+        if self._open is not None:
+            self._open.end()
+
+    def _end_step(self, s: Step) -> None:
+        try:
+            self.timer.end()
+            if len(self._pending) >= 64:  # steps whose timings never came: forget them
+                self._pending.clear()
+                self._count("timer")
+            self._pending[s.step] = (s._loss, s._tokens)
+            self.last_step = s.step
+            if self.current_phase != "train":
+                self.current_phase = "train"
+            self._report(self.timer.ready())
+        except Exception:
+            self._count("timer")
+            self.timer._current = None
+
+    def flush(self) -> None:
+        """End the open step; report every step still waiting for its timings."""
+        self.end_step()
+        try:
+            self._report(self.timer.ready(flush=True))
+        except Exception:
+            self._count("timer")
+
+    def _hold_loss(self, value: Any) -> Any:
+        try:
+            if value is None:
+                return None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if getattr(getattr(value, "device", None), "type", None) == "cuda":
+                return _HeldLoss(value)
+            if hasattr(value, "detach"):
+                return float(value.detach())
+        except Exception:
+            pass
+        self._count("bad_value")
+        return None
+
+    def _report(self, timings: list[StepTiming]) -> None:
+        for t in timings:
+            held, tokens = self._pending.pop(t.step, (None, None))
+            loss = None
+            try:
+                loss = held.value() if isinstance(held, _HeldLoss) else held
+            except Exception:
+                self._count("bad_value")
+            if loss is not None:
+                self.last_loss = loss
+            self.timings.append(t)
+            if len(self.timings) > 1024:
+                del self.timings[:512]
+            self._send(t, loss, tokens)
+
+    # -- long phases --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str, *, heartbeat: bool = True):
+        """A long phase outside the step (``checkpoint_save``, ``eval``,
+        ``checkpoint_load``): announced at once, re-announced every
+        ``heartbeat_seconds`` from a daemon thread while it runs (up to
+        ``heartbeat_limit_seconds``), back to ``train`` (or the phase before) after."""
+        if name not in PHASES:
+            self._count("bad_phase")
+            yield
+            return
+        self.end_step()  # a long phase is not part of a step's time
+        before = self.current_phase
+        self.heartbeat(name)
+        stop = threading.Event()
+        beater = None
+        if heartbeat and self.heartbeat_seconds > 0:
+            beater = threading.Thread(
+                target=self._beat, args=(name, stop), name=f"rankguard-{name}", daemon=True
+            )
+            with contextlib.suppress(Exception):
+                beater.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if beater is not None and beater.is_alive():
+                beater.join(timeout=1.0)  # its last beat lands before the phase change
+            self.current_phase = before if before not in ("init", name) else "train"
+            self.heartbeat()
+
+    def _beat(self, name: str, stop: threading.Event) -> None:
+        deadline = time.monotonic() + self.heartbeat_limit_seconds
+        while not stop.wait(self.heartbeat_seconds) and time.monotonic() < deadline:
+            if self.current_phase != name:
+                return
+            self._send(None, self.last_loss, None, phase=name)
+
+    def heartbeat(self, phase: str | None = None) -> None:
+        """Send a record without step timings (announces ``phase``, or the current one)."""
+        if phase is not None:
+            if phase not in PHASES:
+                self._count("bad_phase")
+                return
+            self.current_phase = phase
+        self._send(None, self.last_loss, None)
+
+    def checkpoint_saved(self, step: int) -> None:
+        """The newest checkpoint that is known whole (reported as ``checkpoint_step``)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            self._count("bad_value")
+            return
+        self.checkpoint_step = step
+
+    def close(self) -> None:
+        """Flush pending steps, announce ``done`` and close the socket. Idempotent; runs
+        by itself at interpreter exit."""
+        if self.sender.closed:
+            return
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._close_quietly)
+        self.flush()
+        self.heartbeat("done")
+        self.sender.close()
+
+    def _close_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- records ------------------------------------------------------------------------
+    def peak_memory_bytes(self) -> int:
+        if self.timer.clock.cuda:
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+    def _send(
+        self,
+        t: StepTiming | None,
+        loss: float | None,
+        tokens: int | float | None,
+        phase: str | None = None,
+    ) -> None:
+        if not self.sender.enabled:  # cheap when telemetry is off: count, build nothing
+            self.sender.send({})
+            return
+        try:
+            tps = tokens / t.step_seconds if t and tokens and t.step_seconds > 0 else 0.0
+            mfu = 0.0
+            if tps and self.peak_flops > 0 and self.flops_per_token > 0:
+                mfu = min(1.0, self.flops_per_token * tps / self.peak_flops)
+            if loss is not None and not isinstance(loss, float):
+                loss = float(loss)
+            record = dict(
+                v=SCHEMA_VERSION, job=self.job, rank=self.rank, local_rank=self.local_rank,
+                world_size=self.world_size, pid=self._pid, restart=self.restart,
+                step=t.step if t else self.last_step, phase=phase or self.current_phase,
+                time=time.time(),
+                step_seconds=t.step_seconds if t else 0.0,
+                data_wait_seconds=t.data_wait_seconds if t else 0.0,
+                compute_seconds=t.compute_seconds if t else 0.0,
+                comm_seconds=t.comm_seconds if t else 0.0,
+                comm_exposed_seconds=t.comm_exposed_seconds if t else 0.0,
+                optimizer_seconds=t.optimizer_seconds if t else 0.0,
+                checkpoint_block_seconds=t.checkpoint_block_seconds if t else 0.0,
+                tokens_per_second=tps if math.isfinite(tps) else 0.0, mfu=mfu,
+                peak_memory_bytes=self.peak_memory_bytes(), loss=loss,
+                checkpoint_step=self.checkpoint_step,
+            )  # fmt: skip
+        except Exception as exc:
+            self._count("record")
+            self.sender.count_drop("invalid", exc)
+            return
+        self.sender.send(record)  # validates; counts and drops a bad one; never raises

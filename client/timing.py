@@ -1,0 +1,272 @@
+"""Per-step phase timing and communication measurement.
+
+Phases of a step: data wait (host), forward+backward, optimizer, checkpoint blocking
+(host). Communication is measured where it happens: a DDP comm hook wraps every
+gradient all-reduce and records when the bucket was handed to the process group and
+when its future completed.
+
+- `comm_seconds`: wall time during which at least one all-reduce was in flight (the
+  union of the buckets' intervals), overlapped with backward or not.
+- `comm_exposed_seconds`: the part of backward spent only waiting for communication:
+  all-reduce time after the last bucket's launch (autograd has no work left then) and
+  before backward's return.
+- `compute_seconds`: forward+backward minus the exposed communication.
+
+FSDP2 (`fully_shard`) is timed the same way through its public custom-collective API
+(`FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`, torch >= 2.8):
+:func:`attach_fsdp` wraps each module's all-gather and reduce-scatter so every call is
+marked at launch and at completion (the `Work`'s future for an asynchronous all-gather),
+and the intervals join the DDP buckets' in the same union.
+
+On CPU the marks are `time.perf_counter()`; on CUDA they are events recorded on the
+stream, read one step later (by then they have completed), so the hot path never
+synchronises the host with the device.
+
+Torch is imported lazily: this module imports with the standard library alone, and only
+a CUDA clock, the DDP hook and the FSDP wrappers touch torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..agent.telemetry import comm_compute_ratio
+
+
+@dataclass
+class StepTiming:
+    step: int
+    step_seconds: float
+    data_wait_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    comm_exposed_seconds: float
+    optimizer_seconds: float
+    checkpoint_block_seconds: float
+
+    @property
+    def comm_compute_ratio(self) -> float:
+        return comm_compute_ratio(self.comm_seconds, self.compute_seconds)
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping [start, end] intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _is_cuda(device: Any) -> bool:
+    """A `torch.device`, a string such as "cuda:0", or None (CPU)."""
+    if device is None:
+        return False
+    kind = getattr(device, "type", None)
+    return (kind if kind is not None else str(device).split(":")[0]) == "cuda"
+
+
+class Clock:
+    """Timestamps on the host (CPU) or on the CUDA stream, as float seconds when read."""
+
+    def __init__(self, device: Any = None):
+        self.cuda = _is_cuda(device)
+        self._origin = None
+        if self.cuda:
+            import torch
+
+            self._event = torch.cuda.Event
+            self._origin = self._event(enable_timing=True)
+            self._origin.record()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = self._event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def seconds(self, mark) -> float:
+        if not self.cuda:
+            return mark
+        mark.synchronize()  # a step old by the time we read it: already complete
+        return self._origin.elapsed_time(mark) / 1000.0
+
+
+@dataclass
+class _PendingStep:
+    step: int
+    host_start: float
+    marks: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
+    comm: list = field(default_factory=list)
+
+
+class StepTimer:
+    """Collects the marks of each step; `ready()` returns the timings that can be read."""
+
+    def __init__(self, device: Any = None):
+        self.clock = Clock(device)
+        self._pending: deque[_PendingStep] = deque()
+        self._current: _PendingStep | None = None
+        self.comm_delay_seconds = 0.0  # fault hook: extra latency per all-reduce
+
+    # -- hot path ---------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        self._current = _PendingStep(step, time.perf_counter())
+
+    def mark(self, name: str) -> None:
+        self._current.marks[name] = self.clock.mark()
+
+    def host(self, name: str, seconds: float) -> None:
+        self._current.host[name] = self._current.host.get(name, 0.0) + seconds
+
+    def comm_launched(self):
+        return self.clock.mark()
+
+    def comm_done(self, launched) -> None:
+        if self._current is not None:
+            self._current.comm.append((launched, self.clock.mark()))
+
+    def end(self) -> None:
+        self._current.host["step"] = time.perf_counter() - self._current.host_start
+        self._pending.append(self._current)
+        self._current = None
+
+    # -- read side ------------------------------------------------------------------
+    def ready(self, flush: bool = False) -> list[StepTiming]:
+        """Timings of finished steps; on CUDA all but the newest unless `flush`."""
+        keep = 0 if (flush or not self.clock.cuda) else 1
+        out = []
+        while len(self._pending) > keep:
+            out.append(self._resolve(self._pending.popleft()))
+        return out
+
+    def _resolve(self, p: _PendingStep) -> StepTiming:
+        """Missing marks count as zero-length phases (a step may skip the optimizer)."""
+        s = {k: self.clock.seconds(v) for k, v in p.marks.items()}
+        comm = [(self.clock.seconds(a), self.clock.seconds(b)) for a, b in p.comm]
+        start = s.get("compute_start")
+        bwd_end = s.get("backward_end", start)
+        opt_end = s.get("optimizer_end", bwd_end)
+        fwd_bwd = bwd_end - start if start is not None and bwd_end is not None else 0.0
+        optimizer = opt_end - bwd_end if bwd_end is not None and opt_end is not None else 0.0
+        exposed = 0.0
+        if comm and bwd_end is not None:  # in flight after the last launch, until backward returned
+            last_launch, end = max(a for a, _ in comm), bwd_end
+            exposed = union_length(
+                [(max(a, last_launch), min(b, end)) for a, b in comm if b > last_launch and a < end]
+            )
+        return StepTiming(
+            step=p.step,
+            step_seconds=p.host["step"],
+            data_wait_seconds=p.host.get("data_wait", 0.0),
+            compute_seconds=max(0.0, fwd_bwd - exposed),
+            comm_seconds=union_length(comm),
+            comm_exposed_seconds=exposed,
+            optimizer_seconds=max(0.0, optimizer),
+            checkpoint_block_seconds=p.host.get("checkpoint_block", 0.0),
+        )
+
+
+def timed_allreduce_hook(timer: StepTimer, bucket):
+    """DDP comm hook: average the bucket like DDP's default hook, timing the all-reduce.
+
+    Register with ``ddp.register_comm_hook(timer, timed_allreduce_hook)``."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    world = dist.get_world_size(group)
+    tensor = bucket.buffer().div_(world)
+    launched = timer.comm_launched()
+    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    delay = timer.comm_delay_seconds
+
+    def done(f):
+        if delay:
+            time.sleep(delay)  # fault hook: a slow link
+        timer.comm_done(launched)
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+def _timed_work(timer: StepTimer, launched, work):
+    """Mark the end of a collective: now if it ran synchronously (gloo blocks; NCCL made
+    the current stream wait for it), else when its future completes."""
+    if work is None or not hasattr(work, "get_future"):
+        timer.comm_done(launched)
+        return work
+    try:
+        work.get_future().then(lambda _f: timer.comm_done(launched))
+    except Exception:  # a backend without futures: count it as done at launch return
+        timer.comm_done(launched)
+    return work
+
+
+def _fsdp_comms(timer: StepTimer):
+    """A timed all-gather and reduce-scatter for FSDP2 (torch >= 2.8's custom-comm API)."""
+    import torch
+    import torch.distributed as dist
+
+    # What FSDP2's default collectives call (their older names before torch 2.9).
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+    # Duck-typed: FSDP calls allocate() and __call__() (the Comm ABCs live in a private
+    # module, so they are not subclassed here).
+    class _Alloc:
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+    class TimedAllGather(_Alloc):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            launched = timer.comm_launched()
+            work = all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+            return _timed_work(timer, launched, work)
+
+    class TimedReduceScatter(_Alloc):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            launched = timer.comm_launched()
+            work = reduce_scatter(
+                output_tensor, input_tensor, op=op, group=group, async_op=async_op
+            )
+            return _timed_work(timer, launched, work)
+
+    return TimedAllGather(), TimedReduceScatter()
+
+
+def attach_fsdp(timer: StepTimer, model) -> int:
+    """Time every all-gather and reduce-scatter of the FSDP2 modules in ``model``.
+
+    Returns how many FSDP modules now report their communication. A module FSDP refuses
+    a custom collective for (several parameter groups, symmetric-memory or process-group
+    allocation turned on) keeps its own and is not counted; on a torch without the API
+    (before 2.8) nothing is timed and 0 is returned.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        all_gather, reduce_scatter = _fsdp_comms(timer)
+    except Exception:
+        return 0
+    timed = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+        except Exception:
+            continue
+        timed += 1
+    return timed
