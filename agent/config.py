@@ -32,6 +32,8 @@ class AgentConfig:
     expected_gpus: int | None = None
     nvml_double: Path | None = None  # an NVML double's JSON state, for GPU-less test nodes
     node: str = field(default_factory=socket.gethostname)
+    # watch torchrun workers that send no telemetry (zero-code protection, discovery.py)
+    discover_workers: bool = True
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.interval <= 3600:
