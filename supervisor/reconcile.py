@@ -30,7 +30,7 @@ from .model import (
     History,
 )
 from .policy import PolicyConfig, decide
-from .state import ClusterObs, RankObs
+from .state import LIVE_STATES, ClusterObs, RankObs
 from .store import ActionExists, IncidentStore, build_view
 
 log = logging.getLogger("rankguard.supervisor")
@@ -243,7 +243,13 @@ class Supervisor:
             if inc.restarted_at is None:
                 self.store.set_state(inc.id, "recovering", now, restarted_at=now)
             samples = [s for r in newer for s in r.recent if s.restart > inc.restart_before]
-            if samples:
+            if all(r.source == "process" for r in newer):
+                # no telemetry, so no first step: the new incarnation running is the end
+                if all(r.state in LIVE_STATES for r in newer):
+                    self.store.set_state(inc.id, "resolved", now)
+                    if inc.job in self.jobs and self.jobs[inc.job].state == "recovering":
+                        self.jobs[inc.job].state = "running"
+            elif samples:
                 resumed = min(s.step for s in samples) - 1
                 self.store.set_state(
                     inc.id, "resolved", now, first_step_at=now, resumed_step=resumed
