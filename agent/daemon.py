@@ -40,7 +40,11 @@ class Agent:
         self.control_actions: list[dict] = []  # an audit trail, newest last (bounded)
         self.table = RankTable()
         self.receiver = TelemetryReceiver(cfg.telemetry_socket, self.table, mode=cfg.socket_mode)
-        self.scanner = WorkerScanner() if cfg.discover_workers else None
+        self.scanner = (
+            WorkerScanner(agent_socket=cfg.telemetry_socket, mode=cfg.discover_workers)
+            if cfg.discover_workers != "off"
+            else None
+        )
         ctx = CollectorContext(
             watch_dirs=cfg.watch_dirs,
             rank_processes=self.table.processes,

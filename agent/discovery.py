@@ -28,8 +28,10 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from .telemetry import DEFAULT_SOCKET_PATH, SOCKET_ENV
 
 log = logging.getLogger("rankguard.agent.discovery")
 
@@ -54,8 +56,10 @@ WANTED = frozenset(
         "WORLD_SIZE",
         "TORCHELASTIC_RUN_ID",
         "TORCHELASTIC_RESTART_COUNT",
+        SOCKET_ENV,
     }
 )
+DISCOVER_MODES = ("auto", "all", "off")
 MAX_RUN_ID_CHARS = 100  # job names are at most 128: room for '@<launcher pid>'
 
 
@@ -72,6 +76,7 @@ class Worker:
     local_rank: int
     world_size: int
     restart: int
+    socket: str | None = None  # RANKGUARD_TELEMETRY_SOCKET as the worker has it; None: unset
 
 
 def parse_environ(data: bytes, wanted: Iterable[str] = WANTED) -> dict[str, str]:
@@ -117,8 +122,28 @@ def worker_from_environ(
     if rank >= world:
         return None
     restart = _int(env.get("TORCHELASTIC_RESTART_COUNT")) or 0
+    socket = env.get(SOCKET_ENV)
+    if socket is not None and socket.strip().lower() in ("", "off"):
+        socket = None  # telemetry off: the worker names no agent
     return Worker(pid, start_ticks, launcher, launcher_start, run_id[:MAX_RUN_ID_CHARS], rank,
-                  local_rank, world, restart)  # fmt: skip
+                  local_rank, world, restart, socket)  # fmt: skip
+
+
+def belongs_here(worker_socket: str | None, agent_socket: str, mode: str = "auto") -> bool:
+    """Whether this agent watches a worker, by the telemetry socket the worker was started
+    with (``RANKGUARD_TELEMETRY_SOCKET``; relative paths resolved already).
+
+    A worker naming an agent's socket belongs to that agent only: several agents may share
+    one machine (tests, network namespaces), and each must watch only its own jobs. A
+    worker naming none belongs to the node's agent: ``auto`` takes it when this agent
+    listens on the default socket (the node's systemd agent), ``all`` always, ``off``
+    takes nothing.
+    """
+    if mode == "off":
+        return False
+    if worker_socket is None:
+        return mode == "all" or os.path.normpath(agent_socket) == DEFAULT_SOCKET_PATH
+    return os.path.normpath(worker_socket) == os.path.normpath(agent_socket)
 
 
 def is_launcher_cmdline(cmdline: bytes) -> bool:
@@ -170,8 +195,17 @@ class WorkerScanner:
     ``skip_launcher(pid)`` launchers whose workers speak telemetry.
     """
 
-    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+    def __init__(
+        self,
+        proc_root: Path = Path("/proc"),
+        agent_socket: str = DEFAULT_SOCKET_PATH,
+        mode: str = "auto",
+    ) -> None:
+        if mode not in DISCOVER_MODES:
+            raise ValueError(f"mode must be one of {', '.join(DISCOVER_MODES)}, not {mode!r}")
         self.proc_root = proc_root
+        self.agent_socket = os.path.abspath(agent_socket)
+        self.mode = mode
         self.owners: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._launchers: dict[tuple[int, int], bool] = {}  # (pid, start) -> is torchrun
         self.unreadable = 0  # environs the kernel would not show us (another user's)
@@ -237,6 +271,14 @@ class WorkerScanner:
             except OSError:
                 continue
             w = worker_from_environ(pid, start, ppid, parent[1], parse_environ(data))
-            if w is not None:
+            if w is None:
+                continue
+            if w.socket is not None and not os.path.isabs(w.socket):
+                try:  # relative to the worker's working directory
+                    cwd = os.readlink(self.proc_root / str(pid) / "cwd")
+                except OSError:
+                    continue
+                w = replace(w, socket=os.path.join(cwd, w.socket))
+            if belongs_here(w.socket, self.agent_socket, self.mode):
                 workers.append(w)
         return assign_jobs(workers, self.owners)

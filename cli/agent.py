@@ -38,10 +38,12 @@ def agent(
     ] = None,
     node: Annotated[str, Opt(help="node name in metrics and the API (default: hostname)")] = None,
     discover_workers: Annotated[
-        bool,
+        str,
         Opt(
-            help="watch torchrun workers that send no telemetry, found in /proc "
-            "(zero-code protection: death and hang, no steps)"
+            help="watch torchrun workers that send no telemetry, found in /proc (zero-code "
+            "protection: death and hang, no steps): auto = those whose "
+            "RANKGUARD_TELEMETRY_SOCKET is this agent's socket, and those without one when "
+            "this agent has the default socket; all = also those without one; off [auto]"
         ),
     ] = None,
     config: Annotated[

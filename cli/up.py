@@ -194,7 +194,7 @@ def up(
     fault_file.touch()
     agent_port, sup_port = _free_port(), _free_port()
     agent_url, sup_url = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{sup_port}"
-    env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str(run_dir / "telemetry.sock"),
+    env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str((run_dir / "telemetry.sock").absolute()),
            "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url}  # fmt: skip
     procs: list[subprocess.Popen] = []
     try:

@@ -19,6 +19,7 @@ from rankguard.agent.discovery import (
     Worker,
     WorkerScanner,
     assign_jobs,
+    belongs_here,
     is_launcher_cmdline,
     parse_environ,
     worker_from_environ,
@@ -150,6 +151,35 @@ def test_scanner_finds_workers_of_torchrun_launchers_only(tmp_path):
     # pids the table knows by telemetry, and launchers whose workers speak it, are skipped
     assert [w.pid for _, w in scanner.scan(skip={11}.__contains__)] == [12]
     assert scanner.scan(skip_launcher={10}.__contains__) == []
+
+
+def test_scanner_watches_only_workers_that_name_its_socket(tmp_path):
+    """Several agents on one machine (tests, network namespaces) each watch their own."""
+
+    def env(rank, **extra):
+        return environ(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3",
+                       TORCHELASTIC_RUN_ID="j", **extra)  # fmt: skip
+
+    _proc(tmp_path, 10, 1, 100, TORCHRUN, environ())
+    _proc(tmp_path, 11, 10, 110, b"python3\0t.py\0", env(0, RANKGUARD_TELEMETRY_SOCKET="/r/a.sock"))
+    _proc(tmp_path, 12, 10, 111, b"python3\0t.py\0", env(1, RANKGUARD_TELEMETRY_SOCKET="/r/b.sock"))
+    _proc(tmp_path, 13, 10, 112, b"python3\0t.py\0", env(2))
+    mine = WorkerScanner(tmp_path, agent_socket="/r/a.sock")
+    assert [w.pid for _, w in mine.scan()] == [11]
+    assert [w.pid for _, w in WorkerScanner(tmp_path, "/r/a.sock", "all").scan()] == [11, 13]
+    assert WorkerScanner(tmp_path, "/r/a.sock", "off").scan() == []
+
+
+def test_belongs_here():
+    default = "/run/rankguard/telemetry.sock"
+    assert belongs_here(None, default) and not belongs_here(None, "/tmp/x.sock")
+    assert belongs_here(None, "/tmp/x.sock", "all") and not belongs_here(None, default, "off")
+    assert belongs_here("/tmp//x.sock", "/tmp/x.sock")
+    assert not belongs_here("/tmp/y.sock", "/tmp/x.sock", "all")
+    w = worker_from_environ(5, 1, 4, 1, {"RANK": "0", "LOCAL_RANK": "0",
+                                        "TORCHELASTIC_RUN_ID": "r",
+                                        "RANKGUARD_TELEMETRY_SOCKET": "off"})  # fmt: skip
+    assert w.socket is None  # telemetry off names no agent
 
 
 # --------------------------------------------------------------------------- table
