@@ -208,6 +208,7 @@ class WorkerScanner:
         self.mode = mode
         self.owners: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._launchers: dict[tuple[int, int], bool] = {}  # (pid, start) -> is torchrun
+        self._stats: dict[int, tuple[int, int]] = {}  # pid -> (ppid, start ticks)
         self.unreadable = 0  # environs the kernel would not show us (another user's)
         self.truncated = 0  # scans that met more than MAX_WORKERS workers
 
@@ -245,18 +246,26 @@ class WorkerScanner:
         except OSError as exc:
             log.warning("cannot list %s: %s", self.proc_root, exc)
             return []
-        stats: dict[int, tuple[int, int]] = {}
-        for name in names:
-            if name.isdigit():
-                s = self._stat(int(name))
-                if s is not None:
-                    stats[int(name)] = s
+        # (ppid, start) of every process; only new pids are read (a process's parent and
+        # start time do not change while it lives, and the launchers' children are read
+        # again below), so a scan costs a listdir plus the new processes
+        pids = {int(n) for n in names if n.isdigit()}
+        stats = {pid: st for pid, st in self._stats.items() if pid in pids}
+        for pid in pids - stats.keys():
+            st = self._stat(pid)
+            if st is not None:
+                stats[pid] = st
+        self._stats = stats
         # forget launcher verdicts of processes that are gone (bounded by live processes)
         self._launchers = {k: v for k, v in self._launchers.items() if stats.get(k[0], (0, -1))[1] == k[1]}  # fmt: skip
         workers: list[Worker] = []
         for pid, (ppid, start) in sorted(stats.items()):
             parent = stats.get(ppid)
             if parent is None or not self._is_launcher(ppid, parent[1]):
+                continue
+            fresh = self._stat(pid)  # re-read: the pid may have been reused since cached
+            if fresh is None or fresh != (ppid, start):
+                self._stats.pop(pid, None)
                 continue
             if skip(pid) or skip_launcher(ppid):
                 continue
