@@ -327,3 +327,27 @@ def test_no_cpu_progress_all_but_one_names_the_busy_rank_all_idle_needs_stacks()
 def test_telemetry_ranks_are_not_judged_by_process():
     obs = cluster(robs(0, source="telemetry"), robs(1, "stopped", source="telemetry"))
     assert process_hang.detect(obs, History(), CFG) == []
+
+
+def test_up_shows_the_scripts_traceback_not_torchruns():
+    from rankguard.cli.up import last_traceback
+
+    log = """step 1
+Traceback (most recent call last):
+  File "/tmp/broken.py", line 1, in <module>
+    import nope
+ModuleNotFoundError: No module named 'nope'
+E1122 12:00:00 failed (exitcode: 1) local_rank: 0 (pid: 123) of binary: python
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+"""
+    assert last_traceback(log) == (
+        "Traceback (most recent call last):\n"
+        '  File "/tmp/broken.py", line 1, in <module>\n'
+        "    import nope\n"
+        "ModuleNotFoundError: No module named 'nope'"
+    )
+    assert last_traceback("all good\n") is None
