@@ -559,7 +559,8 @@ class _Rank:
         )
         if self.source == "process":  # no telemetry: nothing about steps is known
             out.update(step=None, phase=None, heartbeat_age_seconds=None,
-                       last_heartbeat_at=None, loss=None, checkpoint_step=None)  # fmt: skip
+                       last_heartbeat_at=None, loss=None, checkpoint_step=None,
+                       peak_memory_bytes=None)  # fmt: skip
         window = self._window(recent)
         if after is None:
             out["recent"] = [e.summary(json_safe) for e in window]

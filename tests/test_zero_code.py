@@ -199,10 +199,11 @@ def test_plain_ddp_script_recovers_from_a_dead_or_stopped_worker(tmp_path, fault
     mine = [i for i in incidents if i["kind"] == kind and i["job"] == up.run.name]
     assert mine and mine[0]["rank"] == 1, incidents
     first = mine[0]
+    print(f"{fault}: fault to incident {first['detected_at'] - faulted_at:.2f} s")
     if fault == "SIGKILL":
-        assert first["detected_at"] - faulted_at < 1.5, first
+        assert first["detected_at"] - faulted_at < 2.0, first  # ~0.3 s on a quiet machine
     else:
-        assert first["detected_at"] - faulted_at < 6.0, first
+        assert first["detected_at"] - faulted_at < 6.0, first  # the 2 s stop budget + a pass
         assert first["action"] == "kill_rank", first
         evidence = json.loads(first["evidence"])
         assert "stopped" in evidence["culprit_reason"]
