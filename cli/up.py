@@ -139,6 +139,13 @@ def up(
     trainer_arg: Annotated[
         list[str], Opt("--trainer-arg", help="bundled trainer: extra flag (repeatable)")
     ] = None,
+    process_idle_seconds: Annotated[
+        float,
+        Opt(
+            help="a script's ranks are hung when all but one made no CPU progress this long",
+            min=1,
+        ),
+    ] = 120.0,
     warm_start: Annotated[
         bool,
         Opt(
@@ -203,7 +210,8 @@ def up(
                              "--ckpt-dir", str(ckpt_dir), "--interval", "0.5"],
                             run_dir / "agent.log", agent_url + "/healthz", env))  # fmt: skip
         procs.append(_start(["supervisor", "--agents", agent_url, "--db", str(run_dir / "rankguard.db"),
-                             "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}"],
+                             "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
+                             "--process-idle-seconds", str(process_idle_seconds)],
                             run_dir / "supervisor.log", sup_url + "/healthz", env))  # fmt: skip
         entry = ["rankguard.trainer"]
         if warm_start:
@@ -212,6 +220,11 @@ def up(
             entry = ["rankguard.trainer.warm", "run"]
         job = run_dir.name
         if script:
+            # torchrun's c10d rendezvous shares one store across restarts, and a plain
+            # script's init_process_group (env://) writes its gloo addresses under the same
+            # keys each time: a restarted group could read the dead one's and hang (seen:
+            # docs/architecture.md). With this, each round gets a fresh store.
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
             # a named rendezvous, so the workers' TORCHELASTIC_RUN_ID (the job's name in the
             # agent, discovery.py) is this run's name; --standalone would draw a random one
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",

@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ckpt", default="runs/ddp_plain/checkpoint.pt")
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of pretend work")
+    p.add_argument("--step-work", type=float, default=0.05, help="seconds of pretend compute")
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -60,7 +60,9 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        time.sleep(args.step_sleep)
+        busy_until = time.perf_counter() + args.step_work
+        while time.perf_counter() < busy_until:  # pretend compute (training uses CPU or GPU)
+            pass
         done = step + 1
         if rank == 0 and done % args.ckpt_every == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.ckpt)), exist_ok=True)

@@ -33,7 +33,14 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=60)
 p.add_argument("--ckpt", required=True)
 p.add_argument("--ckpt-every", type=int, default=5)
+p.add_argument("--stall-at", type=int, default=-1)
 args = p.parse_args()
+
+
+def stuck_in_user_code():  # a rank that never reaches the next collective
+    time.sleep(3600)
+
+
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
@@ -55,7 +62,12 @@ for step in range(start, args.steps):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    time.sleep(0.1)
+    busy_until = time.perf_counter() + 0.05
+    while time.perf_counter() < busy_until:  # pretend compute: training uses CPU
+        pass
+    time.sleep(0.05)
+    if step == args.stall_at and rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        stuck_in_user_code()
     if rank == 0 and (step + 1) % args.ckpt_every == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1},
                    args.ckpt + ".tmp")
@@ -213,6 +225,34 @@ def test_plain_ddp_script_recovers_from_a_dead_or_stopped_worker(tmp_path, fault
                 (first["id"],),
             ).fetchone()
         assert "train_plain.py" in json.loads(result)["stacks"]["1"]  # py-spy of the culprit
+    assert _left_running(up.run) == []
+
+
+def test_ranks_without_cpu_progress_the_stacks_name_the_culprit(tmp_path):
+    """Rank 1 sleeps in user code at step 16; rank 0 waits in DDP's all-reduce. Neither
+    uses CPU, so after --process-idle-seconds the supervisor reads both stacks (py-spy),
+    names rank 1 (the only one not in a collective), kills it, and the job resumes."""
+    script, ckpt = _script(tmp_path), tmp_path / "ckpt.pt"
+    up = Up(tmp_path, "--process-idle-seconds", "6", "--", str(script), "--ckpt", str(ckpt),
+            "--stall-at", "16")  # fmt: skip
+    try:
+        code = up.wait(timeout=400)
+    finally:
+        up.close()
+    assert code == 0, up.output()[-4000:]
+    incidents = _incidents(up.run)
+    hung = [i for i in incidents if i["kind"] == "rank_hung"]
+    assert len(hung) == 1 and hung[0]["rank"] == 1, incidents
+    assert hung[0]["action"] == "kill_rank"
+    with sqlite3.connect(up.run / "rankguard.db") as db:
+        (result,) = db.execute(
+            "SELECT result FROM actions WHERE incident_id = ? AND kind = 'kill_rank'",
+            (hung[0]["id"],),
+        ).fetchone()
+    # the stacks that named it (in the incident), or the culprit's, taken before the kill
+    assert "stuck_in_user_code" in hung[0]["evidence"] + (result or ""), hung[0]
+    log = (up.run / "trainer.log").read_text()
+    assert "resumed from step 15" in log and "step 60 " in log
     assert _left_running(up.run) == []
 
 

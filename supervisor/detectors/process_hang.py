@@ -11,7 +11,8 @@ is enough for two clear cases:
   over the agent's window) for ``process_idle_seconds``: they are blocked, and the one
   still busy is the rank they wait for. When all are idle, nothing in the process table
   names a culprit: the loop reads every rank's stacks (py-spy) and picks the only one not
-  waiting in a collective, as for telemetry ranks; without such a rank nothing is done.
+  waiting in a collective, as for telemetry ranks; without such a rank nothing is done and
+  nothing is recorded (the loop drops the finding: idle CPU alone is weak evidence).
 
 The idle budget is long (120 s by default) because without telemetry a detector cannot
 tell a hang from legitimate single-rank work (rank 0 writing a large checkpoint while the
