@@ -658,6 +658,9 @@ class RankTable:
                 events = []
             else:
                 events = [self._replace_process(rank, sender_pid, now)]
+            # A worker found in /proc that now speaks telemetry is that same rank, and from
+            # now on a telemetry rank (its steps, phase and heartbeat are known).
+            rank.source = "telemetry"
             self._seq += 1
             rank.observe(record, now, self._seq)
             events.append(self._settle(rank, now))
