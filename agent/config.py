@@ -32,10 +32,16 @@ class AgentConfig:
     expected_gpus: int | None = None
     nvml_double: Path | None = None  # an NVML double's JSON state, for GPU-less test nodes
     node: str = field(default_factory=socket.gethostname)
+    # watch torchrun workers that send no telemetry (zero-code protection, discovery.py):
+    # auto (those naming this agent's socket; those naming none if it is the default
+    # socket), all, off
+    discover_workers: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.interval <= 3600:
             raise AgentConfigError("interval must be between 0.05 and 3600 seconds")
+        if self.discover_workers not in ("auto", "all", "off"):
+            raise AgentConfigError("discover_workers must be auto, all or off")
         if self.expected_gpus is not None and self.expected_gpus < 0:
             raise AgentConfigError("expected_gpus must be >= 0")
         self.host_port()

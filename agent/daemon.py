@@ -21,6 +21,7 @@ from .collectors import (
 )
 from .config import AgentConfig, read_token
 from .control import dump_stacks, send_signal, stop_job
+from .discovery import WorkerScanner
 from .exposition import collector_meta, make_registry
 from .health import SEVERITIES, node_verdict
 from .nvml_double import load_nvml
@@ -39,6 +40,11 @@ class Agent:
         self.control_actions: list[dict] = []  # an audit trail, newest last (bounded)
         self.table = RankTable()
         self.receiver = TelemetryReceiver(cfg.telemetry_socket, self.table, mode=cfg.socket_mode)
+        self.scanner = (
+            WorkerScanner(agent_socket=cfg.telemetry_socket, mode=cfg.discover_workers)
+            if cfg.discover_workers != "off"
+            else None
+        )
         ctx = CollectorContext(
             watch_dirs=cfg.watch_dirs,
             rank_processes=self.table.processes,
@@ -61,7 +67,21 @@ class Agent:
         self._server = None
 
     # -- collection ---------------------------------------------------------------
+    def discover(self) -> None:
+        """Find torchrun workers that send no telemetry and watch them as ranks."""
+        if self.scanner is None:
+            return
+        try:
+            found = self.scanner.scan(
+                skip=self.table.known_pids().__contains__,
+                skip_launcher=self.table.telemetry_launchers().__contains__,
+            )
+            self.table.adopt(found)
+        except Exception:  # discovery must never stop collection
+            log.exception("worker discovery failed")
+
     def collect_once(self) -> list[CollectorRun]:
+        self.discover()
         runs = [run_collector(c) for c in self.collectors]
         with self._lock:
             self._runs = runs

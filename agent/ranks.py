@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 from .control import launcher_pid
 from .cursor import Since, answer_fields, new_incarnation, since
+from .telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
 from .telemetry import SPLIT_FIELDS, TelemetryRecord
 from .telemetry import json_safe as json_float  # a float for strict JSON
 
@@ -76,6 +77,9 @@ DEAD_STATES = frozenset({"zombie", "exited", "finished"})
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# A process using at least this share of a core over a CPU window is making progress
+# (cpu_active_at); a rank asleep in a collective stays far below it.
+ACTIVE_CPU_CORES = 0.05
 
 # /proc/<pid>/stat state letter -> (our state, detail). Anything else is "alive".
 _LETTER_STATES: dict[str, tuple[str, str | None]] = {
@@ -104,6 +108,7 @@ class ProcStat(NamedTuple):
     ppid: int
     cpu_seconds: float  # user + system
     start_ticks: int  # clock ticks after boot at which the process started
+    exit_code: int | None = None  # field 52 (waitpid status; meaningful for a zombie)
 
 
 def parse_proc_stat(text: str) -> ProcStat:
@@ -118,7 +123,8 @@ def parse_proc_stat(text: str) -> ProcStat:
         raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
     # fields[0] is field 3 (state); field n of proc(5) is fields[n - 3].
     cpu_ticks = int(fields[11]) + int(fields[12])  # utime + stime
-    return ProcStat(fields[0], int(fields[1]), cpu_ticks / CLOCK_TICKS, int(fields[19]))
+    exit_code = int(fields[49]) if len(fields) >= 50 else None
+    return ProcStat(fields[0], int(fields[1]), cpu_ticks / CLOCK_TICKS, int(fields[19]), exit_code)
 
 
 def read_proc_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
@@ -128,6 +134,19 @@ def read_proc_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None
     except (FileNotFoundError, ProcessLookupError):
         return None
     return parse_proc_stat(text)
+
+
+def describe_exit(status: int) -> str:
+    """A waitpid status in words: "exit code 1", "killed by SIGKILL"."""
+    import signal
+
+    if status & 0x7F == 0:
+        return f"exit code {(status >> 8) & 0xFF}"
+    try:
+        name = signal.Signals(status & 0x7F).name
+    except ValueError:
+        name = f"signal {status & 0x7F}"
+    return f"killed by {name}"
 
 
 def _zombie_detail(stat: ProcStat) -> str:
@@ -331,6 +350,18 @@ class RankEvent:
     detail: str | None = None
 
 
+def _process_record(job: str, w: Any) -> TelemetryRecord:
+    """The identity fields of a worker found in /proc, in the shape the table keeps."""
+    return TelemetryRecord(
+        v=TELEMETRY_VERSION, job=job, rank=w.rank, local_rank=w.local_rank,
+        world_size=w.world_size, pid=w.pid, restart=w.restart, step=0, phase="init",
+        time=time.time(), step_seconds=0.0, data_wait_seconds=0.0, compute_seconds=0.0,
+        comm_seconds=0.0, comm_exposed_seconds=0.0, optimizer_seconds=0.0,
+        checkpoint_block_seconds=0.0, tokens_per_second=0.0, mfu=0.0, peak_memory_bytes=0,
+        loss=None, checkpoint_step=None,
+    )  # fmt: skip
+
+
 class HistoryEntry(NamedTuple):
     """One received record, kept compact: a full record object is several times larger."""
 
@@ -376,8 +407,18 @@ class HistoryEntry(NamedTuple):
 class _Rank:
     """One rank's state. Every method runs under the table's lock."""
 
-    def __init__(self, record: TelemetryRecord, stat: ProcStat | None, now: float, history: int):
+    def __init__(
+        self,
+        record: TelemetryRecord,
+        stat: ProcStat | None,
+        now: float,
+        history: int,
+        source: str = "telemetry",
+    ):
         self.job, self.rank = record.job, record.rank
+        # "telemetry": registered by its own records; "process": a torchrun worker found
+        # in /proc (agent/discovery.py) that sends none: no steps, no heartbeat
+        self.source = source
         self.record = record
         self.step_record: TelemetryRecord | None = None  # newest record with step timings
         self.first_seen = self.last_seen = now
@@ -394,11 +435,14 @@ class _Rank:
         # rank is dead and the job must still be stoppable
         self.parent_pid = launcher_pid(pid, stat.ppid) if stat else None
         self.state, self.detail = "alive", None
+        self.state_since = now  # when the state last changed (a stop's duration)
+        self.exit_code: int | None = None  # waitpid status, when read from the zombie
         self.exited_at: float | None = None
         self.cpu_seconds = stat.cpu_seconds if stat else None
         self.cpu_utilization: float | None = None
         # CPU utilization is measured from here (first sight), then refresh to refresh.
         self.cpu_base = (now, stat.cpu_seconds) if stat else None
+        self.cpu_active_at = now  # last time it used CPU (ACTIVE_CPU_CORES over a window)
 
     def observe(self, record: TelemetryRecord, now: float, seq: int = 0) -> None:
         self.record = record
@@ -410,9 +454,24 @@ class _Rank:
         self.history.append(HistoryEntry.of(record, now, seq))
 
     def dead_state(self, zombie: bool) -> str:
-        if self.record.phase == "done":
+        if self.source == "process":
+            # no "done" record: a worker that exited 0 finished; the status is read from
+            # the zombie (torchrun reaps it at its next poll, the pidfd wakes us first)
+            if self.exit_code == 0:
+                return "finished"
+        elif self.record.phase == "done":
             return "finished"
         return "zombie" if zombie else "exited"
+
+    def note_exit(self, stat: ProcStat | None) -> None:
+        """Remember the exit status of this rank's zombie process, if it is one."""
+        if (
+            stat is not None
+            and stat.state == "Z"
+            and stat.start_ticks == self.start_ticks
+            and stat.exit_code is not None
+        ):
+            self.exit_code = stat.exit_code
 
     def change(self, state: str, detail: str | None, now: float) -> RankEvent | None:
         """Set the state; an event only when the state itself changed (not the detail)."""
@@ -422,6 +481,7 @@ class _Rank:
             self.exited_at = now
         if state == previous:
             return None
+        self.state_since = now
         return RankEvent(self.job, self.rank, self.pid, previous, state, now, detail)
 
     def apply_stat(self, stat: ProcStat | None, now: float, cpu_window: float) -> RankEvent | None:
@@ -431,6 +491,7 @@ class _Rank:
         state, detail = _LETTER_STATES.get(stat.state, ("alive", None))
         if state in DEAD_STATES:
             zombie = state == "zombie"
+            self.note_exit(stat)
             return self.change(
                 self.dead_state(zombie), _zombie_detail(stat) if zombie else None, now
             )
@@ -448,6 +509,8 @@ class _Rank:
         if now - t0 >= window:
             self.cpu_utilization = max(0.0, (cpu - c0) / (now - t0))
             self.cpu_base = (now, cpu)
+            if self.cpu_utilization >= ACTIVE_CPU_CORES:
+                self.cpu_active_at = now
 
     def to_dict(
         self, now: float, to_unix: float, recent: int, json_safe: bool, after: int | None = None
@@ -468,6 +531,9 @@ class _Rank:
             "state": self.state,
             "up": self.state in LIVE_STATES,
             "state_detail": self.detail,
+            "source": self.source,
+            "state_since": self.state_since + to_unix,
+            "exit_code": self.exit_code,
             "exited_at": None if self.exited_at is None else self.exited_at + to_unix,
             "first_seen_at": self.first_seen + to_unix,
             "step": rec.step,
@@ -488,8 +554,13 @@ class _Rank:
             checkpoint_step=rec.checkpoint_step,
             cpu_seconds=self.cpu_seconds,
             cpu_utilization=self.cpu_utilization,
+            cpu_active_at=self.cpu_active_at + to_unix,
             records_received=self.records_received,
         )
+        if self.source == "process":  # no telemetry: nothing about steps is known
+            out.update(step=None, phase=None, heartbeat_age_seconds=None,
+                       last_heartbeat_at=None, loss=None, checkpoint_step=None,
+                       peak_memory_bytes=None)  # fmt: skip
         window = self._window(recent)
         if after is None:
             out["recent"] = [e.summary(json_safe) for e in window]
@@ -587,10 +658,102 @@ class RankTable:
                 events = []
             else:
                 events = [self._replace_process(rank, sender_pid, now)]
+            # A worker found in /proc that now speaks telemetry is that same rank, and from
+            # now on a telemetry rank (its steps, phase and heartbeat are known).
+            rank.source = "telemetry"
             self._seq += 1
             rank.observe(record, now, self._seq)
             events.append(self._settle(rank, now))
+            self._drop_discovered(rank)
         self._emit(events)
+
+    def _drop_discovered(self, rank: _Rank) -> None:
+        """A process that speaks telemetry is one rank, not two: forget the ranks found in
+        /proc for the same process, or for the same torchrun launcher (its workers speak
+        telemetry: their telemetry ranks are the job's ranks)."""
+        for key, other in list(self._ranks.items()):
+            if other.source != "process" or other is rank:
+                continue
+            if other.pid == rank.pid or (
+                rank.parent_pid is not None and other.parent_pid == rank.parent_pid
+            ):
+                del self._ranks[key]
+                if not any(r.pid == other.pid for r in self._ranks.values()):
+                    self._watcher.unwatch(other.pid)
+
+    def adopt(self, found: list[tuple[str, Any]], now: float | None = None) -> int:
+        """Take torchrun workers found in /proc that send no telemetry (agent/discovery.py):
+        ``[(job, Worker)]``. A worker becomes a rank with ``source`` "process"; a new
+        process for a known (job, rank) is a restart. Workers whose pid or launcher already
+        has a telemetry rank are left out, and a full table refuses new ones (counted).
+        Returns how many ranks were added or restarted."""
+        now = self._now(now)
+        events: list[RankEvent | None] = []
+        with self._lock:
+            telemetry_pids = {r.pid for r in self._ranks.values() if r.source == "telemetry"}
+            telemetry_launchers = {
+                r.parent_pid for r in self._ranks.values() if r.source == "telemetry"
+            }
+            for job, w in found:
+                if w.pid in telemetry_pids or w.launcher in telemetry_launchers:
+                    continue
+                key = (job, w.rank)
+                rank = self._ranks.get(key)
+                if rank is not None and rank.source != "process":
+                    continue  # a telemetry rank holds that name
+                if rank is not None and rank.pid == w.pid:
+                    continue  # already watched
+                try:
+                    record = _process_record(job, w)
+                except ValueError:  # a run id that is no job name (non-printable)
+                    continue
+                stat = self._identify_worker(w)
+                if stat is None:
+                    continue  # gone already, or its pid was reused
+                if rank is None:
+                    try:
+                        self._make_room(key)
+                    except RankTableFullError:
+                        self._watcher.unwatch(w.pid)
+                        continue
+                    rank = _Rank(record, stat, now, self.history, source="process")
+                    rank.parent_pid = w.launcher
+                    self._ranks[key] = rank
+                    events.append(RankEvent(job, w.rank, w.pid, None, "alive", now))
+                else:
+                    old_pid, previous = rank.pid, rank.state
+                    if not any(r.pid == old_pid for r in self._ranks.values() if r is not rank):
+                        self._watcher.unwatch(old_pid)
+                    rank.record = record
+                    rank.start_process(w.pid, stat, now)
+                    rank.parent_pid = w.launcher
+                    rank.process_changes += 1
+                    detail = f"new process {w.pid} replaces {old_pid}"
+                    events.append(RankEvent(job, w.rank, w.pid, previous, "alive", now, detail))
+        self._emit(events)
+        return len(events)
+
+    def _identify_worker(self, w: Any) -> ProcStat | None:
+        stat = read_proc_stat(w.pid, self._proc_root)
+        if stat is None or stat.start_ticks != w.start_ticks or stat.state in "ZXx":
+            return None
+        if not self._watcher.watch(w.pid, stat.start_ticks):
+            return None
+        return stat
+
+    def known_pids(self, source: str = "telemetry") -> set[int]:
+        """Pids of the ranks registered by ``source`` (live or not)."""
+        with self._lock:
+            return {r.pid for r in self._ranks.values() if r.source == source}
+
+    def telemetry_launchers(self) -> set[int]:
+        """Launchers whose workers speak telemetry: discovery leaves their workers alone."""
+        with self._lock:
+            return {
+                r.parent_pid
+                for r in self._ranks.values()
+                if r.source == "telemetry" and r.parent_pid is not None
+            }
 
     def _identify(self, pid: int) -> ProcStat | None:
         """Identity of a process seen for the first time, now watched; None if gone."""
@@ -657,7 +820,10 @@ class RankTable:
                 zombie = (
                     stat is not None and stat.state == "Z" and stat.start_ticks == rank.start_ticks
                 )
+                rank.note_exit(stat)
                 detail = _zombie_detail(stat) if zombie and stat else None
+                if rank.source == "process" and rank.exit_code is not None:
+                    detail = describe_exit(rank.exit_code)
                 events.append(rank.change(rank.dead_state(zombie), detail, when))
         self._emit(events)
 

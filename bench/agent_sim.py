@@ -175,6 +175,8 @@ class Cluster:
                 "job": JOB, "rank": r.rank, "local_rank": r.local, "world_size": self.world,
                 "pid": r.pid, "restart": self.restart, "process_changes": self.restart,
                 "state": r.state, "up": r.state in ("alive", "stopped"), "state_detail": None,
+                "source": "telemetry", "state_since": r.exited_at or self.inc_start,
+                "exit_code": None,
                 "exited_at": r.exited_at, "first_seen_at": self.inc_start,
                 "step": step, "phase": "train",
                 "heartbeat_age_seconds": max(0.0, now - last_seen),
@@ -185,6 +187,7 @@ class Cluster:
                 "peak_memory_bytes": 61 << 30, "checkpoint_step": ckpt,
                 "cpu_seconds": 100.0 + now - self.inc_start,
                 "cpu_utilization": 1.0 if r.state == "alive" else 0.0,
+                "cpu_active_at": now if r.state == "alive" else self.inc_start,
                 "records_received": step - self.base_step,
             }  # fmt: skip
             r.header = (key, _dumps(fields)[:-1])  # without the closing brace

@@ -37,6 +37,15 @@ def agent(
         Path, Opt(help="JSON state of an NVML double (GPU-less test nodes)")
     ] = None,
     node: Annotated[str, Opt(help="node name in metrics and the API (default: hostname)")] = None,
+    discover_workers: Annotated[
+        str,
+        Opt(
+            help="watch torchrun workers that send no telemetry, found in /proc (zero-code "
+            "protection: death and hang, no steps): auto = those whose "
+            "RANKGUARD_TELEMETRY_SOCKET is this agent's socket, and those without one when "
+            "this agent has the default socket; all = also those without one; off [auto]"
+        ),
+    ] = None,
     config: Annotated[
         Path, Opt(help="TOML config file ([agent] table, same keys as the flags)")
     ] = None,
@@ -57,7 +66,7 @@ def agent(
     overrides = dict(
         bind=bind, interval=interval, token_file=token_file, telemetry_socket=telemetry_socket,
         ckpt_dir=ckpt_dir, data_dir=data_dir, expected_gpus=expected_gpus,
-        nvml_double=nvml_double, node=node,
+        nvml_double=nvml_double, node=node, discover_workers=discover_workers,
     )  # fmt: skip
     try:
         cfg = load_config(config, overrides)

@@ -35,6 +35,16 @@ def supervisor(
     token_file: Annotated[Path, Opt(help="bearer token for the agents' control endpoints")] = None,
     bind: Annotated[str, Opt(help="HOST:PORT for /metrics and /v1")] = "127.0.0.1:9408",
     interval: Annotated[float, Opt(help="seconds between reconcile passes")] = 0.25,
+    process_stopped_seconds: Annotated[
+        float, Opt(help="ranks without telemetry: a rank stopped this long is hung", min=0)
+    ] = 2.0,
+    process_idle_seconds: Annotated[
+        float,
+        Opt(
+            help="ranks without telemetry: hung when all but one made no CPU progress this long",
+            min=0,
+        ),
+    ] = 120.0,
     log_level: Annotated[str, Opt(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Watch every agent, detect dead, hung and straggling ranks, bad numerics and node
@@ -65,7 +75,12 @@ def supervisor(
         typer.echo(f"rankguard supervisor: {exc}", err=True)
         raise typer.Exit(2) from None
     source = AgentsFile(agents_file).urls if agents_file else (lambda: list(agents))
-    sup = Supervisor(store, source, token, SupervisorConfig(interval=interval))
+    from rankguard.supervisor.detectors import DetectorConfig
+
+    detectors = DetectorConfig(
+        process_stopped_seconds=process_stopped_seconds, process_idle_seconds=process_idle_seconds
+    )
+    sup = Supervisor(store, source, token, SupervisorConfig(interval=interval, detectors=detectors))
     run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port))
 
 

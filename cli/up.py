@@ -80,12 +80,17 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _step(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def _status_line(supervisor: str) -> str:
     ranks = (_get(supervisor + "/v1/ranks") or {}).get("ranks", [])
     cluster = _get(supervisor + "/v1/cluster") or {}
     incidents = (_get(supervisor + "/v1/incidents") or {}).get("incidents", [])
     per_rank = (
-        " ".join(f"r{r['rank']}:{r['state'][:5]}@{r['step']}" for r in ranks) or "waiting for ranks"
+        " ".join(f"r{r['rank']}:{r['state'][:5]}@{_step(r.get('step'))}" for r in ranks)
+        or "waiting for ranks"
     )
     last = (
         f" | last incident: {incidents[0]['kind']} rank {incidents[0]['rank']} [{incidents[0]['state']}]"
@@ -95,21 +100,52 @@ def _status_line(supervisor: str) -> str:
     return f"[{cluster.get('status', '?'):9}] {per_rank} | incidents {len(incidents)}{last}"
 
 
+SCRIPT_HELP = """\
+SCRIPT.py [ARGS...] or -m MODULE [ARGS...] after `--`: run your own torchrun-compatible
+training script instead of the bundled trainer (zero-code protection)."""
+
+# Options that only the bundled trainer understands: refused with a script.
+TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--warm-start")
+SCRIPT_INJECT = ("kill", "hang")  # faults done to a process from outside: any script
+
+
 def up(
+    script: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="-- SCRIPT.py|-m MODULE [ARGS]",
+            help=SCRIPT_HELP,
+            show_default=False,
+        ),
+    ] = None,
     nproc: Annotated[int, Opt(help="ranks (processes) on this machine")] = 2,
-    preset: Annotated[str, Opt(help="model size: tiny, small, 1b")] = "tiny",
-    steps: Annotated[int, Opt(help="optimizer steps to train")] = 300,
-    ckpt_dir: Annotated[Path, Opt(help="checkpoints (default: RUN_DIR/ckpt)")] = None,
-    ckpt_every: Annotated[int, Opt(help="save every N steps")] = 20,
+    max_restarts: Annotated[
+        int, Opt(help="torchrun's restart budget (--max-restarts)", min=0)
+    ] = 10,
+    preset: Annotated[str, Opt(help="bundled trainer: model size: tiny, small, 1b [tiny]")] = None,
+    steps: Annotated[int, Opt(help="bundled trainer: optimizer steps to train [300]")] = None,
+    ckpt_dir: Annotated[
+        Path,
+        Opt(help="checkpoints (default: RUN_DIR/ckpt); with a script: only watched for space"),
+    ] = None,
+    ckpt_every: Annotated[int, Opt(help="bundled trainer: save every N steps [20]")] = None,
     inject: Annotated[
-        list[str], Opt("--inject", help="fault to schedule, e.g. kill:rank=1:at=30s")
+        list[str],
+        Opt("--inject", help="fault to schedule, e.g. kill:rank=1:at=30s (a script: kill, hang)"),
     ] = None,
     run_dir: Annotated[
         Path, Opt(help="logs, database, sockets (default: runs/up-TIMESTAMP)")
     ] = None,
     trainer_arg: Annotated[
-        list[str], Opt("--trainer-arg", help="extra trainer flag (repeatable)")
+        list[str], Opt("--trainer-arg", help="bundled trainer: extra flag (repeatable)")
     ] = None,
+    process_idle_seconds: Annotated[
+        float,
+        Opt(
+            help="a script's ranks are hung when all but one made no CPU progress this long",
+            min=1,
+        ),
+    ] = 120.0,
     warm_start: Annotated[
         bool,
         Opt(
@@ -122,10 +158,39 @@ def up(
     (incidents in RUN_DIR/rankguard.db) and torchrun with the bundled trainer (gloo on CPU,
     NCCL on GPUs), shows a live status line, and exits when training ends.
 
+    Your own script, unchanged: `rankguard up --nproc 2 -- train.py --lr 3e-4` (or
+    `-- -m pkg.train ARGS`) runs any torchrun-compatible script the same way; it resumes
+    from its own checkpoints after each restart. Options marked "bundled trainer" are
+    refused with a script; --nproc, --max-restarts, --run-dir and --inject kill/hang apply.
+
+    Zero-code (no library) gives: a dead rank (an incident within a second; torchrun
+    restarts the group), a hung rank by process state (stopped, e.g. SIGSTOP: about 2 s)
+    or by CPU progress (every rank but one without CPU for --process-idle-seconds; py-spy
+    stacks name the culprit when none is busy, else nothing is done): its stack is
+    captured and it is killed, and torchrun restarts the group. Needs the telemetry library (the bundled trainer has it): steps
+    and loss, hangs judged against the job's own step time, stragglers by step time, NaN
+    loss, the communication share, checkpoint progress for the crash-loop guard.
+
     Exit codes: 0 training completed; 1 training failed; 2 could not start;
     3 the supervisor stopped the job (crash loop: see `rankguard incidents`).
     """
+    given = {"--preset": preset, "--steps": steps, "--ckpt-every": ckpt_every,
+             "--trainer-arg": trainer_arg or None, "--warm-start": warm_start or None}  # fmt: skip
+    if script:
+        _check_script(script)
+        refused = [name for name in TRAINER_ONLY if given[name] is not None]
+        if refused:
+            raise typer.BadParameter(
+                f"{', '.join(refused)}: only for the bundled trainer; a script takes its own "
+                "arguments after `--`"
+            )
+    preset, steps, ckpt_every = preset or "tiny", steps or 300, ckpt_every or 20
     faults = [parse_inject(s) for s in inject or []]
+    if script and any(f["kind"] not in SCRIPT_INJECT for f in faults):
+        raise typer.BadParameter(
+            f"--inject with a script: only {', '.join(SCRIPT_INJECT)} (done to the process; "
+            "the others need the bundled trainer)"
+        )
     run_dir = run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = ckpt_dir or run_dir / "ckpt"
@@ -136,7 +201,7 @@ def up(
     fault_file.touch()
     agent_port, sup_port = _free_port(), _free_port()
     agent_url, sup_url = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{sup_port}"
-    env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str(run_dir / "telemetry.sock"),
+    env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str((run_dir / "telemetry.sock").absolute()),
            "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url}  # fmt: skip
     procs: list[subprocess.Popen] = []
     try:
@@ -145,7 +210,8 @@ def up(
                              "--ckpt-dir", str(ckpt_dir), "--interval", "0.5"],
                             run_dir / "agent.log", agent_url + "/healthz", env))  # fmt: skip
         procs.append(_start(["supervisor", "--agents", agent_url, "--db", str(run_dir / "rankguard.db"),
-                             "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}"],
+                             "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
+                             "--process-idle-seconds", str(process_idle_seconds)],
                             run_dir / "supervisor.log", sup_url + "/healthz", env))  # fmt: skip
         entry = ["rankguard.trainer"]
         if warm_start:
@@ -153,10 +219,23 @@ def up(
             env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
             entry = ["rankguard.trainer.warm", "run"]
         job = run_dir.name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--max-restarts=10", "-m", *entry, "--preset", preset, "--steps", str(steps),
-               "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(ckpt_every), "--job", job,
-               "--summary", str(run_dir / "summary.json"), "--log-every", "50", *(trainer_arg or [])]  # fmt: skip
+        if script:
+            # torchrun's c10d rendezvous shares one store across restarts, and a plain
+            # script's init_process_group (env://) writes its gloo addresses under the same
+            # keys each time: a restarted group could read the dead one's and hang (seen:
+            # docs/architecture.md). With this, each round gets a fresh store.
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+            # a named rendezvous, so the workers' TORCHELASTIC_RUN_ID (the job's name in the
+            # agent, discovery.py) is this run's name; --standalone would draw a random one
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+                   f"--rdzv-id={job}", f"--nproc-per-node={nproc}",
+                   f"--max-restarts={max_restarts}", *script]  # fmt: skip
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   f"--max-restarts={max_restarts}", "-m", *entry, "--preset", preset, "--steps", str(steps),
+                   "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(ckpt_every), "--job", job,
+                   "--summary", str(run_dir / "summary.json"), "--log-every", "50", *(trainer_arg or [])]  # fmt: skip
         typer.echo(f"rankguard up: run {run_dir} | agent {agent_url} | supervisor {sup_url}")
         with open(run_dir / "trainer.log", "w") as log:
             trainer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -172,7 +251,10 @@ def up(
         typer.echo(f"{time.monotonic() - start:6.1f}s {_status_line(sup_url)}")
         cluster = _get(sup_url + "/v1/cluster") or {}
         state = cluster.get("jobs", {}).get(job, {})
-        if trainer.returncode == 0:
+        if trainer.returncode == 0 and script:
+            typer.echo(f"rankguard up: training completed: {' '.join(script)} exited 0")
+            code = 0
+        elif trainer.returncode == 0:
             summary = json.loads((run_dir / "summary.json").read_text())
             typer.echo(f"rankguard up: training completed: step {summary['final_step']}, loss "
                        f"{summary['final_loss']:.4f}, digest {summary['param_digest'][:16]}")  # fmt: skip
@@ -188,6 +270,10 @@ def up(
                 err=True,
             )
             code = 1
+        if code != 0 and script:
+            error = last_traceback((run_dir / "trainer.log").read_text(errors="replace"))
+            if error:
+                typer.echo(f"rankguard up: the script's last error:\n{error}", err=True)
         typer.echo(f"rankguard up: incidents: rankguard incidents --supervisor {sup_url} (while running) "
                    f"or {run_dir}/rankguard.db")  # fmt: skip
         raise typer.Exit(code)
@@ -200,6 +286,42 @@ def up(
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _check_script(script: list[str]) -> None:
+    """`SCRIPT.py [ARGS]` (an existing file) or `-m MODULE [ARGS]`: what torchrun takes."""
+    if script[0] == "-m":
+        if len(script) < 2 or not script[1] or script[1].startswith("-"):
+            raise typer.BadParameter("-m needs a module name: -- -m MODULE [ARGS...]")
+        return
+    if script[0].startswith("-"):
+        raise typer.BadParameter(
+            f"{script[0]!r} after `--`: expected SCRIPT.py [ARGS...] or -m MODULE [ARGS...]"
+        )
+    if not Path(script[0]).is_file():
+        raise typer.BadParameter(f"{script[0]}: no such file")
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def last_traceback(log: str, limit: int = 40) -> str | None:
+    """The last Python traceback of the script in a log (its workers' stderr, as torchrun
+    passes it on), up to its exception line; torchrun's own ChildFailedError is skipped.
+    None when there is none."""
+    lines = log.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.rstrip().endswith(_TRACEBACK)]
+    for start in reversed(starts):
+        prefix = lines[start][: len(lines[start].rstrip()) - len(_TRACEBACK)]
+        out = []
+        for line in lines[start:]:
+            body = line[len(prefix) :] if prefix and line.startswith(prefix) else line
+            out.append(body)
+            if len(out) > 1 and body and not body.startswith(" "):
+                break  # the exception line ends the traceback
+        if "ChildFailedError" not in out[-1]:
+            return "\n".join(out[-limit:])
+    return None
 
 
 def _inject(

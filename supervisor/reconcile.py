@@ -30,12 +30,21 @@ from .model import (
     History,
 )
 from .policy import PolicyConfig, decide
-from .state import ClusterObs, RankObs
+from .state import LIVE_STATES, ClusterObs, RankObs
 from .store import ActionExists, IncidentStore, build_view
 
 log = logging.getLogger("rankguard.supervisor")
 
 STACKS_RETRY_SECONDS = 2.0
+
+
+def _unnamed_process_hang(f: Finding) -> bool:
+    """A hang of ranks without telemetry that neither the process table nor the stacks pin
+    on one rank: idle CPU alone is weak evidence (ranks may all wait on I/O or sleep), so it
+    is not an incident until a culprit is named (detectors/process_hang.py)."""
+    return f.kind == RANK_HUNG and f.rank is None and f.evidence.get("source") == "process"
+
+
 RESTARTING_ACTIONS = (ACT_KILL_RANK, ACT_EXCLUDE_NODE)
 # Faults torchrun itself recovers from (the group restarts): the loop follows the recovery.
 RECOVERING_KINDS = (RANK_DEAD, RANK_HUNG, BAD_NUMERICS)
@@ -93,7 +102,8 @@ class Supervisor:
         obs = self.poller.poll(self.clients(), now)
         now = obs.time  # after the poll: nothing is detected before it is seen
         self.history = advance_history(self.history, obs, self.cfg.detectors)
-        findings = [self._refine(f, obs) for f in run_all(obs, self.history, self.cfg.detectors)]
+        refined = [self._refine(f, obs) for f in run_all(obs, self.history, self.cfg.detectors)]
+        findings = [f for f in refined if not _unnamed_process_hang(f)]
         for f in findings:
             self._record(f, obs, now)
         checkpoints = {j: self._checkpoint_step(obs, j) for j in obs.jobs()}
@@ -243,7 +253,13 @@ class Supervisor:
             if inc.restarted_at is None:
                 self.store.set_state(inc.id, "recovering", now, restarted_at=now)
             samples = [s for r in newer for s in r.recent if s.restart > inc.restart_before]
-            if samples:
+            if all(r.source == "process" for r in newer):
+                # no telemetry, so no first step: the new incarnation running is the end
+                if all(r.state in LIVE_STATES for r in newer):
+                    self.store.set_state(inc.id, "resolved", now)
+                    if inc.job in self.jobs and self.jobs[inc.job].state == "recovering":
+                        self.jobs[inc.job].state = "running"
+            elif samples:
                 resumed = min(s.step for s in samples) - 1
                 self.store.set_state(
                     inc.id, "resolved", now, first_step_at=now, resumed_step=resumed

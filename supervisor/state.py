@@ -70,6 +70,11 @@ class RankObs:
     checkpoint_step: int | None
     cpu_utilization: float | None
     recent: tuple[StepSample, ...] = ()
+    # "telemetry" (the rank reports steps) or "process" (a torchrun worker the agent found
+    # in /proc: no steps; judged by process state and CPU progress)
+    source: str = "telemetry"
+    state_since: float | None = None  # when the agent saw the process state change
+    cpu_active_at: float | None = None  # when the process last used CPU (agent's window)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -105,6 +110,9 @@ class RankObs:
             checkpoint_step=d.get("checkpoint_step"),
             cpu_utilization=_float(d.get("cpu_utilization")),
             recent=recent,
+            source="process" if d.get("source") == "process" else "telemetry",
+            state_since=_float(d.get("state_since")),
+            cpu_active_at=_float(d.get("cpu_active_at")),
         )
 
 

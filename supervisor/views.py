@@ -80,7 +80,7 @@ def ranks_view(sup) -> dict:
              "state": r.state, "step": r.step, "phase": r.phase,
              "heartbeat_age_seconds": r.heartbeat_age_seconds, "step_seconds": r.step_seconds,
              "comm_compute_ratio": r.comm_compute_ratio, "loss": r.loss,
-             "checkpoint_step": r.checkpoint_step}
+             "checkpoint_step": r.checkpoint_step, "source": r.source}
             for r in sorted(ranks, key=lambda r: (r.job, r.rank))
         ]
     }  # fmt: skip

@@ -33,6 +33,9 @@ class DetectorConfig:
     hang_eval_seconds: float = 300.0
     hang_spin_cpu_cores: float = 0.5  # a culprit stuck busy in Python uses at least this
     hang_idle_cpu_cores: float = 0.2  # ... while the others, asleep in the collective, stay below
+    # hang of ranks without telemetry (zero-code: process state and CPU time only)
+    process_stopped_seconds: float = 2.0  # a rank stopped (SIGSTOP) this long is hung
+    process_idle_seconds: float = 120.0  # all but one rank without CPU progress this long
     # straggler
     straggler_window: int = 12
     straggler_threshold: float = 0.10
@@ -88,11 +91,21 @@ class DetectorConfig:
 Detector = Callable[[ClusterObs, History, DetectorConfig], list[Finding]]
 
 # Imported after DetectorConfig: the detector modules only use it for type hints.
-from . import checkpoint, dead, hang, node, numerics, straggler, unreachable  # noqa: E402
+from . import (  # noqa: E402
+    checkpoint,
+    dead,
+    hang,
+    node,
+    numerics,
+    process_hang,
+    straggler,
+    unreachable,
+)
 
 DETECTORS: tuple[tuple[str, Detector], ...] = (
     ("dead", dead.detect),
     ("hang", hang.detect),
+    ("process_hang", process_hang.detect),
     ("straggler", straggler.detect),
     ("numerics", numerics.detect),
     ("node", node.detect),

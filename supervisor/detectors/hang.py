@@ -74,6 +74,8 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
     restart, ranks = incarnation(obs, job)
     if any(r.state in DEAD_STATES for r in ranks):
         return None  # a death explains the stop: the dead detector reports it
+    if any(r.source == "process" for r in ranks):
+        return None  # no steps to judge by: detectors/process_hang.py watches these
     live = [r for r in ranks if r.state in LIVE_STATES]
     if not live:
         return None

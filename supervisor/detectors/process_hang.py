@@ -1,0 +1,138 @@
+"""RANK_HUNG for ranks without telemetry (zero-code protection): judged by the process.
+
+A torchrun worker the agent found in /proc (``source == "process"``) reports no steps and
+no heartbeat, so the step-time budgets of ``hang.py`` cannot apply. What the kernel shows
+is enough for two clear cases:
+
+* **stopped**: a rank in state stopped (SIGSTOP, SIGTSTP, a tracer) for at least
+  ``process_stopped_seconds`` cannot progress, and with DDP every other rank waits for it
+  at the next collective. It is the culprit.
+* **no CPU progress**: every live rank but at most one has used no CPU (under 0.05 cores
+  over the agent's window) for ``process_idle_seconds``: they are blocked, and the one
+  still busy is the rank they wait for. When all are idle, nothing in the process table
+  names a culprit: the loop reads every rank's stacks (py-spy) and picks the only one not
+  waiting in a collective, as for telemetry ranks; without such a rank nothing is done and
+  nothing is recorded (the loop drops the finding: idle CPU alone is weak evidence).
+
+The idle budget is long (120 s by default) because without telemetry a detector cannot
+tell a hang from legitimate single-rank work (rank 0 writing a large checkpoint while the
+others wait in a barrier): the library's step times make the budget adaptive instead.
+One finding per incarnation (torchrun's restart count), like the dead detector.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..model import RANK_HUNG, Finding, History
+from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
+from .common import incarnation, node_url
+
+if TYPE_CHECKING:
+    from . import DetectorConfig
+
+
+def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
+    out = []
+    for job in obs.jobs():
+        restart, ranks = incarnation(obs, job)
+        if not ranks or any(r.source != "process" for r in ranks):
+            continue
+        if any(r.state in DEAD_STATES for r in ranks):
+            continue  # a death explains the stop: the dead detector reports it
+        live = [r for r in ranks if r.state in LIVE_STATES]
+        if not live:
+            continue
+        finding = _stopped(obs, job, restart, live, cfg) or _no_progress(
+            obs, job, restart, live, cfg
+        )
+        if finding is not None:
+            out.append(finding)
+    return out
+
+
+def _stopped_for(obs: ClusterObs, r: RankObs) -> float | None:
+    if r.state != "stopped" or r.state_since is None:
+        return None
+    return max(0.0, obs.time - r.state_since)
+
+
+def _idle_for(obs: ClusterObs, r: RankObs) -> float | None:
+    if r.state != "alive" or r.cpu_active_at is None:
+        return None
+    return max(0.0, obs.time - r.cpu_active_at)
+
+
+def _stopped(
+    obs: ClusterObs, job: str, restart: int, live: list[RankObs], cfg: DetectorConfig
+) -> Finding | None:
+    stopped = [
+        (s, r)
+        for r in live
+        if (s := _stopped_for(obs, r)) is not None and s >= cfg.process_stopped_seconds
+    ]
+    if not stopped:
+        return None
+    for_s, culprit = max(stopped, key=lambda x: (x[0], -x[1].rank))
+    reason = f"stopped (SIGSTOP) for {for_s:.1f}s: the process cannot progress"
+    return _finding(obs, job, restart, live, culprit, reason, obs.time - for_s, for_s)
+
+
+def _no_progress(
+    obs: ClusterObs, job: str, restart: int, live: list[RankObs], cfg: DetectorConfig
+) -> Finding | None:
+    if len(live) < 2:
+        return None  # a lone rank waits for nobody: idle may be I/O
+    idle = {r.rank: s for r in live if (s := _idle_for(obs, r)) is not None}
+    blocked = [r for r in live if idle.get(r.rank, -1.0) >= cfg.process_idle_seconds]
+    busy = [r for r in live if r not in blocked]
+    if len(busy) > 1 or len(blocked) < len(live) - 1:
+        return None
+    quiet = min(idle[r.rank] for r in blocked)
+    if busy:
+        culprit = busy[0]
+        reason = f"the only rank using CPU while the others made no CPU progress for {quiet:.0f}s"
+        return _finding(obs, job, restart, live, culprit, reason, obs.time - quiet, quiet)
+    reason = f"no rank made CPU progress for {quiet:.0f}s: stacks needed"
+    return _finding(obs, job, restart, live, None, reason, obs.time - quiet, quiet)
+
+
+def _finding(
+    obs: ClusterObs,
+    job: str,
+    restart: int,
+    live: list[RankObs],
+    culprit: RankObs | None,
+    reason: str,
+    occurred_at: float,
+    quiet: float,
+) -> Finding:
+    blame = f"culprit rank {culprit.rank} ({reason})" if culprit else f"no culprit yet: {reason}"
+    evidence = {
+        "restart": restart,
+        "source": "process",
+        "phase": None,
+        "states": {str(r.rank): r.state for r in live},
+        "pids": {str(r.rank): r.pid for r in live},
+        "cpu_utilization": {str(r.rank): r.cpu_utilization for r in live},
+        "cpu_idle_seconds": {
+            str(r.rank): None if r.cpu_active_at is None else max(0.0, obs.time - r.cpu_active_at)
+            for r in live
+        },
+        "culprit_reason": reason,
+        "stacks_needed": culprit is None,
+    }
+    if culprit is not None:
+        evidence.update(pid=culprit.pid, node_url=node_url(obs, culprit.node))
+    return Finding(
+        kind=RANK_HUNG,
+        key=f"rank_hung:{job}:{restart}:process",
+        severity="critical",
+        summary=f"job {job} hung (no telemetry; judged by process): no progress for "
+        f"{quiet:.1f}s; {blame}",
+        job=job,
+        node=culprit.node if culprit else None,
+        rank=culprit.rank if culprit else None,
+        occurred_at=occurred_at,
+        evidence=evidence,
+    )
