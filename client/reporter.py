@@ -233,6 +233,8 @@ class Reporter:
         self.current_phase = "init"
         self.last_step = 0
         self.last_loss: float | None = None
+        # the first step whose loss was NaN/Inf: CheckpointStore validates nothing after it
+        self.nonfinite_loss_step: int | None = None
         self.checkpoint_step: int | None = None
         self.timings: list[StepTiming] = []  # the newest resolved steps (bounded)
         self._open: Step | None = None
@@ -351,6 +353,8 @@ class Reporter:
                 self._count("bad_value")
             if loss is not None:
                 self.last_loss = loss
+                if self.nonfinite_loss_step is None and not math.isfinite(loss):
+                    self.nonfinite_loss_step = t.step
             self.timings.append(t)
             if len(self.timings) > 1024:
                 del self.timings[:512]

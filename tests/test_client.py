@@ -302,6 +302,36 @@ def test_checkpoint_store_failures_are_counted_not_raised(tmp_path):
     assert CheckpointStore(blocked / "ckpt").save(1, {}) is None
 
 
+def test_checkpoint_store_never_validates_bad_numerics(tmp_path):
+    """The NaN remedy resumes from the newest validated checkpoint: it must predate the NaN."""
+    torch = pytest.importorskip("torch")
+    rg = Reporter(socket_path=None, heartbeat_seconds=0)
+    store = CheckpointStore(tmp_path / "ckpt", reporter=rg)
+    with rg.step(1) as s:
+        s.loss(torch.tensor(0.5))
+    assert store.save(1, {"w": torch.ones(2), "lr": 0.1}) is not None
+    # NaN weights (another rank's NaN gradient, all-reduced) while this rank's loss is finite
+    with rg.step(2) as s:
+        s.loss(0.4)
+    assert store.save(2, {"model": {"0.weight": torch.tensor([1.0, math.nan])}}) is None
+    assert "state['model']['0.weight']" in store.last_error
+    assert store.save(2, {"opt": [{"lr": math.inf}]}) is None
+    assert store.refused == {"non_finite_state": 2}
+    with rg.step(3) as s:
+        s.loss(torch.tensor(math.nan))
+    assert rg.nonfinite_loss_step == 3
+    with rg.step(4) as s:
+        s.loss(0.3)  # finite again, but the weights have seen the NaN
+    assert store.save(4, {"w": torch.ones(2)}) is None
+    assert store.refused == {"non_finite_state": 2, "non_finite_loss": 1}
+    assert "step 3" in store.last_error
+    assert store.latest().step == 1 and store.failures == 0 and store.saves == 1
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-00000001"]
+    # without a reporter, and with the scan turned off, a NaN state is the caller's choice
+    unchecked = CheckpointStore(tmp_path / "unchecked", check_finite=False)
+    assert unchecked.save(1, {"w": torch.tensor(math.nan)}) is not None
+
+
 @pytest.mark.gpu
 def test_cuda_steps_are_read_a_step_late_and_loss_tensors_never_sync():
     torch = pytest.importorskip("torch")
