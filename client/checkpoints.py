@@ -1,10 +1,9 @@
 """`CheckpointStore`: the bundled trainer's validated checkpoints for any script's own state.
 
     store = CheckpointStore("/ckpt/myjob", keep=3, reporter=rg)
-    found = store.latest()                 # newest validated (bad ones quarantined), or None
-    if found is not None:
-        state = store.load(found)          # what save() was given
-        model.load_state_dict(state["model"]); start = found.step
+    start, state = store.resume()          # every rank: newest validated, or (0, None)
+    if state is not None:                  # (rank 0 selects and quarantines, all load it)
+        model.load_state_dict(state["model"])
     ...
     if dist.get_rank() == 0:               # one writer: replicated (DDP) state
         store.save(step, {"model": model.module.state_dict(), "opt": opt.state_dict()})
@@ -171,6 +170,27 @@ class CheckpointStore:
             self.reporter.checkpoint_saved(found.step)
         return found
 
+    def resume(self, **torch_load: Any) -> tuple[int, Any]:
+        """``(step, state)`` of the newest validated checkpoint, or ``(0, None)``: what a
+        (re)started script resumes from. With a process group this is a collective (every
+        rank calls it): rank 0 selects (:meth:`latest`, which quarantines what is bad) and
+        broadcasts the step, and every rank loads that same step. ``torch_load`` as in
+        :meth:`load`, which raises ``CheckpointError`` if the chosen one cannot be read."""
+        dist = _process_group()
+        step = None
+        if dist is None or dist.get_rank() == 0:
+            found = self.latest()
+            step = found.step if found is not None else None
+        if dist is not None:
+            chosen = [step]
+            dist.broadcast_object_list(chosen, src=0)
+            step = chosen[0]
+        if step is None:
+            return 0, None
+        if self.reporter is not None:
+            self.reporter.checkpoint_saved(step)
+        return step, self.load(step, **torch_load)
+
     def load(
         self,
         which: CheckpointStatus | str | os.PathLike[str] | int | None = None,
@@ -199,6 +219,16 @@ class CheckpointStore:
             return torch.load(path / TORCH_FILE, **torch_load)
         with open(path / PICKLE_FILE, "rb") as f:
             return pickle.load(f)
+
+
+def _process_group() -> Any:
+    """``torch.distributed`` when a process group is initialized (torch imported), else
+    None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _first_non_finite(value: Any, where: str) -> str | None:

@@ -265,7 +265,7 @@ def test_checkpoint_store_save_latest_load_keep(tmp_path):
     torch = pytest.importorskip("torch")
     rg = Reporter(socket_path=None, heartbeat_seconds=0)
     store = CheckpointStore(tmp_path / "ckpt", keep=2, reporter=rg)
-    assert store.latest() is None
+    assert store.latest() is None and store.resume() == (0, None)
     for step in (10, 20, 30):
         final = store.save(step, {"w": torch.full((3,), float(step)), "step": step})
         assert final == tmp_path / "ckpt" / f"step-{step:08d}"
@@ -283,6 +283,8 @@ def test_checkpoint_store_save_latest_load_keep(tmp_path):
     with pytest.raises(CheckpointError, match="corrupt"):
         store.load(found.path / ".." / "step-00000030")
     assert store.latest().step == 20
+    step, state = store.resume(weights_only=True)  # no process group: this process selects
+    assert step == 20 and state["step"] == 20 and rg.checkpoint_step == 20
     (entry,) = (tmp_path / "ckpt" / "quarantine").iterdir()
     assert "QUARANTINE.json" in {p.name for p in entry.iterdir()}
     assert store.failures == 0 and store.saves == 3
