@@ -11,7 +11,7 @@
 A save writes ``ROOT/step-N.partial/state.pt`` (``torch.save`` when torch is imported,
 else ``pickle``), fsyncs and hashes it, writes ``manifest.json`` and renames the dir to
 ``ROOT/step-N``: only then is it *validated* (the layout, manifest and checks of
-:mod:`rankguard.trainer.checkpoint_store`, the same ones ``rankguard checkpoints``
+:mod:`rankguard.client.checkpoint_store`, the same ones ``rankguard checkpoints``
 reads). ``latest()`` verifies committed checkpoints newest first with their checksums
 and moves anything incomplete or corrupt to ``ROOT/quarantine/`` with the reason (never
 deletes it); ``keep`` retains the newest K validated ones and never the newest.
@@ -44,8 +44,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..trainer import checkpoint_store as cs
-from ..trainer.checkpoint_store import CheckpointError, CheckpointStatus
+from . import checkpoint_store as cs
+from .checkpoint_store import CheckpointError, CheckpointStatus
 
 __all__ = ["CheckpointError", "CheckpointStatus", "CheckpointStore"]
 
