@@ -261,6 +261,34 @@ def test_cpu_loss_tensor_and_timer_api():
     assert isinstance(rg.timer, StepTimer)
 
 
+CRASHING_SCRIPT = """
+import sys
+from rankguard.client import Reporter
+rg = Reporter(socket_path=sys.argv[1], heartbeat_seconds=0)
+with rg.step(1, tokens=8) as s:
+    s.loss(0.5)
+with rg.step(2) as s:
+    s.loss(0.25)
+if sys.argv[2] == "crash":
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "crash"])
+def test_exit_says_done_only_when_the_script_did_not_crash(sock_dir, how):
+    """A "done" record makes the agent take the exiting rank as finished, not dead."""
+    path = sock_dir / "agent.sock"
+    with TelemetrySink(path) as sink:
+        proc = subprocess.run(
+            [sys.executable, "-c", CRASHING_SCRIPT, str(path), how],
+            env={**os.environ, **ENV}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        records = wait_for(sink, 4 if how == "exit" else 3)
+    assert proc.returncode == (1 if how == "crash" else 0), proc.stderr
+    assert [r.step for r in records if r.step_seconds > 0] == [1, 2]  # flushed either way
+    assert (records[-1].phase == "done") == (how == "exit"), [r.phase for r in records]
+
+
 def test_checkpoint_store_save_latest_load_keep(tmp_path):
     torch = pytest.importorskip("torch")
     rg = Reporter(socket_path=None, heartbeat_seconds=0)
