@@ -14,8 +14,8 @@ from typing import Annotated, Any
 
 import typer
 
-from ..trainer import checkpoint_store as store
-from ..trainer.checkpoint_store import CheckpointError, CheckpointStatus
+from ..client import checkpoint_store as store
+from ..client.checkpoint_store import CheckpointError, CheckpointStatus
 
 _STATES_HELP = (
     "States: validated = committed, manifest.json present and every file matches it (sizes, "

@@ -46,7 +46,7 @@ def _agent_rank(agent: str, job: str | None, rank: int) -> dict:
 
 def corrupt_newest_checkpoint(ckpt_dir: Path) -> dict:
     """Flip one byte in the middle of the newest validated checkpoint's largest file."""
-    from rankguard.trainer import checkpoint_store as store
+    from rankguard.client import checkpoint_store as store
 
     valid = [s for s in store.scan(ckpt_dir, verify_checksums=False) if s.state == "validated"]
     if not valid:

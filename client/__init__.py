@@ -8,10 +8,12 @@ Nothing here blocks on the node agent or raises into training: failures are coun
   tokens, and heartbeats during long phases (see :mod:`rankguard.client.reporter`).
 - :class:`TelemetrySender`: the non-blocking datagram sender underneath.
 - :class:`CheckpointStore`: validated checkpoints (manifest, checksums, quarantine,
-  keep-K) of a script's own state: ``save(step, state)``, ``latest()``, ``load()``.
+  keep-K) of a script's own state: ``save(step, state)``, ``resume()``, ``latest()``,
+  ``load()``; never validates a state after a NaN/Inf loss. Its on-disk layout is
+  :mod:`rankguard.client.checkpoint_store` (shared with the trainer and the CLI).
 - :class:`StepTimer`, :func:`timed_allreduce_hook`, :func:`attach_fsdp`: the timing
-  machinery (phase marks, communication intervals) for loops that drive it themselves,
-  as the bundled trainer does.
+  machinery (phase marks, communication intervals) for loops that drive it themselves
+  and report with ``Reporter.report()``, as the bundled trainer does.
 """
 
 from .checkpoints import CheckpointError, CheckpointStatus, CheckpointStore

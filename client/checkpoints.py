@@ -1,10 +1,9 @@
 """`CheckpointStore`: the bundled trainer's validated checkpoints for any script's own state.
 
     store = CheckpointStore("/ckpt/myjob", keep=3, reporter=rg)
-    found = store.latest()                 # newest validated (bad ones quarantined), or None
-    if found is not None:
-        state = store.load(found)          # what save() was given
-        model.load_state_dict(state["model"]); start = found.step
+    start, state = store.resume()          # every rank: newest validated, or (0, None)
+    if state is not None:                  # (rank 0 selects and quarantines, all load it)
+        model.load_state_dict(state["model"])
     ...
     if dist.get_rank() == 0:               # one writer: replicated (DDP) state
         store.save(step, {"model": model.module.state_dict(), "opt": opt.state_dict()})
@@ -12,7 +11,7 @@
 A save writes ``ROOT/step-N.partial/state.pt`` (``torch.save`` when torch is imported,
 else ``pickle``), fsyncs and hashes it, writes ``manifest.json`` and renames the dir to
 ``ROOT/step-N``: only then is it *validated* (the layout, manifest and checks of
-:mod:`rankguard.trainer.checkpoint_store`, the same ones ``rankguard checkpoints``
+:mod:`rankguard.client.checkpoint_store`, the same ones ``rankguard checkpoints``
 reads). ``latest()`` verifies committed checkpoints newest first with their checksums
 and moves anything incomplete or corrupt to ``ROOT/quarantine/`` with the reason (never
 deletes it); ``keep`` retains the newest K validated ones and never the newest.
@@ -24,20 +23,29 @@ reporter's heartbeats keep a slow save from looking like a hang). Like the rest 
 None, is logged and counted in :attr:`failures` (the ``.partial`` dir stays, and the
 next ``latest()`` quarantines it). :meth:`load` does raise (``CheckpointError``), since a
 resume that silently loads nothing would be worse.
+
+Bad numerics are never validated (the supervisor's NaN remedy is "resume from the newest
+validated checkpoint", so that one must predate the NaN): :meth:`save` refuses, counted
+in :attr:`refused` by reason, once the reporter has seen a non-finite loss in this
+process (``"non_finite_loss"``), and a state holding a NaN/Inf float or floating tensor
+(``"non_finite_state"``: with DDP a NaN on another rank reaches this rank's weights
+through the all-reduce a step before its own loss shows it). ``check_finite=False``
+skips the scan of the state (one pass over its tensors).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import pickle
 import sys
 from pathlib import Path
 from typing import Any
 
-from ..trainer import checkpoint_store as cs
-from ..trainer.checkpoint_store import CheckpointError, CheckpointStatus
+from . import checkpoint_store as cs
+from .checkpoint_store import CheckpointError, CheckpointStatus
 
 __all__ = ["CheckpointError", "CheckpointStatus", "CheckpointStore"]
 
@@ -63,8 +71,10 @@ class CheckpointStore:
         keep: int = 0,
         reporter: Any = None,
         world_size: int | None = None,
+        check_finite: bool = True,
     ) -> None:
         self.root = Path(root)
+        self.check_finite = check_finite
         self.keep = keep
         self.reporter = reporter
         try:
@@ -74,6 +84,7 @@ class CheckpointStore:
         self.world_size = max(1, ws)
         self.failures = 0
         self.saves = 0
+        self.refused: dict[str, int] = {}  # saves refused for bad numerics, by reason
         self.last_error: str | None = None
 
     def save(self, step: int, state: Any, *, extra: dict | None = None) -> Path | None:
@@ -84,6 +95,14 @@ class CheckpointStore:
             else contextlib.nullcontext()
         )
         with phase:
+            refusal = self._bad_numerics(state)
+            if refusal is not None:
+                reason, detail = refusal
+                self.refused[reason] = self.refused.get(reason, 0) + 1
+                self.last_error = f"step {step} not saved: {detail}"
+                with contextlib.suppress(Exception):
+                    log.error("checkpoint %s", self.last_error)
+                return None
             try:
                 final = self._save(step, state, extra)
             except Exception as exc:  # nothing may reach the training loop
@@ -96,6 +115,22 @@ class CheckpointStore:
         if self.reporter is not None:
             self.reporter.checkpoint_saved(step)
         return final
+
+    def _bad_numerics(self, state: Any) -> tuple[str, str] | None:
+        """Why ``state`` must not become a validated checkpoint, or None."""
+        try:
+            if self.reporter is not None:
+                self.reporter.flush()  # a GPU loss is read a step late: read it now
+                bad_step = getattr(self.reporter, "nonfinite_loss_step", None)
+                if bad_step is not None:
+                    return "non_finite_loss", f"non-finite loss reported at step {bad_step}"
+            if self.check_finite:
+                where = _first_non_finite(state, "state")
+                if where is not None:
+                    return "non_finite_state", f"non-finite values in {where}"
+        except Exception as exc:  # a failed check must not let bad numerics through
+            return "non_finite_state", f"the finiteness check failed: {exc!r}"
+        return None
 
     def _save(self, step: int, state: Any, extra: dict | None) -> Path:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -135,6 +170,27 @@ class CheckpointStore:
             self.reporter.checkpoint_saved(found.step)
         return found
 
+    def resume(self, **torch_load: Any) -> tuple[int, Any]:
+        """``(step, state)`` of the newest validated checkpoint, or ``(0, None)``: what a
+        (re)started script resumes from. With a process group this is a collective (every
+        rank calls it): rank 0 selects (:meth:`latest`, which quarantines what is bad) and
+        broadcasts the step, and every rank loads that same step. ``torch_load`` as in
+        :meth:`load`, which raises ``CheckpointError`` if the chosen one cannot be read."""
+        dist = _process_group()
+        step = None
+        if dist is None or dist.get_rank() == 0:
+            found = self.latest()
+            step = found.step if found is not None else None
+        if dist is not None:
+            chosen = [step]
+            dist.broadcast_object_list(chosen, src=0)
+            step = chosen[0]
+        if step is None:
+            return 0, None
+        if self.reporter is not None:
+            self.reporter.checkpoint_saved(step)
+        return step, self.load(step, **torch_load)
+
     def load(
         self,
         which: CheckpointStatus | str | os.PathLike[str] | int | None = None,
@@ -163,3 +219,42 @@ class CheckpointStore:
             return torch.load(path / TORCH_FILE, **torch_load)
         with open(path / PICKLE_FILE, "rb") as f:
             return pickle.load(f)
+
+
+def _process_group() -> Any:
+    """``torch.distributed`` when a process group is initialized (torch imported), else
+    None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _first_non_finite(value: Any, where: str) -> str | None:
+    """The path of the first NaN/Inf float or floating tensor in nested dicts, lists and
+    tuples (``state['model']['0.weight']``), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else where
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _first_non_finite(item, f"{where}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _first_non_finite(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and (value.is_floating_point() or value.is_complex())
+    ):
+        local = value.to_local() if hasattr(value, "to_local") else value  # DTensor: the shard
+        if not bool(torch.isfinite(local).all()):
+            return where
+    return None

@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import resource
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -233,6 +234,8 @@ class Reporter:
         self.current_phase = "init"
         self.last_step = 0
         self.last_loss: float | None = None
+        # the first step whose loss was NaN/Inf: CheckpointStore validates nothing after it
+        self.nonfinite_loss_step: int | None = None
         self.checkpoint_step: int | None = None
         self.timings: list[StepTiming] = []  # the newest resolved steps (bounded)
         self._open: Step | None = None
@@ -349,12 +352,28 @@ class Reporter:
                 loss = held.value() if isinstance(held, _HeldLoss) else held
             except Exception:
                 self._count("bad_value")
+            self.report(t, loss, tokens)
+
+    def report(
+        self, timing: StepTiming, loss: float | None = None, tokens: int | float | None = None
+    ) -> None:
+        """Send one resolved step: for a loop that drives :attr:`timer` itself
+        (``begin``/``mark``/``host``/``end``, then ``for t in timer.ready(): rg.report(t,
+        loss, tokens)``), as the bundled trainer does. ``loss``: a float (or anything
+        ``float()`` takes); ``tokens``: this rank's tokens in the step. Never raises."""
+        try:
             if loss is not None:
+                loss = float(loss)
                 self.last_loss = loss
-            self.timings.append(t)
+                if self.nonfinite_loss_step is None and not math.isfinite(loss):
+                    self.nonfinite_loss_step = timing.step
+            self.timings.append(timing)
             if len(self.timings) > 1024:
                 del self.timings[:512]
-            self._send(t, loss, tokens)
+        except Exception:
+            self._count("bad_value")
+            loss = None
+        self._send(timing, loss, tokens)
 
     # -- long phases --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -422,8 +441,16 @@ class Reporter:
         self.sender.close()
 
     def _close_quietly(self) -> None:
+        """At interpreter exit. An exit on an uncaught exception (``sys.last_exc`` is set
+        before atexit runs) is a crash, not the end of training: the last steps are sent
+        but not "done", which would make the agent take the dead rank as finished."""
         with contextlib.suppress(Exception):
-            self.close()
+            if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
+                self.close()
+                return
+            atexit.unregister(self._close_quietly)
+            self.flush()
+            self.sender.close()
 
     def __enter__(self) -> Reporter:
         return self

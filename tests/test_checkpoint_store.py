@@ -1,4 +1,4 @@
-"""The on-disk checkpoint store (trainer/checkpoint_store.py) and `rankguard checkpoints`.
+"""The on-disk checkpoint store (client/checkpoint_store.py) and `rankguard checkpoints`.
 
 Real files in tmp dirs; fault injection only for the full-disk cases (os.fsync/os.write raising
 ENOSPC)."""
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from rankguard.cli.checkpoints import app
-from rankguard.trainer import checkpoint_store as cs
-from rankguard.trainer.checkpoint_store import CheckpointError, FileEntry
+from rankguard.client import checkpoint_store as cs
+from rankguard.client.checkpoint_store import CheckpointError, FileEntry
 
 # --------------------------------------------------------------------------- helpers
 

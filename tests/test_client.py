@@ -261,11 +261,39 @@ def test_cpu_loss_tensor_and_timer_api():
     assert isinstance(rg.timer, StepTimer)
 
 
+CRASHING_SCRIPT = """
+import sys
+from rankguard.client import Reporter
+rg = Reporter(socket_path=sys.argv[1], heartbeat_seconds=0)
+with rg.step(1, tokens=8) as s:
+    s.loss(0.5)
+with rg.step(2) as s:
+    s.loss(0.25)
+if sys.argv[2] == "crash":
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "crash"])
+def test_exit_says_done_only_when_the_script_did_not_crash(sock_dir, how):
+    """A "done" record makes the agent take the exiting rank as finished, not dead."""
+    path = sock_dir / "agent.sock"
+    with TelemetrySink(path) as sink:
+        proc = subprocess.run(
+            [sys.executable, "-c", CRASHING_SCRIPT, str(path), how],
+            env={**os.environ, **ENV}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        records = wait_for(sink, 4 if how == "exit" else 3)
+    assert proc.returncode == (1 if how == "crash" else 0), proc.stderr
+    assert [r.step for r in records if r.step_seconds > 0] == [1, 2]  # flushed either way
+    assert (records[-1].phase == "done") == (how == "exit"), [r.phase for r in records]
+
+
 def test_checkpoint_store_save_latest_load_keep(tmp_path):
     torch = pytest.importorskip("torch")
     rg = Reporter(socket_path=None, heartbeat_seconds=0)
     store = CheckpointStore(tmp_path / "ckpt", keep=2, reporter=rg)
-    assert store.latest() is None
+    assert store.latest() is None and store.resume() == (0, None)
     for step in (10, 20, 30):
         final = store.save(step, {"w": torch.full((3,), float(step)), "step": step})
         assert final == tmp_path / "ckpt" / f"step-{step:08d}"
@@ -283,6 +311,8 @@ def test_checkpoint_store_save_latest_load_keep(tmp_path):
     with pytest.raises(CheckpointError, match="corrupt"):
         store.load(found.path / ".." / "step-00000030")
     assert store.latest().step == 20
+    step, state = store.resume(weights_only=True)  # no process group: this process selects
+    assert step == 20 and state["step"] == 20 and rg.checkpoint_step == 20
     (entry,) = (tmp_path / "ckpt" / "quarantine").iterdir()
     assert "QUARANTINE.json" in {p.name for p in entry.iterdir()}
     assert store.failures == 0 and store.saves == 3
@@ -300,6 +330,36 @@ def test_checkpoint_store_failures_are_counted_not_raised(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("not a dir")
     assert CheckpointStore(blocked / "ckpt").save(1, {}) is None
+
+
+def test_checkpoint_store_never_validates_bad_numerics(tmp_path):
+    """The NaN remedy resumes from the newest validated checkpoint: it must predate the NaN."""
+    torch = pytest.importorskip("torch")
+    rg = Reporter(socket_path=None, heartbeat_seconds=0)
+    store = CheckpointStore(tmp_path / "ckpt", reporter=rg)
+    with rg.step(1) as s:
+        s.loss(torch.tensor(0.5))
+    assert store.save(1, {"w": torch.ones(2), "lr": 0.1}) is not None
+    # NaN weights (another rank's NaN gradient, all-reduced) while this rank's loss is finite
+    with rg.step(2) as s:
+        s.loss(0.4)
+    assert store.save(2, {"model": {"0.weight": torch.tensor([1.0, math.nan])}}) is None
+    assert "state['model']['0.weight']" in store.last_error
+    assert store.save(2, {"opt": [{"lr": math.inf}]}) is None
+    assert store.refused == {"non_finite_state": 2}
+    with rg.step(3) as s:
+        s.loss(torch.tensor(math.nan))
+    assert rg.nonfinite_loss_step == 3
+    with rg.step(4) as s:
+        s.loss(0.3)  # finite again, but the weights have seen the NaN
+    assert store.save(4, {"w": torch.ones(2)}) is None
+    assert store.refused == {"non_finite_state": 2, "non_finite_loss": 1}
+    assert "step 3" in store.last_error
+    assert store.latest().step == 1 and store.failures == 0 and store.saves == 1
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-00000001"]
+    # without a reporter, and with the scan turned off, a NaN state is the caller's choice
+    unchecked = CheckpointStore(tmp_path / "unchecked", check_finite=False)
+    assert unchecked.save(1, {"w": torch.tensor(math.nan)}) is not None
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import pytest
 from harness import read_json, run_ok, torchrun
 from telemetry_sink import TelemetrySink
 
-from rankguard.trainer import checkpoint_store as store
+from rankguard.client import checkpoint_store as store
 
 pytestmark = pytest.mark.slow
 

@@ -13,12 +13,11 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from up_run import Up, agent_rank, left_running, log_has, read_incidents
 
 pytestmark = pytest.mark.slow
 
@@ -79,112 +78,10 @@ dist.destroy_process_group()
 """
 
 
-class Up:
-    """`rankguard up` as a child process, its output read line by line."""
-
-    def __init__(self, tmp_path: Path, *args: str):
-        self.run = tmp_path / "run"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rankguard.cli.main", "up", "--nproc", "2",
-             "--run-dir", str(self.run), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._threads = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _read(stream, into: list[str]) -> None:
-        for line in stream:
-            into.append(line)
-
-    def output(self) -> str:
-        return "".join(self.out) + "".join(self.err)
-
-    def agent_url(self, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(r"\| agent (http://\S+) \|", "".join(self.out))
-            if m:
-                return m.group(1)
-            assert self.proc.poll() is None, self.output()
-            time.sleep(0.1)
-        raise AssertionError(f"no agent URL in the output: {self.output()}")
-
-    def wait(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.terminate()  # up ends what it started
-                self.proc.wait(timeout=60)
-        for t in self._threads:
-            t.join(timeout=10)
-        return code
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
-
-
 def _script(tmp_path: Path) -> Path:
     path = tmp_path / "train_plain.py"
     path.write_text(SCRIPT)
     return path
-
-
-def _log_has(up: Up, pattern: str, timeout: float) -> None:
-    log = up.run / "trainer.log"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and re.search(pattern, log.read_text(errors="replace")):
-            return
-        assert up.proc.poll() is None, up.output()
-        time.sleep(0.1)
-    raise AssertionError(f"{pattern!r} not in the trainer log: {log.read_text()[-2000:]}")
-
-
-def _agent_rank(url: str, job: str, rank: int, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(url + "/v1/ranks", timeout=5) as resp:
-            ranks = json.loads(resp.read())["ranks"]
-        for r in ranks:
-            if (r["job"], r["rank"], r["state"]) == (job, rank, "alive"):
-                return r
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} of job {job} never seen alive by the agent: {ranks}")
-
-
-def _incidents(run: Path) -> list[dict]:
-    with sqlite3.connect(run / "rankguard.db") as db:
-        db.row_factory = sqlite3.Row
-        return [dict(r) for r in db.execute("SELECT * FROM incidents ORDER BY id")]
-
-
-def _left_running(run: Path) -> list[int]:
-    """PIDs of processes that `up` started for this run (they carry its telemetry socket
-    path in their environment), found by reading /proc; none should outlive it."""
-    marker = f"RANKGUARD_TELEMETRY_SOCKET={run / 'telemetry.sock'}".encode()
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{name}/environ").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            continue
-        if marker in env.split(b"\0") and state not in "ZX":
-            pids.append(int(name))
-    return pids
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
@@ -193,8 +90,8 @@ def test_plain_ddp_script_recovers_from_a_dead_or_stopped_worker(tmp_path, fault
     up = Up(tmp_path, "--", str(script), "--ckpt", str(ckpt))
     try:
         url = up.agent_url()
-        _log_has(up, r"step 15 ", timeout=240)  # a checkpoint at step 15 exists
-        target = _agent_rank(url, up.run.name, 1)
+        log_has(up, r"step 15 ", timeout=240)  # a checkpoint at step 15 exists
+        target = agent_rank(url, up.run.name, 1)
         assert target["source"] == "process" and target["step"] is None
         os.kill(target["pid"], getattr(signal, fault))
         faulted_at = time.time()
@@ -206,7 +103,7 @@ def test_plain_ddp_script_recovers_from_a_dead_or_stopped_worker(tmp_path, fault
     log = (up.run / "trainer.log").read_text()
     assert re.search(r"resumed from step (1[5-9]|[2-9]\d)", log), log[-3000:]
     assert "step 60 " in log
-    incidents = _incidents(up.run)
+    incidents = read_incidents(up.run)
     kind = "rank_dead" if fault == "SIGKILL" else "rank_hung"
     mine = [i for i in incidents if i["kind"] == kind and i["job"] == up.run.name]
     assert mine and mine[0]["rank"] == 1, incidents
@@ -225,7 +122,7 @@ def test_plain_ddp_script_recovers_from_a_dead_or_stopped_worker(tmp_path, fault
                 (first["id"],),
             ).fetchone()
         assert "train_plain.py" in json.loads(result)["stacks"]["1"]  # py-spy of the culprit
-    assert _left_running(up.run) == []
+    assert left_running(up.run) == []
 
 
 def test_ranks_without_cpu_progress_the_stacks_name_the_culprit(tmp_path):
@@ -240,7 +137,7 @@ def test_ranks_without_cpu_progress_the_stacks_name_the_culprit(tmp_path):
     finally:
         up.close()
     assert code == 0, up.output()[-4000:]
-    incidents = _incidents(up.run)
+    incidents = read_incidents(up.run)
     hung = [i for i in incidents if i["kind"] == "rank_hung"]
     assert len(hung) == 1 and hung[0]["rank"] == 1, incidents
     assert hung[0]["action"] == "kill_rank"
@@ -253,7 +150,7 @@ def test_ranks_without_cpu_progress_the_stacks_name_the_culprit(tmp_path):
     assert "stuck_in_user_code" in hung[0]["evidence"] + (result or ""), hung[0]
     log = (up.run / "trainer.log").read_text()
     assert "resumed from step 15" in log and "step 60 " in log
-    assert _left_running(up.run) == []
+    assert left_running(up.run) == []
 
 
 def test_a_script_that_crashes_at_import_is_a_clear_error(tmp_path):
@@ -268,7 +165,7 @@ def test_a_script_that_crashes_at_import_is_a_clear_error(tmp_path):
     assert code == 1, up.output()[-3000:]
     assert "training failed" in err
     assert "ModuleNotFoundError: No module named 'no_such_module_for_rankguard_tests'" in err
-    assert _left_running(up.run) == []
+    assert left_running(up.run) == []
 
 
 def test_up_refuses_trainer_options_with_a_script(tmp_path):

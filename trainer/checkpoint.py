@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from . import checkpoint_store as store
+from ..client import checkpoint_store as store
 from .config import CheckpointConfig
 from .distributed import DistInfo
 

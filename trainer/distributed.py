@@ -125,7 +125,7 @@ def agree_incarnation(ckpt_dir, info: DistInfo) -> int:
     written) rank 0's torchrun restart count is used, still the same on every rank."""
     value = info.restart_count
     if info.rank == 0 and ckpt_dir is not None:
-        from .checkpoint_store import claim_incarnation
+        from ..client.checkpoint_store import claim_incarnation
 
         try:
             value = claim_incarnation(ckpt_dir, at_least=value)

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ..agent.telemetry import SCHEMA_VERSION
-from ..client import StepTimer, StepTiming, TelemetrySender
+from ..client import Reporter, StepTiming
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
 from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
@@ -89,7 +88,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 class Trainer:
     def __init__(self, cfg: TrainConfig, info: DistInfo):
         self.cfg, self.info = cfg, info
-        self.telemetry = TelemetrySender(cfg.telemetry_socket)
         self.incarnation = agree_incarnation(cfg.ckpt.dir, info)
         self.faults = FaultInjector(
             cfg.faults, info.rank, info.restart_count, cfg.fault_file, self.incarnation
@@ -98,7 +96,17 @@ class Trainer:
         self.step = 0
         self.last_loss: float | None = None
         self.ckpt: AsyncCheckpointer | None = None
-        self.send_heartbeat()
+        # The public client builds and sends the records (announcing "init" now); the
+        # trainer drives its step timer itself (micro-batches, checkpoint blocking, faults).
+        self.telemetry = Reporter(
+            job=cfg.job,
+            socket_path=cfg.telemetry_socket,
+            device=info.device,
+            restart=self.incarnation,
+            heartbeat_seconds=0,  # the trainer announces its own phases
+            environ={"RANK": str(info.rank), "LOCAL_RANK": str(info.local_rank),
+                     "WORLD_SIZE": str(info.world_size)},
+        )  # fmt: skip
 
         if cfg.data_dir is not None:
             self.dataset = MemmapTokens(cfg.data_dir, cfg.model.seq_len)
@@ -110,7 +118,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.raw_model = GPT(cfg.model).to(info.device)
         self.flops_per_token = self.raw_model.flops_per_token()
-        self.timer = StepTimer(info.device)
+        self.timer = self.telemetry.timer
         self.model = wrap_model(self.raw_model, info, cfg.fsdp, self.timer)
         self.optim = build_optimizer(self.model, cfg)
         o = cfg.optim
@@ -119,6 +127,8 @@ class Trainer:
         )
         self.ckpt = AsyncCheckpointer(cfg.ckpt, info, self.faults) if cfg.ckpt.dir else None
         self.peak_flops = peak_flops(info.device, cfg.peak_flops)
+        self.telemetry.flops_per_token = self.flops_per_token  # for MFU
+        self.telemetry.peak_flops = self.peak_flops
         self._settle_ddp_buckets()
         self.resumed_from: int | None = None
         self._pending_loss: dict[int, torch.Tensor] = {}
@@ -159,43 +169,29 @@ class Trainer:
         return stack
 
     # -- telemetry ------------------------------------------------------------------
-    def _record(self, t: StepTiming | None, loss: float | None) -> dict:
-        """Fields of one telemetry record; the sender validates them and counts rejects."""
-        info = self.info
-        tps = 0.0
-        if t and t.step_seconds > 0:
-            tokens = self.accum * self.cfg.batch.micro_batch * self.cfg.model.seq_len
-            tps = tokens / t.step_seconds
-        mfu = min(1.0, self.flops_per_token * tps / self.peak_flops) if tps else 0.0
-        return dict(
-            v=SCHEMA_VERSION, job=self.cfg.job, rank=info.rank, local_rank=info.local_rank,
-            world_size=info.world_size, pid=os.getpid(), restart=self.incarnation,
-            step=t.step if t else self.step, phase=self.phase, time=time.time(),
-            step_seconds=t.step_seconds if t else 0.0,
-            data_wait_seconds=t.data_wait_seconds if t else 0.0,
-            compute_seconds=t.compute_seconds if t else 0.0,
-            comm_seconds=t.comm_seconds if t else 0.0,
-            comm_exposed_seconds=t.comm_exposed_seconds if t else 0.0,
-            optimizer_seconds=t.optimizer_seconds if t else 0.0,
-            checkpoint_block_seconds=t.checkpoint_block_seconds if t else 0.0,
-            tokens_per_second=tps,
-            mfu=mfu,
-            peak_memory_bytes=peak_memory_bytes(info.device), loss=loss,
-            checkpoint_step=self.ckpt.newest_validated if self.ckpt else None,
-        )  # fmt: skip
+    def _sync_telemetry(self) -> None:
+        """What the next record carries from the trainer's state (the reporter builds it)."""
+        rg = self.telemetry
+        rg.last_step, rg.current_phase, rg.last_loss = self.step, self.phase, self.last_loss
+        newest = self.ckpt.newest_validated if self.ckpt else None
+        if newest is not None:  # async saves commit in the background
+            rg.checkpoint_saved(newest)
 
     def send_heartbeat(self, phase: str | None = None) -> None:
         """A record without step timings: announces a phase change before long work."""
         if phase:
             self.phase = phase
-        self.telemetry.send(self._record(None, self.last_loss))  # never blocks or raises
+        self._sync_telemetry()
+        self.telemetry.heartbeat()  # never blocks or raises
 
     def _report(self, timings: list[StepTiming]) -> None:
+        tokens = self.accum * self.cfg.batch.micro_batch * self.cfg.model.seq_len
         for t in timings:
             loss = self._pending_loss.pop(t.step).item()
             self.last_loss = loss
             self.step_times.append((t.step_seconds, t.data_wait_seconds))
-            self.telemetry.send(self._record(t, loss))
+            self._sync_telemetry()
+            self.telemetry.report(t, loss, tokens)
             every = self.cfg.log_every
             if self.info.rank == 0 and every and (t.step % every == 0 or t.step == self.cfg.steps):
                 log.info(
@@ -335,7 +331,9 @@ class Trainer:
             self.ckpt.close()
         self.train_seconds = time.perf_counter() - start
         self.steps_trained = self.step - first_step
-        self.send_heartbeat("done")
+        self.phase = "done"
+        self._sync_telemetry()
+        self.telemetry.close()  # announces "done"
         return self.summary()
 
     def summary(self) -> dict:

@@ -1,0 +1,117 @@
+"""`rankguard up` as a child process, and what a test reads back from its run directory
+(trainer log, agent ranks, the supervisor's incident database, processes left running)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+class Up:
+    """`rankguard up` as a child process, its output read line by line."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.run = tmp_path / "run"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rankguard.cli.main", "up", "--nproc", "2",
+             "--run-dir", str(self.run), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    def output(self) -> str:
+        return "".join(self.out) + "".join(self.err)
+
+    def agent_url(self, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(r"\| agent (http://\S+) \|", "".join(self.out))
+            if m:
+                return m.group(1)
+            assert self.proc.poll() is None, self.output()
+            time.sleep(0.1)
+        raise AssertionError(f"no agent URL in the output: {self.output()}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.terminate()  # up ends what it started
+                self.proc.wait(timeout=60)
+        for t in self._threads:
+            t.join(timeout=10)
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
+def log_has(up: Up, pattern: str, timeout: float) -> None:
+    log = up.run / "trainer.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and re.search(pattern, log.read_text(errors="replace")):
+            return
+        assert up.proc.poll() is None, up.output()
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} not in the trainer log: {log.read_text()[-2000:]}")
+
+
+def agent_rank(url: str, job: str, rank: int, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/v1/ranks", timeout=5) as resp:
+            ranks = json.loads(resp.read())["ranks"]
+        for r in ranks:
+            if (r["job"], r["rank"], r["state"]) == (job, rank, "alive"):
+                return r
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} of job {job} never seen alive by the agent: {ranks}")
+
+
+def read_incidents(run: Path) -> list[dict]:
+    with sqlite3.connect(run / "rankguard.db") as db:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("SELECT * FROM incidents ORDER BY id")]
+
+
+def left_running(run: Path) -> list[int]:
+    """PIDs of processes that `up` started for this run (they carry its telemetry socket
+    path in their environment), found by reading /proc; none should outlive it."""
+    marker = f"RANKGUARD_TELEMETRY_SOCKET={run / 'telemetry.sock'}".encode()
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{name}/environ").read_bytes()
+            state = Path(f"/proc/{name}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if marker in env.split(b"\0") and state not in "ZX":
+            pids.append(int(name))
+    return pids
