@@ -13,7 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rankguard.agent.config import AgentConfig
-from rankguard.agent.cursor import (
+from rankguard.agent.daemon import Agent
+from rankguard.agent.nvml_double import NvmlDouble, make_double
+from rankguard.agent.ranks import RankTable
+from rankguard.contract.cursor import (
     MAX_SEQ,
     START,
     CursorError,
@@ -22,10 +25,7 @@ from rankguard.agent.cursor import (
     parse_cursor,
     since,
 )
-from rankguard.agent.daemon import Agent
-from rankguard.agent.nvml_double import NvmlDouble, make_double
-from rankguard.agent.ranks import RankTable
-from rankguard.agent.telemetry import TelemetryRecord
+from rankguard.contract.telemetry import TelemetryRecord
 
 PID = os.getpid()
 

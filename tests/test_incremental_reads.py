@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from harness import start_agent, wait_until
 
-from rankguard.agent.telemetry import SCHEMA_VERSION
 from rankguard.client import TelemetrySender
+from rankguard.contract.telemetry import SCHEMA_VERSION
 from rankguard.supervisor.agents import AgentClient, poll_node
 from rankguard.supervisor.windows import NodeWindows
 

@@ -34,8 +34,8 @@ from rankguard.agent.ranks import (
     read_proc_stat,
 )
 from rankguard.agent.receiver import RECEIVER_REASONS, SocketInUseError, TelemetryReceiver
-from rankguard.agent.telemetry import PHASES, REASONS, TelemetryRecord, encode
 from rankguard.client import TelemetrySender
+from rankguard.contract.telemetry import PHASES, REASONS, TelemetryRecord, encode
 
 # --------------------------------------------------------------------------- helpers
 
@@ -73,7 +73,7 @@ def rank_of(table: RankTable, job: str = "llama", rank: int = 0) -> dict | None:
 
 CHILD = """
 import json, os, sys, time
-from rankguard.agent.telemetry import TelemetryRecord
+from rankguard.contract.telemetry import TelemetryRecord
 from rankguard.client import TelemetrySender
 f = json.loads(sys.argv[2]); f["pid"] = os.getpid(); f["time"] = time.time()
 assert TelemetrySender(sys.argv[1]).send(TelemetryRecord(**f))

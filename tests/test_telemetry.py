@@ -1,4 +1,4 @@
-"""Telemetry contract (rankguard.agent.telemetry) and trainer sender (rankguard.trainer.telemetry)."""
+"""Telemetry contract (rankguard.contract.telemetry) and trainer sender (rankguard.trainer.telemetry)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rankguard.agent import telemetry as tm
-from rankguard.agent.telemetry import (
+from rankguard.client import DROP_REASONS, TelemetrySender
+from rankguard.contract import telemetry as tm
+from rankguard.contract.telemetry import (
     DEFAULT_SOCKET_PATH,
     MAX_DATAGRAM_BYTES,
     PHASES,
@@ -30,7 +31,6 @@ from rankguard.agent.telemetry import (
     encode,
     socket_path_from_env,
 )
-from rankguard.client import DROP_REASONS, TelemetrySender
 
 MAX_INT = 2**63
 

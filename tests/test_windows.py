@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rankguard.agent.ranks import RankTable, RankTableFullError
-from rankguard.agent.telemetry import TelemetryRecord
+from rankguard.contract.telemetry import TelemetryRecord
 from rankguard.supervisor.state import NodeObs, StepSample
 from rankguard.supervisor.windows import NodeWindows
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ..agent.telemetry import SCHEMA_VERSION
 from ..client import StepTimer, StepTiming, TelemetrySender
+from ..contract.telemetry import SCHEMA_VERSION
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
 from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
