@@ -100,7 +100,7 @@ def test_constants():
     assert PHASES == ("init", "train", "checkpoint_save", "checkpoint_load", "eval", "done")
     assert SOCKET_ENV == "RANKGUARD_TELEMETRY_SOCKET"
     assert DEFAULT_SOCKET_PATH == "/run/rankguard/telemetry.sock"
-    assert [f.name for f in dataclasses.fields(TelemetryRecord)] == list(valid_fields())
+    assert [f.name for f in dataclasses.fields(TelemetryRecord)] == [*valid_fields(), "client_errors"]
 
 
 def test_round_trip_full_record():
@@ -220,7 +220,7 @@ def test_missing_field():
         ("phase", None),
         ("time", "now"),
         ("mfu", True),
-        ("loss", "NaN"),
+        ("loss", "nan"),  # not the wire spelling of NaN
         ("loss", [1.0]),
         ("checkpoint_step", 900.0),
         ("peak_memory_bytes", None),
@@ -379,6 +379,11 @@ def records(draw) -> TelemetryRecord:
         peak_memory_bytes=draw(st.integers(0, MAX_INT - 1)),
         loss=draw(st.none() | st.floats() | st.integers(-(10**6), 10**6)),
         checkpoint_step=draw(st.none() | st.integers(0, MAX_INT - 1)),
+        client_errors=draw(
+            st.none()
+            | st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True),
+                              st.integers(0, MAX_INT - 1), max_size=8)  # fmt: skip
+        ),
     )
 
 
