@@ -56,11 +56,11 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- field readers
 
 
-def _object(value: Any, where: str) -> Mapping[str, Any]:
+def _object(value: Any, field: str | None = None) -> Mapping[str, Any]:
+    """An object: a whole model (``field`` None, named by its parent) or one field."""
     if not isinstance(value, Mapping):
-        raise ContractError(
-            "not_object", f"{where}: expected an object, got {type(value).__name__}", where
-        )
+        what = f"{field}: expected" if field else "expected"
+        raise ContractError("not_object", f"{what} an object, got {_kind(value)}", field)
     return value
 
 
@@ -205,7 +205,7 @@ class Sample:
 
     @classmethod
     def from_json(cls, obj: Any, incremental: bool = False) -> Sample:
-        o = _object(obj, "sample")
+        o = _object(obj)
         return cls(
             step=_int(o, "step"),
             phase=_str(o, "phase", choices=PHASES),
@@ -328,7 +328,7 @@ class RankAnswer:
 
     @classmethod
     def from_json(cls, obj: Any, incremental: bool = False) -> RankAnswer:
-        o = _object(obj, "rank")
+        o = _object(obj)
         state = _str(o, "state", choices=RANK_STATES)
         if _bool(o, "up") != (state in LIVE_STATES):
             raise ContractError("out_of_range", f"up: contradicts state {state!r}", "up")
@@ -390,7 +390,7 @@ class TelemetryStats:
 
     @classmethod
     def from_json(cls, obj: Any) -> TelemetryStats:
-        o = _object(obj, "telemetry")
+        o = _object(obj)
         rejected = _counts(o, "rejected", 64)
         if _int(o, "rejected_total") != sum(rejected.values()):
             raise ContractError("out_of_range", "rejected_total: not the sum", "rejected_total")
@@ -432,7 +432,7 @@ class RanksAnswer:
 
     @classmethod
     def from_json(cls, obj: Any) -> RanksAnswer:
-        o = _object(obj, "answer")
+        o = _object(obj)
         cursor = _str(o, "cursor", optional=True) if "cursor" in o else None
         incremental = cursor is not None
         return cls(
@@ -460,7 +460,7 @@ class HealthReason:
 
     @classmethod
     def from_json(cls, obj: Any) -> HealthReason:
-        o = _object(obj, "reason")
+        o = _object(obj)
         return cls(code=_str(o, "code", max_chars=128),
                    severity=_str(o, "severity", choices=NODE_STATUSES),
                    message=_str(o, "message"))  # fmt: skip
@@ -478,7 +478,7 @@ class CollectorStatus:
 
     @classmethod
     def from_json(cls, obj: Any) -> CollectorStatus:
-        o = _object(obj, "collector")
+        o = _object(obj)
         return cls(success=_bool(o, "success"),
                    duration_seconds=_float(o, "duration_seconds"),
                    error=_str(o, "error", optional=True))  # fmt: skip
@@ -514,7 +514,7 @@ class NodeAnswer:
 
     @classmethod
     def from_json(cls, obj: Any) -> NodeAnswer:
-        o = _object(obj, "answer")
+        o = _object(obj)
         collectors = {}
         for name, c in _object(_get(o, "collectors"), "collectors").items():
             try:

@@ -35,8 +35,10 @@ class ContractError(ValueError):
 
     def within(self, prefix: str) -> ContractError:
         """The same error, its field named inside ``prefix`` (a nested model's parent)."""
-        field = prefix if self.field is None else f"{prefix}.{self.field}"
         message = str(self)
-        if self.field is not None and message.startswith(self.field + ":"):
+        if self.field is None:
+            return type(self)(self.reason, f"{prefix}: {message}", prefix)
+        field = f"{prefix}.{self.field}"
+        if message.startswith(self.field + ":"):
             message = field + message[len(self.field) :]
         return type(self)(self.reason, message, field)

@@ -100,7 +100,10 @@ def test_constants():
     assert PHASES == ("init", "train", "checkpoint_save", "checkpoint_load", "eval", "done")
     assert SOCKET_ENV == "RANKGUARD_TELEMETRY_SOCKET"
     assert DEFAULT_SOCKET_PATH == "/run/rankguard/telemetry.sock"
-    assert [f.name for f in dataclasses.fields(TelemetryRecord)] == [*valid_fields(), "client_errors"]
+    assert [f.name for f in dataclasses.fields(TelemetryRecord)] == [
+        *valid_fields(),
+        "client_errors",
+    ]
 
 
 def test_round_trip_full_record():
@@ -381,8 +384,11 @@ def records(draw) -> TelemetryRecord:
         checkpoint_step=draw(st.none() | st.integers(0, MAX_INT - 1)),
         client_errors=draw(
             st.none()
-            | st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True),
-                              st.integers(0, MAX_INT - 1), max_size=8)  # fmt: skip
+            | st.dictionaries(
+                st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True),
+                st.integers(0, MAX_INT - 1),
+                max_size=8,
+            )  # fmt: skip
         ),
     )
 
