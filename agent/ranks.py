@@ -362,7 +362,7 @@ class HistoryEntry(NamedTuple):
     compute_seconds: float
     comm_seconds: float
     loss: float | None
-    seq: int = 0  # the table's sample number, for incremental reads (agent/cursor.py)
+    seq: int = 0  # the table's sample number, for incremental reads (contract/cursor.py)
 
     @classmethod
     def of(cls, record: TelemetryRecord, now: float, seq: int = 0) -> HistoryEntry:
@@ -599,7 +599,7 @@ class RankTable:
         self.refused = 0  # new ranks refused because the table was full of live ones
         self.evicted = 0  # dead ranks dropped early to make room
         self.forgotten = 0  # dead ranks dropped after forget_after
-        self.incarnation = new_incarnation()  # names this table in cursors (agent/cursor.py)
+        self.incarnation = new_incarnation()  # names this table in cursors (contract/cursor.py)
         self._seq = 0  # the newest sample number handed out
         self._watcher = ProcessWatcher(
             self._on_exit, clock=clock, use_pidfd=use_pidfd, proc_root=proc_root

@@ -235,7 +235,7 @@ class Cluster:
 
 
 class HttpProtocol(asyncio.Protocol):
-    """A minimal HTTP/1.1 server with keep-alive, as the real agent's (agent/httpd.py)."""
+    """A minimal HTTP/1.1 server with keep-alive, as the real agent's (service/httpd.py)."""
 
     def __init__(self, cluster: Cluster, stats: dict):
         self.cluster, self.stats = cluster, stats
@@ -278,7 +278,7 @@ class HttpProtocol(asyncio.Protocol):
             if method == "GET" and route == "/v1/ranks":
                 try:
                     payload = self.cluster.ranks_body(n, now, parse_query(query))
-                except (HttpError, CursorError) as exc:  # as agent/httpd.py answers them
+                except (HttpError, CursorError) as exc:  # as service/httpd.py answers them
                     status = getattr(exc, "status", 400)
                     payload = {"api": AGENT_API, "error": {"status": status, "message": str(exc)}}
                 else:

@@ -347,3 +347,25 @@ def test_states_one_set_one_meaning():
     assert "finished" not in LIVE_STATES and "finished" not in DEAD_STATES
     for state in RANK_STATES:
         assert a_rank(state=state).to_json()["up"] == (state in LIVE_STATES)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["rankguard.client", "rankguard.supervisor.daemon", "rankguard.dashboards.build",
+     "rankguard.trainer.config"],
+)  # fmt: skip
+def test_readers_of_the_contract_do_not_import_the_agent(module):
+    """The client, the supervisor, the dashboards and the trainer's configuration reach
+    the agent only through the contract (and shared daemon code through service/)."""
+    import subprocess
+    import sys
+
+    probe = (
+        f"import sys, {module}; "
+        "print(sorted(m for m in sys.modules if m.startswith(('rankguard.agent', 'torch'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
