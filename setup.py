@@ -10,7 +10,9 @@ files) ships as the package data of `rankguard.deploy` (`rankguard deploy path`)
 from setuptools import find_packages, setup
 
 # The top folders of the checkout and the packages they become (only these are mapped).
-MAPPED = ("agent", "supervisor", "trainer", "dashboards", "cli", "client", "deploy")
+MAPPED = (
+    "contract", "service", "agent", "supervisor", "trainer", "dashboards", "cli", "client", "deploy",
+)  # fmt: skip
 
 package_dir = {f"rankguard.{top}": top for top in MAPPED}
 packages = []

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from ..contract.answers import API_VERSION
+from ..contract.cursor import CursorError
+from ..service.httpd import Raw, Service, serve
 from .control import ControlError
-from .cursor import CursorError
-from .httpd import Raw, Service, serve
-
-API_VERSION = "rankguard.agent/v1"
 
 
 def agent_service(agent) -> Service:

@@ -8,7 +8,7 @@ import stat
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from .telemetry import DEFAULT_SOCKET_PATH
+from ..contract.telemetry import DEFAULT_SOCKET_PATH
 
 try:
     import tomllib

@@ -7,7 +7,9 @@ import signal
 import threading
 import time
 
-from . import sdnotify
+from ..contract.answers import CollectorStatus, HealthReason, NodeAnswer, TelemetryStats
+from ..service import sdnotify
+from ..service.version import VERSION
 from .api import agent_service, start_http
 from .collectors import (
     REGISTRY,
@@ -27,7 +29,6 @@ from .health import SEVERITIES, node_verdict
 from .nvml_double import load_nvml
 from .ranks import RankTable
 from .receiver import TelemetryReceiver
-from .version import VERSION
 
 log = logging.getLogger("rankguard.agent")
 
@@ -137,31 +138,31 @@ class Agent:
     def node_view(self) -> dict:
         runs, facts = self._latest()
         verdict = node_verdict(facts, runs, self.cfg.expected_gpus)
-        return {
-            "node": self.cfg.node,
-            "version": VERSION,
-            "time": time.time(),
-            "uptime_seconds": time.time() - self.started_at,
-            **verdict.to_dict(),
-            "collectors": {
-                r.name: {
-                    "success": r.success,
-                    "duration_seconds": r.duration_seconds,
-                    "error": r.error,
-                }
-                for r in runs
+        now = time.time()
+        return NodeAnswer(
+            node=self.cfg.node,
+            version=VERSION,
+            time=now,
+            uptime_seconds=now - self.started_at,
+            status=verdict.status,
+            reasons=tuple(HealthReason(r.code, r.severity, r.message) for r in verdict.reasons),
+            collectors={
+                r.name: CollectorStatus(r.success, r.duration_seconds, r.error) for r in runs
             },
-            "facts": facts,
-        }
+            facts=facts,
+        ).to_json()
 
     def ranks_view(self, query: dict | None = None) -> dict:
-        """``?after=<cursor>``: only the samples after it, and a new cursor (agent/cursor.py);
-        without it, every rank's whole window as always."""
-        now = time.time()
+        """``?after=<cursor>``: only the samples after it, and a new cursor
+        (contract/cursor.py); without it, every rank's whole window as always."""
         self.table.refresh()
-        read = self.table.read((query or {}).get("after"), now)
-        return {"node": self.cfg.node, "time": now, "ranks": read.pop("ranks"),
-                "telemetry": self.receiver.stats(), **read}  # fmt: skip
+        stats = self.receiver.stats()
+        telemetry = TelemetryStats(stats["path"], stats["accepted"], stats["rejected"],
+                                   stats["last_error"])  # fmt: skip
+        answer = self.table.read(
+            (query or {}).get("after"), time.time(), node=self.cfg.node, telemetry=telemetry
+        )
+        return answer.to_json()
 
     # -- control --------------------------------------------------------------------
     def _audit(self, action: str, body: dict, caller: str, result: dict) -> None:

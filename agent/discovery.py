@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .telemetry import DEFAULT_SOCKET_PATH, SOCKET_ENV
+from ..contract.telemetry import DEFAULT_SOCKET_PATH, SOCKET_ENV
 
 log = logging.getLogger("rankguard.agent.discovery")
 

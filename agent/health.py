@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-SEVERITIES = ("healthy", "degraded", "unhealthy")
+from ..contract.answers import NODE_STATUSES as SEVERITIES  # a verdict is its worst reason
 
 # XIDs that mean the GPU or its memory can no longer be trusted (NVIDIA's XID catalogue):
 # 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fell off the bus,

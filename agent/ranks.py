@@ -13,14 +13,10 @@ unlike psutil's ``create_time()``, which adds a wall-clock boot time, unmoved by
 steps), and :meth:`RankTable.verified_pid` refuses a PID whose start time changed. Only
 PIDs the kernel vouched for (``SCM_CREDENTIALS``, see ``receiver.py``) enter the table.
 
-Process states (:data:`RANK_STATES`):
-
-* ``alive``: running or sleeping; uninterruptible (disk) sleep too, said in the detail;
-* ``stopped``: SIGSTOP/SIGTSTP or held by a tracer: it exists but makes no progress;
-* ``zombie``: terminated, not yet reaped by its parent (torchrun reaps at its next
-  poll). A zombie is dead: :data:`DEAD_STATES`, ``up`` false;
-* ``exited``: terminated and reaped, or its PID now belongs to another process;
-* ``finished``: terminated after its last record reported phase ``done``.
+Process states and what they mean are the contract's (``contract/states.py``): ``alive``,
+``stopped``, ``zombie``, ``exited``, ``finished``. A zombie is dead (``up`` false); a
+finished rank ended well and is not dead, but it is gone like a dead one
+(:data:`ENDED_STATES`: ``exited_at`` stamped, evictable, forgotten later).
 
 A record from a new PID for a known ``(job, rank)`` (torchrun restarted the worker)
 replaces the watched process; the history is kept, each entry carrying its pid and
@@ -45,17 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..contract.answers import RankAnswer, RanksAnswer, Sample, TelemetryStats
+from ..contract.cursor import Since, answer_fields, new_incarnation, since
+from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
+from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
+from ..contract.telemetry import SPLIT_FIELDS, TelemetryRecord
 from .control import launcher_pid
-from .cursor import Since, answer_fields, new_incarnation, since
-from .telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
-from .telemetry import SPLIT_FIELDS, TelemetryRecord
-from .telemetry import json_safe as json_float  # a float for strict JSON
 
 __all__ = [
-    "DEAD_STATES",
-    "LIVE_STATES",
-    "RANK_STATES",
-    "SPLIT_FIELDS",
     "HistoryEntry",
     "ProcStat",
     "ProcessWatcher",
@@ -63,18 +56,12 @@ __all__ = [
     "RankLookupError",
     "RankTable",
     "RankTableFullError",
-    "json_float",
     "parse_proc_stat",
     "pidfd_supported",
     "read_proc_stat",
 ]
 
 log = logging.getLogger("rankguard.agent.ranks")
-
-RANK_STATES = ("alive", "stopped", "zombie", "exited", "finished")
-LIVE_STATES = frozenset({"alive", "stopped"})
-DEAD_STATES = frozenset({"zombie", "exited", "finished"})
-
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # A process using at least this share of a core over a CPU window is making progress
@@ -375,7 +362,7 @@ class HistoryEntry(NamedTuple):
     compute_seconds: float
     comm_seconds: float
     loss: float | None
-    seq: int = 0  # the table's sample number, for incremental reads (agent/cursor.py)
+    seq: int = 0  # the table's sample number, for incremental reads (contract/cursor.py)
 
     @classmethod
     def of(cls, record: TelemetryRecord, now: float, seq: int = 0) -> HistoryEntry:
@@ -385,23 +372,14 @@ class HistoryEntry(NamedTuple):
             r.data_wait_seconds, r.compute_seconds, r.comm_seconds, r.loss, seq,
         )  # fmt: skip
 
-    def summary(self, json_safe: bool, with_seq: bool = False) -> dict[str, Any]:
+    def sample(self, with_seq: bool = False) -> Sample:
         """One sample of ``recent``; ``seq`` only in incremental answers (the legacy
         answer stays as it was)."""
-        out = {
-            "step": self.step,
-            "phase": self.phase,
-            "restart": self.restart,
-            "pid": self.pid,
-            "step_seconds": self.step_seconds,
-            "data_wait_seconds": self.data_wait_seconds,
-            "compute_seconds": self.compute_seconds,
-            "comm_seconds": self.comm_seconds,
-            "loss": json_float(self.loss) if json_safe else self.loss,
-        }
-        if with_seq:
-            out["seq"] = self.seq
-        return out
+        return Sample(
+            self.step, self.phase, self.restart, self.pid, self.step_seconds,
+            self.data_wait_seconds, self.compute_seconds, self.comm_seconds, self.loss,
+            self.seq if with_seq else None,
+        )  # fmt: skip
 
 
 class _Rank:
@@ -477,7 +455,7 @@ class _Rank:
         """Set the state; an event only when the state itself changed (not the detail)."""
         previous = self.state
         self.state, self.detail = state, detail
-        if state in DEAD_STATES and self.exited_at is None:
+        if state in ENDED_STATES and self.exited_at is None:
             self.exited_at = now
         if state == previous:
             return None
@@ -489,7 +467,7 @@ class _Rank:
         if stat is None or (self.start_ticks is not None and stat.start_ticks != self.start_ticks):
             return self.change(self.dead_state(False), None, now)  # reaped, or PID reused
         state, detail = _LETTER_STATES.get(stat.state, ("alive", None))
-        if state in DEAD_STATES:
+        if state in ENDED_STATES:
             zombie = state == "zombie"
             self.note_exit(stat)
             return self.change(
@@ -512,62 +490,57 @@ class _Rank:
             if self.cpu_utilization >= ACTIVE_CPU_CORES:
                 self.cpu_active_at = now
 
-    def to_dict(
-        self, now: float, to_unix: float, recent: int, json_safe: bool, after: int | None = None
-    ) -> dict[str, Any]:
+    def answer(
+        self, now: float, to_unix: float, recent: int, after: int | None = None
+    ) -> RankAnswer:
         """The rank as ``/v1/ranks`` shows it. ``after``: an incremental answer, whose
         ``recent`` holds only the samples numbered above it, and ``recent_from`` the number
         of the oldest sample in the whole window (a client drops what it holds below that:
         samples that left the window)."""
         rec, st = self.record, self.step_record
-        out: dict[str, Any] = {
-            "job": self.job,
-            "rank": self.rank,
-            "local_rank": rec.local_rank,
-            "world_size": rec.world_size,
-            "pid": self.pid,
-            "restart": rec.restart,
-            "process_changes": self.process_changes,
-            "state": self.state,
-            "up": self.state in LIVE_STATES,
-            "state_detail": self.detail,
-            "source": self.source,
-            "state_since": self.state_since + to_unix,
-            "exit_code": self.exit_code,
-            "exited_at": None if self.exited_at is None else self.exited_at + to_unix,
-            "first_seen_at": self.first_seen + to_unix,
-            "step": rec.step,
-            "phase": rec.phase,
-            "heartbeat_age_seconds": max(0.0, now - self.last_seen),
-            "last_heartbeat_at": self.last_seen + to_unix,
-            "timed_step": st.step if st else None,
-            "step_seconds": st.step_seconds if st else None,
-        }
-        for name in SPLIT_FIELDS:
-            out[name] = getattr(st, name) if st else None
-        out.update(
+        telemetry = self.source == "telemetry"  # a found process has no steps to tell
+        window = self._window(recent)
+        if after is None:
+            samples, first = tuple(e.sample() for e in window), None
+        else:
+            samples = tuple(e.sample(True) for e in window if e.seq > after)
+            first = window[0].seq if window else None
+        return RankAnswer(
+            job=self.job,
+            rank=self.rank,
+            local_rank=rec.local_rank,
+            world_size=rec.world_size,
+            pid=self.pid,
+            restart=rec.restart,
+            state=self.state,
+            source=self.source,
+            process_changes=self.process_changes,
+            state_detail=self.detail,
+            state_since=self.state_since + to_unix,
+            exit_code=self.exit_code,
+            exited_at=None if self.exited_at is None else self.exited_at + to_unix,
+            first_seen_at=self.first_seen + to_unix,
+            step=rec.step if telemetry else None,
+            phase=rec.phase if telemetry else None,
+            heartbeat_age_seconds=max(0.0, now - self.last_seen) if telemetry else None,
+            last_heartbeat_at=self.last_seen + to_unix if telemetry else None,
+            timed_step=st.step if st else None,
+            step_seconds=st.step_seconds if st else None,
+            **{name: getattr(st, name) if st else None for name in SPLIT_FIELDS},
             comm_compute_ratio=st.comm_compute_ratio if st else None,
             tokens_per_second=st.tokens_per_second if st else None,
             mfu=st.mfu if st else None,
-            loss=json_float(rec.loss) if json_safe else rec.loss,
-            peak_memory_bytes=rec.peak_memory_bytes,
-            checkpoint_step=rec.checkpoint_step,
+            loss=rec.loss if telemetry else None,
+            peak_memory_bytes=rec.peak_memory_bytes if telemetry else None,
+            checkpoint_step=rec.checkpoint_step if telemetry else None,
             cpu_seconds=self.cpu_seconds,
             cpu_utilization=self.cpu_utilization,
             cpu_active_at=self.cpu_active_at + to_unix,
             records_received=self.records_received,
+            client_errors=dict(rec.client_errors or {}),
+            recent=samples,
+            recent_from=first,
         )
-        if self.source == "process":  # no telemetry: nothing about steps is known
-            out.update(step=None, phase=None, heartbeat_age_seconds=None,
-                       last_heartbeat_at=None, loss=None, checkpoint_step=None,
-                       peak_memory_bytes=None)  # fmt: skip
-        window = self._window(recent)
-        if after is None:
-            out["recent"] = [e.summary(json_safe) for e in window]
-        else:
-            out["recent_from"] = window[0].seq if window else None
-            out["recent"] = [e.summary(json_safe, True) for e in window if e.seq > after]
-        return out
 
     def _window(self, n: int) -> list[HistoryEntry]:
         """The last n step records (heartbeats without timings left out), oldest first."""
@@ -626,7 +599,7 @@ class RankTable:
         self.refused = 0  # new ranks refused because the table was full of live ones
         self.evicted = 0  # dead ranks dropped early to make room
         self.forgotten = 0  # dead ranks dropped after forget_after
-        self.incarnation = new_incarnation()  # names this table in cursors (agent/cursor.py)
+        self.incarnation = new_incarnation()  # names this table in cursors (contract/cursor.py)
         self._seq = 0  # the newest sample number handed out
         self._watcher = ProcessWatcher(
             self._on_exit, clock=clock, use_pidfd=use_pidfd, proc_root=proc_root
@@ -789,14 +762,14 @@ class RankTable:
         is dead at once; a late "done" record turns "exited" into "finished"."""
         if rank.state in LIVE_STATES and rank.start_ticks is None:
             return rank.change(rank.dead_state(False), "exited before it was watched", now)
-        if rank.state in DEAD_STATES:
+        if rank.state in ENDED_STATES:
             return rank.change(rank.dead_state(rank.state == "zombie"), rank.detail, now)
         return None
 
     def _make_room(self, key: tuple[str, int]) -> None:
         if len(self._ranks) < self.max_ranks:
             return
-        dead = [(r.exited_at or 0.0, k) for k, r in self._ranks.items() if r.state in DEAD_STATES]
+        dead = [(r.exited_at or 0.0, k) for k, r in self._ranks.items() if r.state in ENDED_STATES]
         if dead:
             del self._ranks[min(dead)[1]]
             self.evicted += 1
@@ -892,38 +865,44 @@ class RankTable:
 
     # -- reading ------------------------------------------------------------------------
     def snapshot(
-        self, now: float | None = None, *, recent: int | None = None, json_safe: bool = True
+        self, now: float | None = None, *, recent: int | None = None
     ) -> list[dict[str, Any]]:
-        """Per-rank state, sorted by (job, rank), for ``/v1/ranks`` and the collector.
+        """Per-rank state as ``/v1/ranks`` shows it (JSON), sorted by (job, rank).
 
         ``recent``: how many step records to summarise (default: the table's ``recent``).
-        ``json_safe``: render a non-finite loss as "NaN"/"Infinity"/"-Infinity".
         """
+        return [a.to_json() for a in self.answers(now, recent=recent)]
+
+    def answers(self, now: float | None = None, *, recent: int | None = None) -> list[RankAnswer]:
+        """Per-rank state, sorted by (job, rank): the collector's input."""
         now = self._now(now)
         n = self.recent if recent is None else recent
         with self._lock:
-            return self._snapshot(now, n, json_safe, None)
+            return self._answers(now, n, None)
 
-    def read(self, after: str | None, now: float | None = None) -> dict[str, Any]:
-        """``/v1/ranks``'s rank part for a client's ``after`` (agent/cursor.py):
-        ``{"ranks": [...]}``, and for an ``after`` the cursor fields. Raises CursorError."""
+    def read(
+        self,
+        after: str | None,
+        now: float | None = None,
+        *,
+        node: str = "",
+        telemetry: TelemetryStats | None = None,
+    ) -> RanksAnswer:
+        """``/v1/ranks`` for a client's ``after`` (contract/cursor.py): every rank, and for
+        an ``after`` the cursor fields. Raises CursorError."""
         now = self._now(now)
         with self._lock:  # the cursor and the samples from one moment
             s = since(after, self.incarnation, self._seq)
-            out: dict[str, Any] = {"ranks": self._snapshot(now, self.recent, True, s)}
-            if s is not None:
-                out.update(answer_fields(s, self.incarnation, self._seq))
-            return out
+            ranks = tuple(self._answers(now, self.recent, s))
+            cursor = {} if s is None else answer_fields(s, self.incarnation, self._seq)
+            at = now + self._unix_offset()
+        return RanksAnswer(node=node, time=at, ranks=ranks,
+                           telemetry=telemetry or TelemetryStats(), **cursor)  # fmt: skip
 
-    def _snapshot(
-        self, now: float, n: int, json_safe: bool, s: Since | None
-    ) -> list[dict[str, Any]]:
+    def _answers(self, now: float, n: int, s: Since | None) -> list[RankAnswer]:
         to_unix = self._unix_offset()
         after = None if s is None else s.seq
-        return [
-            self._ranks[key].to_dict(now, to_unix, n, json_safe, after)
-            for key in sorted(self._ranks)
-        ]
+        return [self._ranks[key].answer(now, to_unix, n, after) for key in sorted(self._ranks)]
 
     def _unix_offset(self) -> float:
         """Table clock -> Unix time. Re-based only when the wall clock was stepped, so a

@@ -33,8 +33,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..contract.telemetry import MAX_DATAGRAM_BYTES, REASONS, TelemetryError, decode
 from .ranks import RankTable, RankTableFullError
-from .telemetry import MAX_DATAGRAM_BYTES, REASONS, TelemetryError, decode
 
 __all__ = ["RECEIVER_REASONS", "SocketInUseError", "TelemetryReceiver"]
 

@@ -31,7 +31,7 @@ from rankguard.agent.nvml_double import make_double
 SENDER = """
 import os, sys, time
 from rankguard.client import TelemetrySender
-from rankguard.agent.telemetry import SCHEMA_VERSION
+from rankguard.contract.telemetry import SCHEMA_VERSION
 sender, rank, step = TelemetrySender(sys.argv[1]), int(sys.argv[2]), 0
 while True:
     step += 1

@@ -5,13 +5,13 @@ control endpoints for every simulated node i, so the supervisor's agents file ho
 URL per node (`http://127.0.0.1:PORT/agents/<i>`) and addresses each as it would a real
 agent: AgentClient appends `/v1/...` to the URL.
 
-The JSON is the real agent's (agent/api.py, agent/ranks.py `_Rank.to_dict`, the httpd's
-compact layout), so the supervisor parses as many bytes and objects as it would in
+The JSON is the real agent's: every answer is built from the contract's models
+(contract/answers.py `NodeAnswer`, `RanksAnswer`, `RankAnswer`, `Sample`) in the httpd's
+compact layout, so the supervisor parses as many bytes and objects as it would in
 production: 64 recent step samples per rank. Incremental reads (`/v1/ranks?after=`) follow
-the real agent's protocol through its own functions (agent/cursor.py for the cursor and
-its validation, agent/httpd.py `parse_query` for the query string, agent/ranks.py
-`HistoryEntry.summary` for each sample): one incarnation and one sample counter per
-simulated agent. `--full-reads` serves as an agent before cursors did (`after` ignored,
+the real agent's protocol through the same functions (contract/cursor.py for the cursor
+and its validation, service/httpd.py `parse_query` for the query string): one incarnation
+and one sample counter per simulated agent. `--full-reads` serves as an agent before cursors did (`after` ignored,
 every rank's whole window on every poll), for the benchmark's comparison. Building
 answers must stay cheap (this process shares the machine with the supervisor under
 test), so each sample is encoded once, when it is first served, and a response is mostly
@@ -41,12 +41,21 @@ import os
 import random
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from rankguard.agent.api import API_VERSION as AGENT_API
-from rankguard.agent.cursor import CursorError, Since, answer_fields, new_incarnation, since
-from rankguard.agent.httpd import COMPACT, HttpError, parse_query
-from rankguard.agent.ranks import SPLIT_FIELDS, HistoryEntry
+from rankguard.contract.answers import API_VERSION as AGENT_API
+from rankguard.contract.answers import (
+    CollectorStatus,
+    NodeAnswer,
+    RankAnswer,
+    RanksAnswer,
+    Sample,
+    TelemetryStats,
+)
+from rankguard.contract.cursor import CursorError, Since, answer_fields, new_incarnation, since
+from rankguard.contract.telemetry import SPLIT_FIELDS
+from rankguard.service.httpd import COMPACT, HttpError, parse_query
 
 JOB = "sim"
 RECENT = 64  # the agent's RankTable.recent
@@ -136,28 +145,29 @@ class Cluster:
         self._new_incarnation(self.checkpoint_step(time.time()) or 0)
 
     # -- JSON ---------------------------------------------------------------------------
-    def _node_fields(self, n: int) -> str:
+    def _node_fields(self, n: int) -> dict:
         gpus = [{"index": i, "uuid": f"GPU-sim-{n:04d}-{i}", "name": "NVIDIA H100 80GB HBM3",
                  "lost": False, "utilization_ratio": 0.97, "memory_used_bytes": 61 << 30,
                  "temperature_celsius": 64, "power_watts": 610.0, "xid": {},
                  "ecc_uncorrected": 0} for i in range(self.per_node)]  # fmt: skip
-        return {"node": f"sim-{n:04d}", "version": "0.1.0", "status": "healthy", "reasons": [],
-                "collectors": {c: {"success": True, "duration_seconds": 0.002, "error": None}
+        return {"node": f"sim-{n:04d}", "version": "0.1.0", "status": "healthy",
+                "collectors": {c: CollectorStatus(True, 0.002)
                                for c in ("gpu", "host", "network", "ranks", "storage")},
                 "facts": {"gpu": {"available": True, "gpus": gpus}}}  # fmt: skip
 
     def node_body(self, n: int, now: float) -> dict:
-        return {"api": AGENT_API, **self.node_json[n], "time": now,
-                "uptime_seconds": now - self.started}  # fmt: skip
+        return NodeAnswer(**self.node_json[n], time=now,
+                          uptime_seconds=now - self.started).to_json()  # fmt: skip
 
     def _sample(self, r: Rank, step: int, now: float) -> tuple[int, str, str]:
         # Deterministic jitter per (rank, step): no rank looks like a straggler.
         j = ((r.rank * 7919 + step * 104729) % 1000) / 1000.0
         st = self.step_seconds * (0.98 + 0.04 * j)
         self.seq[r.node] += 1
-        e = HistoryEntry(now, r.pid, self.restart, step, "train", st, 0.002, st * 0.7,
-                         st * 0.25, 3.0 / (1 + step / 1000) + 0.01 * j, self.seq[r.node])  # fmt: skip
-        return e.seq, _dumps(e.summary(True)), _dumps(e.summary(True, True))
+        seq = self.seq[r.node]
+        s = Sample(step, "train", self.restart, r.pid, st, 0.002, st * 0.7, st * 0.25,
+                   3.0 / (1 + step / 1000) + 0.01 * j)  # fmt: skip
+        return seq, _dumps(s.to_json()), _dumps(replace(s, seq=seq).to_json())
 
     def rank_text(self, r: Rank, now: float, s: Since | None) -> str:
         step = self.step(now) if r.exit_step is None else r.exit_step
@@ -171,25 +181,24 @@ class Cluster:
         if r.header is None or r.header[0] != key:
             ckpt = self.checkpoint_step(now)
             st = self.step_seconds
-            fields = {
-                "job": JOB, "rank": r.rank, "local_rank": r.local, "world_size": self.world,
-                "pid": r.pid, "restart": self.restart, "process_changes": self.restart,
-                "state": r.state, "up": r.state in ("alive", "stopped"), "state_detail": None,
-                "source": "telemetry", "state_since": r.exited_at or self.inc_start,
-                "exit_code": None,
-                "exited_at": r.exited_at, "first_seen_at": self.inc_start,
-                "step": step, "phase": "train",
-                "heartbeat_age_seconds": max(0.0, now - last_seen),
-                "last_heartbeat_at": last_seen, "timed_step": step, "step_seconds": st,
+            fields = RankAnswer(
+                job=JOB, rank=r.rank, local_rank=r.local, world_size=self.world,
+                pid=r.pid, restart=self.restart, process_changes=self.restart,
+                state=r.state, source="telemetry", state_since=r.exited_at or self.inc_start,
+                exited_at=r.exited_at, first_seen_at=self.inc_start,
+                step=step, phase="train",
+                heartbeat_age_seconds=max(0.0, now - last_seen),
+                last_heartbeat_at=last_seen, timed_step=step, step_seconds=st,
                 **dict(zip(SPLIT_FIELDS, (0.002, st * 0.7, st * 0.25, st * 0.05, 0.01, 0.0), strict=True)),
-                "comm_compute_ratio": 0.25 / 0.7,
-                "tokens_per_second": 310000.0, "mfu": 0.41, "loss": 3.0 / (1 + step / 1000),
-                "peak_memory_bytes": 61 << 30, "checkpoint_step": ckpt,
-                "cpu_seconds": 100.0 + now - self.inc_start,
-                "cpu_utilization": 1.0 if r.state == "alive" else 0.0,
-                "cpu_active_at": now if r.state == "alive" else self.inc_start,
-                "records_received": step - self.base_step,
-            }  # fmt: skip
+                comm_compute_ratio=0.25 / 0.7,
+                tokens_per_second=310000.0, mfu=0.41, loss=3.0 / (1 + step / 1000),
+                peak_memory_bytes=61 << 30, checkpoint_step=ckpt,
+                cpu_seconds=100.0 + now - self.inc_start,
+                cpu_utilization=1.0 if r.state == "alive" else 0.0,
+                cpu_active_at=now if r.state == "alive" else self.inc_start,
+                records_received=step - self.base_step,
+            ).to_json()  # fmt: skip
+            del fields["recent"]  # appended below, as served
             r.header = (key, _dumps(fields)[:-1])  # without the closing brace
         if s is None:  # the legacy answer: the whole window, no sample numbers
             return r.header[1] + ',"recent":[' + ",".join(x[1] for x in r.samples) + "]}"
@@ -204,11 +213,11 @@ class Cluster:
         inc = self.agent_incarnation[n]
         s = since(after, inc, self.seq[n])  # CursorError: a 400
         texts = [self.rank_text(r, now, s) for r in ranks]  # numbers the new samples
-        tail = {"telemetry": {"received": 0, "dropped": 0}}
-        if s is not None:
-            tail.update(answer_fields(s, inc, self.seq[n]))
-        head = _dumps({"api": AGENT_API, "node": f"sim-{n:04d}", "time": now})[:-1]
-        return (head + ',"ranks":[' + ",".join(texts) + "]," + _dumps(tail)[1:] + "\n").encode()
+        cursor = {} if s is None else answer_fields(s, inc, self.seq[n])
+        frame = _dumps(RanksAnswer(node=f"sim-{n:04d}", time=now, telemetry=TelemetryStats(),
+                                   **cursor).to_json())  # fmt: skip
+        body = frame.replace('"ranks":[]', '"ranks":[' + ",".join(texts) + "]", 1)
+        return (body + "\n").encode()
 
     def control(self, n: int, path: str, body: dict, now: float) -> dict:
         ranks = {r.rank: r for r in self.ranks[n * self.per_node : (n + 1) * self.per_node]}
@@ -226,7 +235,7 @@ class Cluster:
 
 
 class HttpProtocol(asyncio.Protocol):
-    """A minimal HTTP/1.1 server with keep-alive, as the real agent's (agent/httpd.py)."""
+    """A minimal HTTP/1.1 server with keep-alive, as the real agent's (service/httpd.py)."""
 
     def __init__(self, cluster: Cluster, stats: dict):
         self.cluster, self.stats = cluster, stats
@@ -269,7 +278,7 @@ class HttpProtocol(asyncio.Protocol):
             if method == "GET" and route == "/v1/ranks":
                 try:
                     payload = self.cluster.ranks_body(n, now, parse_query(query))
-                except (HttpError, CursorError) as exc:  # as agent/httpd.py answers them
+                except (HttpError, CursorError) as exc:  # as service/httpd.py answers them
                     status = getattr(exc, "status", 400)
                     payload = {"api": AGENT_API, "error": {"status": status, "message": str(exc)}}
                 else:

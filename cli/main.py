@@ -33,7 +33,7 @@ app.add_typer(deploy_app, name="deploy")
 
 def _print_version(value: bool) -> None:
     if value:
-        from rankguard.agent.version import VERSION
+        from rankguard.service.version import VERSION
 
         typer.echo(f"rankguard {VERSION}")
         raise typer.Exit()

@@ -41,7 +41,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..agent.telemetry import MAX_JOB_CHARS, PHASES, SCHEMA_VERSION, socket_path_from_env
+from ..contract.telemetry import MAX_JOB_CHARS, PHASES, SCHEMA_VERSION, socket_path_from_env
 from .sender import TelemetrySender
 from .timing import StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook
 
@@ -221,7 +221,7 @@ class Reporter:
         job = job or env.get("RANKGUARD_JOB") or env.get("TORCHELASTIC_RUN_ID") or "local"
         self.job = job[:MAX_JOB_CHARS]
         path = socket_path_from_env(env) if socket_path is True else (socket_path or None)
-        self.sender = TelemetrySender(path)
+        self.sender = TelemetrySender(path, errors=self.errors)
         if device is None and model is not None:
             with contextlib.suppress(Exception):
                 device = next(iter(model.parameters())).device

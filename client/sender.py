@@ -4,12 +4,16 @@ Training must not slow down or die because the node agent is absent, restarting 
 behind. :class:`TelemetrySender` therefore sends over a non-blocking ``AF_UNIX``
 ``SOCK_DGRAM`` socket created once, and any failure (no socket file, nobody bound to
 it, receiver queue full, encoding error, anything else) drops the record and bumps a
-counter instead. Stdlib only.
+counter instead. Every record that leaves carries those counters, and the caller's own
+(``errors``: the Reporter's), in its ``client_errors`` field, so the agent shows them per
+rank (``/v1/ranks``, ``rankguard_client_errors_total``); drops are named ``dropped_<reason>``.
+Stdlib only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import socket
@@ -17,7 +21,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..agent.telemetry import TelemetryRecord, encode
+from ..contract.telemetry import MAX_CLIENT_ERRORS, TelemetryRecord, encode, is_reason_name
 
 __all__ = ["DROP_REASONS", "TelemetrySender"]
 
@@ -53,8 +57,10 @@ class TelemetrySender:
     socket are guarded by a lock (a heartbeat thread may send beside the loop).
     """
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, errors: Mapping[str, int] | None = None) -> None:
         self.path = path
+        # the caller's failure counters, sent along with ours (read, never written, here)
+        self.caller_errors: Mapping[str, int] = {} if errors is None else errors
         self.sent = 0
         self.dropped = 0
         self.dropped_by_reason: dict[str, int] = {}
@@ -83,9 +89,14 @@ class TelemetrySender:
         if self.closed:
             return self._drop("closed")
         try:
+            counts = self._error_counts()
             if isinstance(record, TelemetryRecord):
+                if counts:
+                    record = dataclasses.replace(record, client_errors=counts)
                 data = encode(record)  # revalidated: a record can be altered after its check
             else:  # validated by its constructor just now
+                if counts:
+                    record = {**record, "client_errors": counts}
                 data = encode(TelemetryRecord.from_dict(record), validate=False)
         except Exception as e:  # nothing may reach the training loop
             return self._drop("invalid", e)
@@ -102,6 +113,14 @@ class TelemetrySender:
             return self._drop("socket_error", e)
         self.sent += 1
         return True
+
+    def _error_counts(self) -> dict[str, int] | None:
+        """What ``client_errors`` carries: drops and the caller's counts, only names the
+        contract takes (a bad one must not get every later record dropped), bounded."""
+        counts = {f"dropped_{r}": n for r, n in self.dropped_by_reason.items() if n}
+        counts.update((r, n) for r, n in dict(self.caller_errors).items() if n)
+        valid = [(r, n) for r, n in counts.items() if is_reason_name(r) and type(n) is int]
+        return dict(valid[:MAX_CLIENT_ERRORS]) or None
 
     def _drop(self, reason: str, exc: BaseException | None = None) -> bool:
         self.dropped += 1

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..agent.telemetry import comm_compute_ratio
+from ..contract.telemetry import comm_compute_ratio
 
 
 @dataclass

@@ -29,6 +29,8 @@ from grafanalib.core import (
     TimeSeries,
 )
 
+from ..contract.metrics import JOB_LABEL, NODE_LABEL, RANK_INFO, RANK_LABELS, RANK_UP
+
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRID_WIDTH = 24
 TAG = "rankguard"
@@ -37,9 +39,10 @@ TAG = "rankguard"
 AGENT_JOB = "rankguard-agent"
 SUPERVISOR_JOB = "rankguard-supervisor"
 
-# Label matchers for the template variables.
-JOB = 'training_job=~"$training_job"'
-NODE_INFO = 'rankguard:agent_node:info{node=~"$node"}'
+# Label matchers for the template variables (the label names are the contract's; the
+# variables are named after them).
+JOB = f'{JOB_LABEL}=~"${JOB_LABEL}"'
+NODE_INFO = f'rankguard:agent_node:info{{{NODE_LABEL}=~"${NODE_LABEL}"}}'
 
 
 def with_node(expr: str) -> str:
@@ -50,7 +53,7 @@ def with_node(expr: str) -> str:
 def live(expr: str) -> str:
     """Keep series of ranks whose process is alive (a dead rank keeps its last values
     until the agent forgets it)."""
-    return f"(({expr}) and on (instance, training_job, rank) (rankguard_rank_up == 1))"
+    return f"(({expr}) and on (instance, {', '.join(RANK_LABELS)}) ({RANK_UP} == 1))"
 
 
 @dataclass(frozen=True)
@@ -250,8 +253,8 @@ def templating() -> Templating:
         [
             Template(name="datasource", label="Data source", query="prometheus",
                      type="datasource", default="Prometheus"),
-            Template(name="training_job", label="Training job",
-                     query="label_values(rankguard_rank_info, training_job)",
+            Template(name=JOB_LABEL, label="Training job",
+                     query=f"label_values({RANK_INFO}, {JOB_LABEL})",
                      dataSource=query_ds, includeAll=True, multi=True, allValue=".*",
                      refresh=2, sort=1, default="$__all"),
             Template(name="node", label="Node",

@@ -12,10 +12,14 @@ import logging
 import threading
 import time
 import urllib.parse
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 
+from ..contract.answers import NodeAnswer, RanksAnswer
+from ..contract.errors import ContractError
 from .state import ClusterObs, NodeObs
 from .windows import NodeWindows
 
@@ -134,42 +138,50 @@ class AgentClient:
 def poll_node(
     client: AgentClient,
     now: float,
-    node_json: dict | None = None,
+    node: NodeAnswer | None = None,
     windows: NodeWindows | None = None,
-) -> tuple[NodeObs, dict | None]:
-    """Ranks every poll; the node verdict only when `node_json` (a recent copy) is None.
+    on_malformed: Callable[[ContractError], None] | None = None,
+) -> tuple[NodeObs, NodeAnswer | None]:
+    """Ranks every poll; the node verdict only when `node` (a recent answer) is None.
 
     With `windows` (the node's samples from earlier polls), ranks are read incrementally:
     only the samples after the last answer's cursor travel (supervisor/windows.py).
+    Answers are read through the contract's models; one that breaks the contract makes
+    this node unseen and is passed to `on_malformed` (counted by reason).
     """
     try:
-        if node_json is None:
-            node_json = client.get("/v1/node")
+        if node is None:
+            node = NodeAnswer.from_json(client.get("/v1/node"))
         if windows is None:
-            return NodeObs.from_json(client.url, node_json, client.get("/v1/ranks"), now), node_json
+            ranks = RanksAnswer.from_json(client.get("/v1/ranks"))
+            return NodeObs.of(client.url, node, ranks, now), node
         ranks = _read_ranks(client, windows)
-        return NodeObs.from_json(client.url, node_json, ranks, now, windows.merge(ranks)), node_json
+        return NodeObs.of(client.url, node, ranks, now, windows.merge(ranks)), node
     except AgentError as exc:
         return NodeObs.unreachable(client.url, str(exc), now), None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except ContractError as exc:
         # JSON that is not an agent's answer: this node goes unseen (a monitoring fault),
         # the rest of the cluster does not.
         if windows is not None:
             windows.reset()
-        log.warning("%s: malformed answer: %r", client.url, exc)
-        return NodeObs.unreachable(client.url, f"malformed answer: {exc!r}", now), None
+        if on_malformed is not None:
+            on_malformed(exc)
+        log.warning("%s: malformed answer (%s): %s", client.url, exc.reason, exc)
+        return NodeObs.unreachable(client.url, f"malformed answer: {exc}", now), None
 
 
-def _read_ranks(client: AgentClient, windows: NodeWindows) -> dict:
+def _read_ranks(client: AgentClient, windows: NodeWindows) -> RanksAnswer:
     try:
-        return client.get("/v1/ranks?after=" + urllib.parse.quote(windows.after))
+        return RanksAnswer.from_json(
+            client.get("/v1/ranks?after=" + urllib.parse.quote(windows.after))
+        )
     except AgentError as exc:
         if exc.status != 400 or windows.cursor is None:
             raise
     # Our cursor refused (a bug on either side): start over rather than go blind.
     log.warning("%s refused cursor %r; reading in full", client.url, windows.cursor)
     windows.reset()
-    return client.get("/v1/ranks?after=" + windows.after)
+    return RanksAnswer.from_json(client.get("/v1/ranks?after=" + windows.after))
 
 
 class Poller:
@@ -199,7 +211,10 @@ class Poller:
         )
         self.node_interval = node_interval
         self.wait_seconds = wait_seconds
-        self._node_cache: dict[str, tuple[float, dict]] = {}
+        self._node_cache: dict[str, tuple[float, NodeAnswer]] = {}
+        # answers that broke the contract, by ContractError.reason (a node left unseen)
+        self.malformed: Counter[str] = Counter()
+        self._malformed_lock = threading.Lock()
         self._inflight: dict[str, tuple[Future, list[float]]] = {}  # url -> (poll, [started])
         self._last: dict[str, NodeObs] = {}  # url -> newest completed observation
         self._windows: dict[str, NodeWindows] = {}  # url -> samples kept between polls
@@ -208,10 +223,14 @@ class Poller:
         cached = self._node_cache.get(client.url)
         fresh = cached[1] if cached and now - cached[0] < self.node_interval else None
         windows = self._windows.setdefault(client.url, NodeWindows())
-        obs, node_json = poll_node(client, now, fresh, windows)
-        if node_json is not None and fresh is None:
-            self._node_cache[client.url] = (now, node_json)
+        obs, node = poll_node(client, now, fresh, windows, self._count_malformed)
+        if node is not None and fresh is None:
+            self._node_cache[client.url] = (now, node)
         return obs
+
+    def _count_malformed(self, exc: ContractError) -> None:
+        with self._malformed_lock:  # called from the pool's threads
+            self.malformed[exc.reason] += 1
 
     def _timed(self, client: AgentClient, now: float, started: list[float]) -> NodeObs:
         started.append(time.monotonic())  # queued until now: the wait is ours, not the agent's

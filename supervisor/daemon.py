@@ -8,8 +8,8 @@ import threading
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ..agent import sdnotify
-from ..agent.httpd import Raw, Service, serve
+from ..service import sdnotify
+from ..service.httpd import Raw, Service, serve
 from .reconcile import Supervisor
 from .views import cluster_view, incidents_view, make_registry, ranks_view
 

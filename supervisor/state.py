@@ -1,27 +1,19 @@
 """What the supervisor observes: one immutable picture of the cluster per poll.
 
-Built from the agents' `/v1/node` and `/v1/ranks` JSON (see agent/api.py, agent/ranks.py).
+Built from the agents' `/v1/node` and `/v1/ranks` answers, read through the contract's
+models (contract/answers.py), which have already checked every field's type.
 Detectors and the policy read only these types, so they are testable from literal data.
 Times are unix seconds as the agents report them; `observed_at` is the supervisor's clock.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-LIVE_STATES = frozenset({"alive", "stopped"})
-DEAD_STATES = frozenset({"zombie", "exited"})  # "finished" is a clean exit, not a death
+from ..contract.answers import NodeAnswer, RankAnswer, RanksAnswer, Sample
+from ..contract.states import DEAD_STATES, LIVE_STATES
 
-
-def _float(value: Any) -> float | None:
-    """Agents send NaN/Infinity as strings (JSON has no such numbers)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}.get(value)
-    return float(value)
+__all__ = ["DEAD_STATES", "LIVE_STATES", "ClusterObs", "NodeObs", "RankObs", "StepSample"]
 
 
 @dataclass(frozen=True)
@@ -36,17 +28,9 @@ class StepSample:
     loss: float | None
 
     @classmethod
-    def from_json(cls, d: dict) -> StepSample:
-        return cls(
-            step=int(d["step"]),
-            phase=str(d.get("phase", "train")),
-            restart=int(d.get("restart", 0)),
-            step_seconds=_float(d.get("step_seconds")) or 0.0,
-            compute_seconds=_float(d.get("compute_seconds")) or 0.0,
-            comm_seconds=_float(d.get("comm_seconds")) or 0.0,
-            data_wait_seconds=_float(d.get("data_wait_seconds")) or 0.0,
-            loss=_float(d.get("loss")),
-        )
+    def of(cls, s: Sample) -> StepSample:
+        return cls(s.step, s.phase, s.restart, s.step_seconds, s.compute_seconds,
+                   s.comm_seconds, s.data_wait_seconds, s.loss)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -57,7 +41,7 @@ class RankObs:
     world_size: int
     pid: int
     restart: int
-    state: str  # alive, stopped, zombie, exited, finished
+    state: str  # contract/states.py: alive, stopped, zombie, exited, finished
     step: int | None
     phase: str | None
     heartbeat_age_seconds: float | None
@@ -85,35 +69,21 @@ class RankObs:
         return self.state in DEAD_STATES
 
     @classmethod
-    def from_json(cls, node: str, d: dict, recent: tuple[StepSample, ...] | None = None) -> RankObs:
+    def of(cls, node: str, a: RankAnswer, recent: tuple[StepSample, ...] | None = None) -> RankObs:
         """`recent`: the rank's window merged from incremental reads (supervisor/windows.py)
         instead of the answer's own."""
         if recent is None:
-            recent = tuple(StepSample.from_json(s) for s in d.get("recent") or ())
+            recent = tuple(StepSample.of(s) for s in a.recent)
         return cls(
-            node=node,
-            job=str(d["job"]),
-            rank=int(d["rank"]),
-            world_size=int(d.get("world_size", 1)),
-            pid=int(d.get("pid", 0)),
-            restart=int(d.get("restart", 0)),
-            state=str(d.get("state", "alive")),
-            step=d.get("step"),
-            phase=d.get("phase"),
-            heartbeat_age_seconds=_float(d.get("heartbeat_age_seconds")),
-            exited_at=_float(d.get("exited_at")),
-            step_seconds=_float(d.get("step_seconds")),
-            compute_seconds=_float(d.get("compute_seconds")),
-            comm_seconds=_float(d.get("comm_seconds")),
-            comm_compute_ratio=_float(d.get("comm_compute_ratio")),
-            loss=_float(d.get("loss")),
-            checkpoint_step=d.get("checkpoint_step"),
-            cpu_utilization=_float(d.get("cpu_utilization")),
-            recent=recent,
-            source="process" if d.get("source") == "process" else "telemetry",
-            state_since=_float(d.get("state_since")),
-            cpu_active_at=_float(d.get("cpu_active_at")),
-        )
+            node=node, job=a.job, rank=a.rank, world_size=a.world_size, pid=a.pid,
+            restart=a.restart, state=a.state, step=a.step, phase=a.phase,
+            heartbeat_age_seconds=a.heartbeat_age_seconds, exited_at=a.exited_at,
+            step_seconds=a.step_seconds, compute_seconds=a.compute_seconds,
+            comm_seconds=a.comm_seconds, comm_compute_ratio=a.comm_compute_ratio, loss=a.loss,
+            checkpoint_step=a.checkpoint_step, cpu_utilization=a.cpu_utilization,
+            recent=recent, source=a.source, state_since=a.state_since,
+            cpu_active_at=a.cpu_active_at,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -128,28 +98,25 @@ class NodeObs:
     ranks: tuple[RankObs, ...] = ()
 
     @classmethod
-    def from_json(
+    def of(
         cls,
         url: str,
-        node_json: dict,
-        ranks_json: dict,
+        node: NodeAnswer,
+        ranks: RanksAnswer,
         observed_at: float,
         windows: dict[tuple[str, int], tuple[StepSample, ...]] | None = None,
     ) -> NodeObs:
         """`windows`: each rank's merged samples (an incremental read), else the answer's."""
-        name = str(node_json.get("node") or url)
+        name = node.node or url
         w = windows or {}
         return cls(
             node=name,
             url=url,
             reachable=True,
             observed_at=observed_at,
-            status=node_json.get("status"),
-            reasons=tuple(node_json.get("reasons") or ()),
-            ranks=tuple(
-                RankObs.from_json(name, r, w.get((str(r["job"]), int(r["rank"]))))
-                for r in ranks_json.get("ranks") or ()
-            ),
+            status=node.status,
+            reasons=tuple(r.to_json() for r in node.reasons),
+            ranks=tuple(RankObs.of(name, r, w.get((r.job, r.rank))) for r in ranks.ranks),
         )
 
     def aged(self, now: float) -> NodeObs:

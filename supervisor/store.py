@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..agent.telemetry import json_safe
+from ..contract.numbers import json_safe
 from .model import ACT_NONE, ACT_STOP_JOB, CRASH_LOOP, RANK_DEAD, Finding
 from .policy import (
     RESTART_ACTIONS,

@@ -8,8 +8,9 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from ..agent.collectors import JOB_LABEL
-from ..agent.version import VERSION
+from ..contract.errors import REASONS as CONTRACT_REASONS
+from ..contract.metrics import JOB_LABEL
+from ..service.version import VERSION
 from .model import KINDS
 
 VERDICTS = ("healthy", "degraded", "unhealthy")
@@ -133,6 +134,14 @@ class SupervisorCollector:
                 [kind], sum(1 for i in mine if i.state not in ("resolved", "stopped", "failed"))
             )
         yield from (total, restarts, open_)
+        malformed = CounterMetricFamily(
+            "rankguard_supervisor_malformed_answers",
+            "Agent answers that broke the contract (the node was left unseen), by reason.",
+            labels=["reason"],
+        )
+        for reason in CONTRACT_REASONS:
+            malformed.add_metric([reason], sup.poller.malformed.get(reason, 0))
+        yield malformed
         # The open incidents by who they name, so alerts can say which rank and node
         # (a count: two incarnations' deaths of one rank can both be open).
         named = GaugeMetricFamily(

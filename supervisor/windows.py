@@ -1,6 +1,6 @@
 """One node's step-sample windows, kept between polls and fed by incremental reads.
 
-The supervisor asks an agent `GET /v1/ranks?after=<cursor>` (agent/cursor.py) and gets,
+The supervisor asks an agent `GET /v1/ranks?after=<cursor>` (contract/cursor.py) and gets,
 per rank, only the samples numbered above the cursor, plus `recent_from`: the number of
 the oldest sample still in the agent's window. Merging is then exact, whatever happened
 between two polls: keep what we hold from `recent_from` on, append what is new, so every
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from ..contract.answers import RankAnswer, RanksAnswer
+from ..contract.cursor import START
 from .state import StepSample
 
-START = "start"  # agent/cursor.py: "everything, in the incremental format"
 DEPTH = 64  # samples per rank, as the agent keeps (agent/ranks.py RankTable.recent)
 
 Key = tuple[str, int]
@@ -45,19 +46,19 @@ class NodeWindows:
         self.cursor = None
         self._windows.clear()
 
-    def merge(self, answer: dict) -> dict[Key, tuple[StepSample, ...]] | None:
-        """Fold one /v1/ranks answer in; each rank's merged window, or None for an agent
-        that does not know cursors (its answer's `recent` is the whole window)."""
-        cursor = answer.get("cursor")
-        if not isinstance(cursor, str):
+    def merge(self, answer: RanksAnswer) -> dict[Key, tuple[StepSample, ...]] | None:
+        """Fold one /v1/ranks answer (already checked by the contract) in; each rank's
+        merged window, or None for a legacy answer (its `recent` is the whole window)."""
+        cursor = answer.cursor
+        if cursor is None:
             self.reset()
             return None
-        full = bool(answer.get("full", True))
+        full = answer.full
         held = {} if full else self._windows
         windows: dict[Key, tuple[list[int], list[StepSample]]] = {}
         out: dict[Key, tuple[StepSample, ...]] = {}
-        for r in answer.get("ranks") or ():  # a malformed answer raises, nothing changed
-            key = (str(r["job"]), int(r["rank"]))
+        for r in answer.ranks:
+            key = (r.job, r.rank)
             seqs, samples = self._merge_rank(held.get(key), r)
             windows[key] = (seqs, samples)
             out[key] = tuple(samples)
@@ -67,20 +68,20 @@ class NodeWindows:
         return out
 
     def _merge_rank(
-        self, held: tuple[list[int], list[StepSample]] | None, r: dict
+        self, held: tuple[list[int], list[StepSample]] | None, r: RankAnswer
     ) -> tuple[list[int], list[StepSample]]:
-        first = r.get("recent_from")
+        first = r.recent_from
         if first is None:  # the agent's window is empty
             return [], []
         seqs, samples = ([], []) if held is None else held
-        keep = bisect_left(seqs, int(first))  # older samples left the agent's window
+        keep = bisect_left(seqs, first)  # older samples left the agent's window
         seqs, samples = seqs[keep:], samples[keep:]
         newest = seqs[-1] if seqs else -1
-        for d in r.get("recent") or ():
-            seq = int(d["seq"])
+        for s in r.recent:
+            seq = s.seq if s.seq is not None else -1
             if seq > newest:  # never twice, never out of order
                 seqs.append(seq)
-                samples.append(StepSample.from_json(d))
+                samples.append(StepSample.of(s))
                 newest = seq
         if len(seqs) > self.depth:
             del seqs[: -self.depth], samples[: -self.depth]

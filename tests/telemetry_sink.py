@@ -6,7 +6,7 @@ import socket
 import threading
 from pathlib import Path
 
-from rankguard.agent.telemetry import TelemetryError, TelemetryRecord, decode
+from rankguard.contract.telemetry import TelemetryError, TelemetryRecord, decode
 
 
 class TelemetrySink:

@@ -28,7 +28,7 @@ TOKEN = "s3cret-token-for-tests-0123456789"
 RANK_CHILD = """
 import os, sys, time
 from rankguard.client import TelemetrySender
-from rankguard.agent.telemetry import SCHEMA_VERSION
+from rankguard.contract.telemetry import SCHEMA_VERSION
 sender = TelemetrySender(sys.argv[1])
 rec = dict(v=SCHEMA_VERSION, job="j", rank=1, local_rank=1, world_size=2, pid=os.getpid(),
            restart=0, step=7, phase="train", time=time.time(), step_seconds=0.5,

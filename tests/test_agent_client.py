@@ -9,7 +9,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from rankguard.contract.answers import NodeAnswer
 from rankguard.supervisor.agents import AgentClient, AgentError
+
+NODE = NodeAnswer(node="n", version="0", time=0.0, uptime_seconds=0.0, status="healthy")
 
 
 class _Agent(ThreadingHTTPServer):
@@ -39,8 +42,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         status = 404 if self.path == "/missing" else 200
         body = {"error": {"message": "no such thing"}} if status == 404 else {"path": self.path}
-        if self.server.answer is not None and self.path != "/v1/node":
-            body = self.server.answer
+        if self.server.answer is not None:  # a sound node, ranks answered as told
+            body = NODE.to_json() if self.path == "/v1/node" else self.server.answer
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
@@ -84,12 +87,15 @@ def test_errors_keep_their_status_and_message(agent):
 
 
 @pytest.mark.parametrize(
-    "answer",
-    [[1, 2], {"ranks": [{"job": "j"}]}, {"ranks": [{"job": "j", "rank": "x"}]}, {"ranks": 5},
-     {"ranks": [{"job": "j", "rank": 0, "recent_from": 1, "recent": [{"seq": 1, "step": "?"}]}],
-      "cursor": "c", "full": True}],
+    "answer,reason",
+    [([1, 2], "not_object"), ({"ranks": [{"job": "j"}]}, "missing_field"),
+     ({"node": "n", "time": 0, "ranks": [{"job": "j", "rank": "x"}]}, "missing_field"),
+     ({"node": "n", "time": 0, "ranks": 5}, "bad_type"),
+     ({"node": "n", "time": 0, "ranks": [{"job": "j", "rank": 0, "recent_from": 1,
+                                          "recent": [{"seq": 1, "step": "?"}]}],
+       "cursor": "c", "full": True}, "missing_field")],
 )  # fmt: skip
-def test_a_malformed_answer_makes_one_node_unseen_not_the_poll_fail(agent, answer):
+def test_a_malformed_answer_makes_one_node_unseen_not_the_poll_fail(agent, answer, reason):
     from rankguard.supervisor.agents import Poller
 
     agent.answer = answer
@@ -99,3 +105,4 @@ def test_a_malformed_answer_makes_one_node_unseen_not_the_poll_fail(agent, answe
     finally:
         poller.close()
     assert not node.reachable and "malformed answer" in node.error
+    assert dict(poller.malformed) == {reason: 1}  # counted by reason

@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from telemetry_sink import TelemetrySink
 
-from rankguard.agent.telemetry import PHASES
 from rankguard.client import (
     ERROR_REASONS,
     STEP_PHASES,
@@ -32,6 +31,7 @@ from rankguard.client import (
     Reporter,
     StepTimer,
 )
+from rankguard.contract.telemetry import PHASES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "ddp_client.py"

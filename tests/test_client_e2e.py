@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from up_run import Up, left_running, read_incidents
 
-from rankguard.agent.telemetry import SCHEMA_VERSION
+from rankguard.contract.telemetry import SCHEMA_VERSION
 
 pytestmark = pytest.mark.slow
 

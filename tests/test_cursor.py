@@ -13,7 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rankguard.agent.config import AgentConfig
-from rankguard.agent.cursor import (
+from rankguard.agent.daemon import Agent
+from rankguard.agent.nvml_double import NvmlDouble, make_double
+from rankguard.agent.ranks import RankTable
+from rankguard.contract.cursor import (
     MAX_SEQ,
     START,
     CursorError,
@@ -22,10 +25,7 @@ from rankguard.agent.cursor import (
     parse_cursor,
     since,
 )
-from rankguard.agent.daemon import Agent
-from rankguard.agent.nvml_double import NvmlDouble, make_double
-from rankguard.agent.ranks import RankTable
-from rankguard.agent.telemetry import TelemetryRecord
+from rankguard.contract.telemetry import TelemetryRecord
 
 PID = os.getpid()
 
@@ -90,10 +90,15 @@ def test_any_text_is_a_cursor_or_refused(text):
 # --------------------------------------------------------------------------- table
 
 
+def read(t: RankTable, after: str | None, now: float | None = None) -> dict:
+    """The table's /v1/ranks answer as JSON."""
+    return t.read(after, now).to_json()
+
+
 def test_samples_after_a_cursor(table):
     for step in range(1, 6):
         table.update(rec(step), PID)
-    first = table.read(START)
+    first = read(table, START)
     assert first["full"] and first["full_reason"] == START
     assert steps(first) == [1, 2, 3, 4, 5]
     [r] = first["ranks"]
@@ -101,18 +106,18 @@ def test_samples_after_a_cursor(table):
     table.update(rec(6), PID)
     table.update(rec(6, step_seconds=0.0, phase="checkpoint_save"), PID)  # a heartbeat
     table.update(rec(7), PID)
-    second = table.read(first["cursor"])
+    second = read(table, first["cursor"])
     assert not second["full"] and second["full_reason"] is None
     assert steps(second) == [6, 7]  # heartbeats are not samples, as in full reads
     assert second["ranks"][0]["step"] == 7 and second["ranks"][0]["recent_from"] == 1
-    third = table.read(second["cursor"])  # nothing new
+    third = read(table, second["cursor"])  # nothing new
     assert steps(third) == [] and third["cursor"] == second["cursor"]
 
 
 def test_the_legacy_answer_is_unchanged(table):
     table.update(rec(1), PID, now=100.0)
-    legacy = table.read(None, now=101.0)
-    assert set(legacy) == {"ranks"}
+    legacy = read(table, None, now=101.0)
+    assert not {"cursor", "full", "full_reason"} & set(legacy)
     [r] = legacy["ranks"]
     assert "recent_from" not in r and "seq" not in r["recent"][0]
     assert legacy["ranks"] == table.snapshot(now=101.0)
@@ -123,15 +128,15 @@ def test_window_overflow(table):
     whole window, and recent_from moves up with it."""
     for step in range(1, 11):
         table.update(rec(step), PID)
-    cursor = table.read(START)["cursor"]
+    cursor = read(table, START)["cursor"]
     for step in range(11, 111):
         table.update(rec(step), PID)
-    after = table.read(cursor)
+    after = read(table, cursor)
     assert not after["full"]
     assert steps(after) == list(range(47, 111))  # the window: the last 64
     [r] = after["ranks"]
     assert r["recent_from"] == r["recent"][0]["seq"] == 47
-    assert steps(table.read(None)) == list(range(47, 111))
+    assert steps(read(table, None)) == list(range(47, 111))
 
 
 def test_window_shrunk_by_heartbeats():
@@ -140,13 +145,13 @@ def test_window_shrunk_by_heartbeats():
     with RankTable(history=8) as t:
         for step in range(1, 6):
             t.update(rec(step), PID)
-        first = t.read(START)
+        first = read(t, START)
         for _ in range(6):
             t.update(rec(5, step_seconds=0.0, phase="checkpoint_save"), PID)
-        after = t.read(first["cursor"])
+        after = read(t, first["cursor"])
         assert steps(after) == []
         assert after["ranks"][0]["recent_from"] == 4  # steps 4 and 5 are still kept
-        assert steps(t.read(None)) == [4, 5]
+        assert steps(read(t, None)) == [4, 5]
 
 
 def test_foreign_and_future_cursors_answer_in_full(table):
@@ -154,19 +159,19 @@ def test_foreign_and_future_cursors_answer_in_full(table):
     table.update(rec(2), PID)
     with RankTable() as other:  # another agent process: another incarnation
         other.update(rec(9), PID)
-        foreign = other.read(START)["cursor"]
-    full = table.read(foreign)
+        foreign = read(other, START)["cursor"]
+    full = read(table, foreign)
     assert full["full"] and "incarnation" in full["full_reason"]
     assert steps(full) == [1, 2]
-    ahead = table.read(format_cursor(table.incarnation, 3))
+    ahead = read(table, format_cursor(table.incarnation, 3))
     assert ahead["full"] and steps(ahead) == [1, 2]
 
 
 def test_restart_keeps_the_window_and_numbers_go_on(table):
     table.update(rec(1), PID)
-    cursor = table.read(START)["cursor"]
+    cursor = read(table, START)["cursor"]
     table.update(rec(1, restart=1), PID)  # torchrun restarted the group from step 0
-    answer = table.read(cursor)
+    answer = read(table, cursor)
     assert [(s["restart"], s["step"], s["seq"]) for s in answer["ranks"][0]["recent"]] == [
         (1, 1, 2)
     ]
@@ -235,7 +240,7 @@ def test_reads_between_bursts_see_every_sample_once(bursts):
             for _ in range(n):
                 step += 1
                 t.update(rec(step), PID)
-            answer = t.read(cursor)
+            answer = read(t, cursor)
             seen += steps(answer)
             cursor = answer["cursor"]
         assert seen == list(range(1, step + 1))

@@ -211,7 +211,7 @@ def test_promql_reads_selectors_and_grouping_labels():
 RANK = """
 import os, sys, time
 from rankguard.client import TelemetrySender
-from rankguard.agent.telemetry import SCHEMA_VERSION
+from rankguard.contract.telemetry import SCHEMA_VERSION
 sender, rank = TelemetrySender(sys.argv[1]), int(sys.argv[2])
 with open(f"{sys.argv[3]}/big-{rank}", "wb") as f:
     f.write(b"x" * 65536)  # some write I/O of its own

@@ -25,7 +25,7 @@ from rankguard.agent.discovery import (
     worker_from_environ,
 )
 from rankguard.agent.ranks import RankTable, describe_exit, parse_proc_stat, read_proc_stat
-from rankguard.agent.telemetry import TelemetryRecord
+from rankguard.contract.telemetry import TelemetryRecord
 from rankguard.supervisor.detectors import DetectorConfig, hang, process_hang
 from rankguard.supervisor.model import RANK_HUNG, History
 from rankguard.supervisor.state import ClusterObs, NodeObs, RankObs

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from harness import start_agent, wait_until
 
-from rankguard.agent.telemetry import SCHEMA_VERSION
 from rankguard.client import TelemetrySender
+from rankguard.contract.answers import NodeAnswer, RanksAnswer
+from rankguard.contract.telemetry import SCHEMA_VERSION
 from rankguard.supervisor.agents import AgentClient, poll_node
 from rankguard.supervisor.windows import NodeWindows
 
@@ -76,7 +77,7 @@ def test_incremental_polls_match_full_reads(tmp_path):
     fake = FakeRanks(agent.socket)
     client = AgentClient(agent.url)
     windows = NodeWindows()
-    node_json = client.get("/v1/node")
+    node_json = NodeAnswer.from_json(client.get("/v1/node"))
     try:
         compared = 0
         for _ in range(4):
@@ -137,10 +138,12 @@ def test_simulator_speaks_the_agents_protocol(tmp_path, sim):
         for query in ("", "?after=start"):
             a, b = real.get("/v1/ranks" + query), simulated.get("/v1/ranks" + query)
             assert _shape(a) == _shape(b), query
+            for answer in (a, b):  # both keep the contract
+                assert RanksAnswer.from_json(answer).incremental == bool(query)
         for client in (real, simulated):
             with pytest.raises(Exception, match="HTTP 400: after: expected"):
                 client.get("/v1/ranks?after=nonsense")
-        windows, node_json = NodeWindows(), simulated.get("/v1/node")
+        windows, node_json = NodeWindows(), NodeAnswer.from_json(simulated.get("/v1/node"))
         for _ in range(10):
             inc, _ = poll_node(simulated, time.time(), node_json, windows)
             time.sleep(0.1)

@@ -170,9 +170,16 @@ def rankguard(venv: dict, *args, timeout: float = 120) -> subprocess.CompletedPr
 def test_the_wheel_ships_every_module_and_deploy_file(dist):
     names = set(zipfile.ZipFile(dist["wheel"]).namelist())
     src = dist["src"]
-    assert {"agent", "cli", "dashboards", "deploy", "supervisor", "trainer"} <= set(
-        mapped_folders(src)
-    )
+    assert {
+        "agent",
+        "cli",
+        "contract",
+        "dashboards",
+        "deploy",
+        "service",
+        "supervisor",
+        "trainer",
+    } <= set(mapped_folders(src))
     missing = sorted(
         f"rankguard/{py.relative_to(src).as_posix()}"
         for top in mapped_folders(src)

@@ -24,18 +24,17 @@ from hypothesis import strategies as st
 from rankguard.agent.collectors import CollectorContext
 from rankguard.agent.collectors.ranks import RanksCollector
 from rankguard.agent.ranks import (
-    RANK_STATES,
     ProcessWatcher,
     RankLookupError,
     RankTable,
     RankTableFullError,
-    json_float,
     parse_proc_stat,
     read_proc_stat,
 )
 from rankguard.agent.receiver import RECEIVER_REASONS, SocketInUseError, TelemetryReceiver
-from rankguard.agent.telemetry import PHASES, REASONS, TelemetryRecord, encode
-from rankguard.client import TelemetrySender
+from rankguard.client import Reporter, TelemetrySender
+from rankguard.contract.states import RANK_STATES
+from rankguard.contract.telemetry import PHASES, REASONS, TelemetryRecord, encode
 
 # --------------------------------------------------------------------------- helpers
 
@@ -73,7 +72,7 @@ def rank_of(table: RankTable, job: str = "llama", rank: int = 0) -> dict | None:
 
 CHILD = """
 import json, os, sys, time
-from rankguard.agent.telemetry import TelemetryRecord
+from rankguard.contract.telemetry import TelemetryRecord
 from rankguard.client import TelemetrySender
 f = json.loads(sys.argv[2]); f["pid"] = os.getpid(); f["time"] = time.time()
 assert TelemetrySender(sys.argv[1]).send(TelemetryRecord(**f))
@@ -432,10 +431,16 @@ def test_snapshot_json(table):
         "step", "phase", "restart", "pid", "step_seconds", "data_wait_seconds",
         "compute_seconds", "comm_seconds", "loss",
     }  # fmt: skip
-    assert [json_float(x) for x in (math.nan, math.inf, -math.inf, 1.5, None)] == [
-        "NaN", "Infinity", "-Infinity", 1.5, None,
-    ]  # fmt: skip
     assert table.snapshot(recent=0)[0]["recent"] == []
+
+
+def test_a_non_finite_loss_is_shown_in_its_wire_spelling(table):
+    for step, loss in enumerate((math.nan, math.inf, -math.inf, 1.5)):
+        table.update(rec(step=step, loss=loss), os.getpid())
+        assert rank_of(table)["loss"] == {math.inf: "Infinity", -math.inf: "-Infinity"}.get(
+            loss, "NaN" if math.isnan(loss) else loss
+        )
+    assert [s["loss"] for s in rank_of(table)["recent"]] == ["NaN", "Infinity", "-Infinity", 1.5]
 
 
 def test_subscriber_errors_do_not_propagate(table):
@@ -460,6 +465,39 @@ def test_parse_proc_stat():
     assert ps.cpu_seconds == pytest.approx(200 / os.sysconf("SC_CLK_TCK"))
     with pytest.raises(ValueError):
         parse_proc_stat("garbage")
+
+
+# --------------------------------------------------------------------------- client counters
+
+
+def test_the_clients_failures_reach_the_agent(table, receiver, sock_path):
+    """Records a rank could not send while the agent was away, and a wrong call it
+    refused, are counted by the client and carried by its next record that arrives: the
+    agent shows them per rank in /v1/ranks and as rankguard_client_errors_total."""
+    receiver.close()  # no agent listening: the client drops its records, and counts them
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "RANKGUARD_JOB": "llama"}
+    rg = Reporter(socket_path=str(sock_path), environ=env)  # its first record: a heartbeat
+    with rg.step(1) as s:
+        s.loss("not a number")  # counted as bad_value, the step goes on
+    rg.flush()
+    dropped = rg.sender.dropped_by_reason
+    assert sum(dropped.values()) >= 2 and rg.errors == {"bad_value": 1}
+    with TelemetryReceiver(sock_path, table) as back:  # the agent is back
+        rg.heartbeat()
+        wait_for(lambda: back.stats()["accepted"] == 1)
+        expected = {"bad_value": 1, **{f"dropped_{r}": n for r, n in dropped.items()}}
+        assert rank_of(table)["client_errors"] == expected
+        res = RanksCollector(CollectorContext(), table=table, receiver=back).collect()
+    counted = samples(res, "rankguard_client_errors_total")
+    assert counted == {("llama", "0", reason): float(n) for reason, n in expected.items()}
+    rg.sender.close()
+
+
+def test_a_rank_without_client_errors_shows_none(table):
+    table.update(rec(), os.getpid())
+    assert rank_of(table)["client_errors"] == {}
+    res = RanksCollector(CollectorContext(), table=table).collect()
+    assert samples(res, "rankguard_client_errors_total") == {}
 
 
 # --------------------------------------------------------------------------- collector

@@ -20,7 +20,7 @@ from rankguard.supervisor.views import cluster_view, make_registry
 RANK = """
 import os, sys, time
 from rankguard.client import TelemetrySender
-from rankguard.agent.telemetry import SCHEMA_VERSION
+from rankguard.contract.telemetry import SCHEMA_VERSION
 sender, rank = TelemetrySender(sys.argv[1]), int(sys.argv[2])
 for step in range(1, 10**6):
     sender.send(dict(v=SCHEMA_VERSION, job="j", rank=rank, local_rank=rank, world_size=2,

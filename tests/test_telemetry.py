@@ -1,4 +1,4 @@
-"""Telemetry contract (rankguard.agent.telemetry) and trainer sender (rankguard.trainer.telemetry)."""
+"""Telemetry contract (rankguard.contract.telemetry) and the client's sender (rankguard.client)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rankguard.agent import telemetry as tm
-from rankguard.agent.telemetry import (
+from rankguard.client import DROP_REASONS, TelemetrySender
+from rankguard.contract import telemetry as tm
+from rankguard.contract.telemetry import (
     DEFAULT_SOCKET_PATH,
     MAX_DATAGRAM_BYTES,
     PHASES,
@@ -30,7 +31,6 @@ from rankguard.agent.telemetry import (
     encode,
     socket_path_from_env,
 )
-from rankguard.client import DROP_REASONS, TelemetrySender
 
 MAX_INT = 2**63
 
@@ -100,7 +100,10 @@ def test_constants():
     assert PHASES == ("init", "train", "checkpoint_save", "checkpoint_load", "eval", "done")
     assert SOCKET_ENV == "RANKGUARD_TELEMETRY_SOCKET"
     assert DEFAULT_SOCKET_PATH == "/run/rankguard/telemetry.sock"
-    assert [f.name for f in dataclasses.fields(TelemetryRecord)] == list(valid_fields())
+    assert [f.name for f in dataclasses.fields(TelemetryRecord)] == [
+        *valid_fields(),
+        "client_errors",
+    ]
 
 
 def test_round_trip_full_record():
@@ -220,7 +223,7 @@ def test_missing_field():
         ("phase", None),
         ("time", "now"),
         ("mfu", True),
-        ("loss", "NaN"),
+        ("loss", "nan"),  # not the wire spelling of NaN
         ("loss", [1.0]),
         ("checkpoint_step", 900.0),
         ("peak_memory_bytes", None),
@@ -379,6 +382,14 @@ def records(draw) -> TelemetryRecord:
         peak_memory_bytes=draw(st.integers(0, MAX_INT - 1)),
         loss=draw(st.none() | st.floats() | st.integers(-(10**6), 10**6)),
         checkpoint_step=draw(st.none() | st.integers(0, MAX_INT - 1)),
+        client_errors=draw(
+            st.none()
+            | st.dictionaries(
+                st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True),
+                st.integers(0, MAX_INT - 1),
+                max_size=8,
+            )  # fmt: skip
+        ),
     )
 
 

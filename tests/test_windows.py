@@ -3,6 +3,7 @@ what full reads would show, over random histories of records, reads and lost ans
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -11,11 +12,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rankguard.agent.ranks import RankTable, RankTableFullError
-from rankguard.agent.telemetry import TelemetryRecord
+from rankguard.contract.answers import NodeAnswer, RankAnswer, RanksAnswer, Sample
+from rankguard.contract.errors import ContractError
+from rankguard.contract.telemetry import TelemetryRecord
 from rankguard.supervisor.state import NodeObs, StepSample
 from rankguard.supervisor.windows import NodeWindows
 
 PID = os.getpid()
+NODE = NodeAnswer(node="n", version="0", time=0.0, uptime_seconds=0.0, status="healthy")
+
+
+def wire(answer: RanksAnswer) -> RanksAnswer:
+    """The answer as the supervisor reads it: through JSON text and the contract."""
+    return RanksAnswer.from_json(json.loads(json.dumps(answer.to_json(), allow_nan=False)))
 
 
 def _dead_pid() -> int:
@@ -40,7 +49,7 @@ def rec(rank: int, step: int, pid: int, restart: int, timed: bool) -> TelemetryR
 
 def full_windows(table: RankTable) -> dict[tuple[str, int], tuple[StepSample, ...]]:
     """What the supervisor sees with full reads (the legacy answer)."""
-    obs = NodeObs.from_json("u", {"node": "n"}, table.read(None, now=0.0), 0.0)
+    obs = NodeObs.of("u", NODE, wire(table.read(None, now=0.0)), 0.0)
     return {r.key: r.recent for r in obs.ranks}
 
 
@@ -77,22 +86,23 @@ def test_merged_windows_equal_full_reads(ops, history, recent, max_ranks):
                     except RankTableFullError:
                         break
                 continue
-            answer = table.read(windows.after, now=0.0)
+            answer = wire(table.read(windows.after, now=0.0))
             if o[0] == "lost":
                 continue
             merged = windows.merge(answer)
             assert merged == full_windows(table)
-        merged = windows.merge(table.read(windows.after, now=0.0))
+        merged = windows.merge(wire(table.read(windows.after, now=0.0)))
         assert merged == full_windows(table)
 
 
 def answer(cursor, full, ranks):
-    return {"ranks": ranks, "cursor": cursor, "full": full}
+    return RanksAnswer(node="n", time=0.0, ranks=tuple(ranks), cursor=cursor, full=full)
 
 
 def rank(r, first, samples):
-    return {"job": "j", "rank": r, "recent_from": first,
-            "recent": [{"step": s, "seq": s, "step_seconds": 1.0} for s in samples]}  # fmt: skip
+    recent = tuple(Sample(s, "train", 0, 1, 1.0, 0.0, 0.5, 0.1, None, seq=s) for s in samples)
+    return RankAnswer(job="j", rank=r, local_rank=r, world_size=8, pid=1, restart=0,
+                      state="alive", recent=recent, recent_from=first)  # fmt: skip
 
 
 def test_full_answer_replaces_and_overlap_is_ignored():
@@ -115,17 +125,18 @@ def test_full_answer_replaces_and_overlap_is_ignored():
 def test_an_agent_without_cursors():
     w = NodeWindows()
     w.merge(answer("a-3", True, [rank(0, 1, [1, 2, 3])]))
-    assert w.merge({"ranks": [rank(0, None, [1])]}) is None  # old agent: use its recent
+    assert w.merge(answer(None, False, [rank(0, None, [1])])) is None  # use its recent
     assert w.cursor is None and w.after == "start"
 
 
 def test_a_malformed_answer_changes_nothing():
     w = NodeWindows()
     w.merge(answer("a-3", True, [rank(0, 1, [1, 2, 3])]))
-    bad = answer("b-9", True, [rank(0, 1, [1]), {"job": "j", "rank": 1, "recent_from": 1,
-                                                 "recent": [{"step": 1}]}])  # fmt: skip
-    with pytest.raises(KeyError):
-        w.merge(bad)
+    bad = answer("b-9", True, [rank(0, 1, [1]), rank(1, 1, [1])]).to_json()
+    del bad["ranks"][1]["recent"][0]["seq"]  # a sample of an incremental answer without seq
+    with pytest.raises(ContractError) as err:
+        w.merge(RanksAnswer.from_json(bad))
+    assert err.value.field == "ranks[1].recent[0].seq" and err.value.reason == "missing_field"
     assert w.cursor == "a-3" and w.full_reads == 1
     got = w.merge(answer("a-4", False, [rank(0, 1, [4])]))
     assert [s.step for s in got[("j", 0)]] == [1, 2, 3, 4]

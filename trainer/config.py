@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: list[str] | None = None, environ=os.environ) -> TrainConfig:
-    from ..agent.telemetry import socket_path_from_env
+    from ..contract.telemetry import socket_path_from_env
 
     args = build_parser().parse_args(argv)
     preset = PRESETS[args.preset]

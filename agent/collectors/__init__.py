@@ -20,14 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+# The collectors' label names are the contract's (JOB_LABEL: training_job, not job).
+from ...contract.metrics import JOB_LABEL, RANK_LABELS  # noqa: F401
+
 log = logging.getLogger("rankguard.agent.collectors")
 
 METRIC_KINDS = ("gauge", "counter", "info")
-
-# The training job's label. Not `job`: Prometheus sets `job` on every scraped series to
-# the scrape job's name and would rename ours to `exported_job` (see docs/architecture.md).
-JOB_LABEL = "training_job"
-RANK_LABELS = (JOB_LABEL, "rank")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Training ranks on this node: process state and the step telemetry they send.
 
 Renders one :class:`~..ranks.RankTable` snapshot (taken after a ``refresh()``) and the
-receiver's counters. Per-rank series carry ``job`` and ``rank``; known label values
+receiver's counters. Per-rank series carry ``training_job`` and ``rank``; known label values
 (states, phases, reject reasons) are pre-created at 0 so panels never read "No data".
 Without a table (the generic registry builds collectors from a context alone) it
 reports no ranks, only zeroed node-level series.
@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ranks import LIVE_STATES, RANK_STATES, SPLIT_FIELDS, RankTable
+from ...contract.answers import RankAnswer
+from ...contract.metrics import CLIENT_ERRORS, RANK_INFO, RANK_UP, REASON_LABEL
+from ...contract.states import RANK_STATES
+from ...contract.telemetry import PHASES, SPLIT_FIELDS
+from ..ranks import RankTable
 from ..receiver import RECEIVER_REASONS, TelemetryReceiver
-from ..telemetry import PHASES
 from . import (
     RANK_LABELS,
     Collector,
@@ -63,13 +66,13 @@ class RanksCollector(Collector):
         self.receiver = receiver
 
     def collect(self) -> CollectorResult:
-        ranks: list[dict[str, Any]] = []
+        ranks: list[RankAnswer] = []
         counts = dict.fromkeys(RANK_STATES, 0)
         if self.table is not None:
             self.table.refresh()
-            ranks = self.table.snapshot(recent=0, json_safe=False)
+            ranks = self.table.answers(recent=0)
             for r in ranks:
-                counts[r["state"]] += 1
+                counts[r.state] += 1
         stats = self.receiver.stats() if self.receiver is not None else None
         metrics = rank_metrics(ranks) + node_metrics(counts, stats)
         facts: dict[str, Any] = {"ranks": counts, "receiver": stats}
@@ -78,12 +81,12 @@ class RanksCollector(Collector):
         return CollectorResult(metrics=metrics, facts=facts)
 
 
-def rank_metrics(ranks: list[dict[str, Any]]) -> list[Metric]:
-    """Per-rank families from a ``snapshot(json_safe=False)``."""
+def rank_metrics(ranks: list[RankAnswer]) -> list[Metric]:
+    """Per-rank families from the table's answers."""
     p = "rankguard_rank_"
-    rank_info = info(f"{p}info", "Identity of a training rank on this node.",
+    rank_info = info(RANK_INFO, "Identity of a training rank on this node.",
                      (*RANK_LABELS, "local_rank", "world_size", "pid"))  # fmt: skip
-    up = gauge(f"{p}up", "1 while the rank's process is alive or stopped, 0 once it is dead.", RANK)
+    up = gauge(RANK_UP, "1 while the rank's process is alive or stopped, 0 once it is gone.", RANK)
     state = gauge(f"{p}process_state", "1 for the rank process's current state.", (*RANK, "state"))
     phase = gauge(f"{p}phase", "1 for the phase the rank last reported.", (*RANK, "phase"))
     split = gauge(f"{p}phase_seconds", "Split of the rank's last timed step.", (*RANK, "phase"))
@@ -92,27 +95,35 @@ def rank_metrics(ranks: list[dict[str, Any]]) -> list[Metric]:
                       RANK)  # fmt: skip
     data_wait = gauge(f"{p}data_wait_ratio", "Data wait over step time, 0..1.", RANK)
     cpu = counter(f"{p}cpu_seconds_total", "CPU time (user + system) of the rank's process.", RANK)
+    client = counter(CLIENT_ERRORS,
+                     "Failures the rank's client library counted (records it dropped, calls it "
+                     "refused), by reason, as its newest record reports them.",
+                     (*RANK, REASON_LABEL))  # fmt: skip
     simple = {name: gauge(f"{p}{name}", help, RANK) for name, _, help in _PER_RANK_GAUGES}
 
     for r in ranks:
-        key = (r["job"], r["rank"])
-        rank_info.add((*key, r["local_rank"], r["world_size"], r["pid"]))
-        up.add(key, 1.0 if r["state"] in LIVE_STATES else 0.0)
+        key = (r.job, r.rank)
+        rank_info.add((*key, r.local_rank, r.world_size, r.pid))
+        up.add(key, 1.0 if r.up else 0.0)
         for s in RANK_STATES:
-            state.add((*key, s), 1.0 if r["state"] == s else 0.0)
+            state.add((*key, s), 1.0 if r.state == s else 0.0)
         for ph in PHASES:
-            phase.add((*key, ph), 1.0 if r["phase"] == ph else 0.0)
+            phase.add((*key, ph), 1.0 if r.phase == ph else 0.0)
         for name, field, _ in _PER_RANK_GAUGES:
-            if r[field] is not None:
-                simple[name].add(key, r[field])
-        if r["step_seconds"] is not None:
+            value = getattr(r, field)
+            if value is not None:
+                simple[name].add(key, value)
+        if r.step_seconds is not None:
             for field in SPLIT_FIELDS:
-                split.add((*key, field.removesuffix("_seconds")), r[field])
-            comm_step.add(key, _share(r["comm_seconds"], r["step_seconds"]))
-            data_wait.add(key, _share(r["data_wait_seconds"], r["step_seconds"]))
-        if r["cpu_seconds"] is not None:
-            cpu.add(key, r["cpu_seconds"])
-    return [rank_info, up, state, phase, *simple.values(), split, comm_step, data_wait, cpu]
+                split.add((*key, field.removesuffix("_seconds")), getattr(r, field))
+            comm_step.add(key, _share(r.comm_seconds, r.step_seconds))
+            data_wait.add(key, _share(r.data_wait_seconds, r.step_seconds))
+        if r.cpu_seconds is not None:
+            cpu.add(key, r.cpu_seconds)
+        for reason, count in sorted(r.client_errors.items()):
+            client.add((*key, reason), count)
+    return [rank_info, up, state, phase, *simple.values(), split, comm_step, data_wait, cpu,
+            client]  # fmt: skip
 
 
 def node_metrics(counts: dict[str, int], stats: dict[str, Any] | None) -> list[Metric]:

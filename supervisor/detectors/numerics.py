@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ...agent.telemetry import json_safe
+from ...contract.numbers import json_safe
 from ..model import BAD_NUMERICS, Finding, History
 from ..state import ClusterObs, RankObs
 from .common import finite, incarnation, mad, median, node_url, samples_of

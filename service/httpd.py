@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .telemetry import json_safe
+from ..contract.numbers import json_safe
 
 log = logging.getLogger("rankguard.httpd")
 

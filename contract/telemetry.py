@@ -20,7 +20,11 @@ Rules:
 * ``time``, every ``*_seconds`` and ``tokens_per_second`` are finite and ``>= 0``
   (ints are accepted and stored as ``float``); ``mfu`` is finite in ``[0, 1]``;
 * ``loss`` is ``None`` or any float, NaN and +-Inf included (a diverged loss is exactly
-  what the supervisor needs to see); ints are accepted and stored as ``float``.
+  what the supervisor needs to see); ints are accepted and stored as ``float``; on the
+  wire a non-finite loss is a string (``contract/numbers.py``), as everywhere else;
+* ``client_errors`` (optional) is the client library's own failure counters: at most
+  :data:`MAX_CLIENT_ERRORS` entries, each a reason (``[a-z][a-z0-9_]*``, at most
+  :data:`MAX_REASON_CHARS` characters) and a count; the agent shows them per rank.
 
 Unknown extra fields in a datagram are ignored (forward compatible within a schema
 version); a different ``v`` is refused with reason ``wrong_version``.
@@ -32,12 +36,17 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import REASONS, ContractError
+from .numbers import decode_float, encode_float
+
 __all__ = [
     "DEFAULT_SOCKET_PATH",
+    "MAX_CLIENT_ERRORS",
     "MAX_DATAGRAM_BYTES",
     "MAX_JOB_CHARS",
     "MAX_JSON_DEPTH",
@@ -45,10 +54,13 @@ __all__ = [
     "REASONS",
     "SCHEMA_VERSION",
     "SOCKET_ENV",
+    "SPLIT_FIELDS",
     "TelemetryError",
     "TelemetryRecord",
+    "comm_compute_ratio",
     "decode",
     "encode",
+    "is_reason_name",
     "socket_path_from_env",
 ]
 
@@ -64,17 +76,10 @@ MAX_JSON_DEPTH = 32
 #: Exclusive upper bound of every integer field (fits an int64).
 MAX_INT = 2**63
 
-#: Every value TelemetryError.reason can take (bounded label set).
-REASONS = (
-    "too_large",
-    "not_utf8",
-    "not_json",
-    "not_object",
-    "wrong_version",
-    "missing_field",
-    "bad_type",
-    "out_of_range",
-)
+#: The client's failure counters a record may carry, and how long a reason may be.
+MAX_CLIENT_ERRORS = 32
+MAX_REASON_CHARS = 48
+_REASON_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
@@ -91,22 +96,12 @@ def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
     return value
 
 
-class TelemetryError(ValueError):
+class TelemetryError(ContractError):
     """A record or datagram that breaks the telemetry contract.
 
-    ``reason`` is one of :data:`REASONS`; ``field`` names the offending field when
-    there is one; the message says which field and why.
+    ``reason`` is one of :data:`REASONS` (``contract/errors.py``); ``field`` names the
+    offending field when there is one; the message says which field and why.
     """
-
-    def __init__(self, reason: str, message: str, field: str | None = None) -> None:
-        if reason not in REASONS:
-            raise ValueError(f"unknown telemetry error reason {reason!r}")
-        super().__init__(message)
-        self.reason = reason
-        self.field = field
-
-    def __reduce__(self):
-        return (type(self), (self.reason, str(self), self.field))
 
 
 _INT_FIELDS = (
@@ -119,18 +114,6 @@ _INT_FIELDS = (
     "step",
     "peak_memory_bytes",
 )
-
-
-def json_safe(value: Any) -> Any:
-    """NaN and infinities as the strings "NaN", "Infinity", "-Infinity" (JSON has no such
-    numbers; a diverged loss must stay visible), recursively through dicts and lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 #: The parts of a step's wall time, as the record names them.
@@ -186,6 +169,39 @@ def _to_float(name: str, value: Any) -> float:
         raise _out_of_range(name, "integer too large for a float") from None
 
 
+def is_reason_name(name: Any) -> bool:
+    """Whether ``name`` may key ``client_errors`` (a bounded, label-safe name)."""
+    return (
+        isinstance(name, str)
+        and len(name) <= MAX_REASON_CHARS
+        and bool(_REASON_NAME.fullmatch(name))
+    )
+
+
+def _loss(value: Any) -> float:
+    """Any float, a non-finite one given as a number or in its wire spelling."""
+    try:
+        return decode_float(value, "loss", finite=False)
+    except ContractError as e:
+        raise TelemetryError(e.reason, str(e), "loss") from None
+
+
+def _check_client_errors(value: Any) -> dict[str, int] | None:
+    """The client's counters, copied; None when there are none."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _bad_type("client_errors", "object", value)
+    if len(value) > MAX_CLIENT_ERRORS:
+        raise _out_of_range("client_errors", f"{len(value)} entries > {MAX_CLIENT_ERRORS}")
+    out: dict[str, int] = {}
+    for reason, count in value.items():
+        if not is_reason_name(reason):
+            raise _out_of_range("client_errors", f"{str(reason)[:40]!r} is not a reason name")
+        out[reason] = _check_int(f"client_errors.{reason}", count)
+    return out or None
+
+
 def _check_nonneg_float(name: str, value: Any) -> float:
     f = _to_float(name, value)
     if not (math.isfinite(f) and f >= 0.0):
@@ -230,6 +246,7 @@ class TelemetryRecord:
     peak_memory_bytes: int
     loss: float | None
     checkpoint_step: int | None
+    client_errors: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
@@ -277,9 +294,10 @@ class TelemetryRecord:
         out["mfu"] = mfu
 
         loss = self.loss
-        out["loss"] = None if loss is None else _to_float("loss", loss)
+        out["loss"] = None if loss is None else _loss(loss)
         cs = self.checkpoint_step
         out["checkpoint_step"] = None if cs is None else _check_int("checkpoint_step", cs)
+        out["client_errors"] = _check_client_errors(self.client_errors)
         return out
 
     @property
@@ -287,8 +305,11 @@ class TelemetryRecord:
         return comm_compute_ratio(self.comm_seconds, self.compute_seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the fields, in schema order."""
-        return {name: getattr(self, name) for name in FIELD_NAMES}
+        """Plain dict of the fields, in schema order (``client_errors`` only when set)."""
+        out = {name: getattr(self, name) for name in REQUIRED_FIELDS}
+        if self.client_errors is not None:
+            out["client_errors"] = self.client_errors
+        return out
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> TelemetryRecord:
@@ -303,19 +324,23 @@ class TelemetryRecord:
                 raise _bad_type("v", "int", v)
             if v != SCHEMA_VERSION:
                 raise TelemetryError("wrong_version", _version_message(v), "v")
-        missing = [name for name in FIELD_NAMES if name not in obj]
+        missing = [name for name in REQUIRED_FIELDS if name not in obj]
         if missing:
             raise TelemetryError(
                 "missing_field", f"missing field(s): {', '.join(missing)}", missing[0]
             )
-        return cls(**{name: obj[name] for name in FIELD_NAMES})
+        return cls(
+            **{name: obj[name] for name in REQUIRED_FIELDS}, client_errors=obj.get("client_errors")
+        )
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TelemetryRecord))
+#: Every field but the optional ones (``client_errors``).
+REQUIRED_FIELDS: tuple[str, ...] = FIELD_NAMES[:-1]
 
 
 def encode(record: TelemetryRecord, *, validate: bool = True) -> bytes:
-    """Compact UTF-8 JSON for one record (NaN/Infinity literals for a non-finite loss).
+    """Compact UTF-8 JSON for one record (a non-finite loss in its wire spelling).
 
     Raises :class:`TelemetryError` if the record is invalid, ``too_large`` if the
     datagram would exceed :data:`MAX_DATAGRAM_BYTES`, and ``TypeError`` if ``record``
@@ -327,7 +352,9 @@ def encode(record: TelemetryRecord, *, validate: bool = True) -> bytes:
         raise TypeError(f"expected TelemetryRecord, got {type(record).__name__}")
     if validate:
         record.validate()
-    data = json.dumps(record.to_dict(), separators=(",", ":"), allow_nan=True).encode("ascii")
+    fields = record.to_dict()
+    fields["loss"] = encode_float(fields["loss"])
+    data = json.dumps(fields, separators=(",", ":"), allow_nan=False).encode("ascii")
     if len(data) > MAX_DATAGRAM_BYTES:
         raise TelemetryError(
             "too_large", f"encoded record is {len(data)} bytes > {MAX_DATAGRAM_BYTES}"

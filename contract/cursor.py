@@ -20,7 +20,9 @@ What an ``after`` value means (:func:`since`):
 - anything else (not ``<hex>-<digits>``, too long, a number over 2**63): a 400, a client
   bug that a silent full answer would hide.
 
-The simulator in ``bench/agent_sim.py`` serves the same protocol with these functions.
+The agent (agent/ranks.py), the simulator in ``bench/agent_sim.py`` and the supervisor
+(supervisor/windows.py, for :data:`START`) use these functions; the answer's fields are
+:class:`~.answers.RanksAnswer`'s ``cursor``, ``full`` and ``full_reason``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def since(after: str | None, incarnation: str, newest: int) -> Since | None:
 
 
 def answer_fields(s: Since, incarnation: str, newest: int) -> dict[str, Any]:
-    """The answer-level fields of an incremental answer (after "ranks")."""
+    """The answer-level fields of an incremental answer: :class:`~.answers.RanksAnswer`'s
+    ``cursor``, ``full`` and ``full_reason``."""
     return {"cursor": format_cursor(incarnation, newest), "full": s.full is not None,
             "full_reason": s.full}  # fmt: skip

@@ -1,0 +1,533 @@
+"""The agent's JSON answers, `/v1/node` and `/v1/ranks`, as typed models.
+
+The agent builds its answers from these classes (``to_json``), the supervisor and the
+scale simulator's clients read them back (``from_json``), so the wire format is written
+once. ``from_json`` checks every field's type and range and raises one error type,
+:class:`~.errors.ContractError`, naming the field (``ranks[2].recent[5].step``) and
+saying why; it never raises anything else for any JSON value. Unknown fields are ignored
+(an agent may add fields within ``API_VERSION``); every field listed here is required,
+present as ``null`` when it has no value. ``to_json`` gives plain JSON values with
+non-finite numbers in their wire spelling (``contract/numbers.py``); only losses may be
+non-finite.
+
+Two shapes of ``/v1/ranks``: without ``?after=`` (the legacy answer) samples carry no
+``seq`` and ranks no ``recent_from``; with it (an incremental read, ``contract/cursor.py``)
+every sample has its ``seq``, every rank its ``recent_from`` and the answer its
+``cursor``, ``full`` and ``full_reason``. :attr:`RanksAnswer.incremental` says which.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .errors import ContractError
+from .numbers import decode_float, encode_float
+from .states import LIVE_STATES, RANK_SOURCES, RANK_STATES
+from .telemetry import MAX_CLIENT_ERRORS, MAX_JOB_CHARS, MAX_REASON_CHARS, PHASES
+
+__all__ = [
+    "API_VERSION",
+    "NODE_STATUSES",
+    "CollectorStatus",
+    "HealthReason",
+    "NodeAnswer",
+    "RankAnswer",
+    "RanksAnswer",
+    "Sample",
+    "TelemetryStats",
+]
+
+#: The ``api`` field of every agent answer.
+API_VERSION = "rankguard.agent/v1"
+#: A node's verdict, best first.
+NODE_STATUSES = ("healthy", "degraded", "unhealthy")
+
+_MAX_INT = 2**63
+_MAX_RANKS = 65536  # per answer: far above any node, far below a memory problem
+_MAX_SAMPLES = 4096  # per rank
+_MAX_TEXT = 4096  # free-text fields (state details, messages, errors)
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- field readers
+
+
+def _object(value: Any, field: str | None = None) -> Mapping[str, Any]:
+    """An object: a whole model (``field`` None, named by its parent) or one field."""
+    if not isinstance(value, Mapping):
+        what = f"{field}: expected" if field else "expected"
+        raise ContractError("not_object", f"{what} an object, got {_kind(value)}", field)
+    return value
+
+
+def _get(obj: Mapping[str, Any], name: str) -> Any:
+    if name not in obj:
+        raise ContractError("missing_field", f"{name}: missing", name)
+    return obj[name]
+
+
+def _int(obj: Mapping[str, Any], name: str, minimum: int = 0, optional: bool = False) -> Any:
+    value = _get(obj, name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ContractError("bad_type", f"{name}: expected an integer, got {_kind(value)}", name)
+    if not minimum <= value < _MAX_INT:
+        raise ContractError("out_of_range", f"{name}: not in [{minimum}, 2**63)", name)
+    return value
+
+
+def _float(obj: Mapping[str, Any], name: str, optional: bool = False, finite: bool = True) -> Any:
+    value = _get(obj, name)
+    if value is None and optional:
+        return None
+    return decode_float(value, name, finite=finite)
+
+
+def _str(
+    obj: Mapping[str, Any],
+    name: str,
+    optional: bool = False,
+    choices: tuple[str, ...] | None = None,
+    max_chars: int = _MAX_TEXT,
+) -> Any:
+    value = _get(obj, name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ContractError("bad_type", f"{name}: expected a string, got {_kind(value)}", name)
+    if choices is not None and value not in choices:
+        raise ContractError(
+            "out_of_range", f"{name}: {value[:32]!r} is not one of {', '.join(choices)}", name
+        )
+    if len(value) > max_chars:
+        raise ContractError("out_of_range", f"{name}: longer than {max_chars} characters", name)
+    return value
+
+
+def _bool(obj: Mapping[str, Any], name: str) -> bool:
+    value = _get(obj, name)
+    if not isinstance(value, bool):
+        raise ContractError("bad_type", f"{name}: expected true or false, got {_kind(value)}", name)
+    return value
+
+
+def _list(
+    obj: Mapping[str, Any], name: str, item: Callable[[Any], T], max_items: int
+) -> tuple[T, ...]:
+    value = _get(obj, name)
+    if not isinstance(value, list):
+        raise ContractError("bad_type", f"{name}: expected a list, got {_kind(value)}", name)
+    if len(value) > max_items:
+        raise ContractError("out_of_range", f"{name}: more than {max_items} items", name)
+    out = []
+    for i, v in enumerate(value):
+        try:
+            out.append(item(v))
+        except ContractError as e:
+            raise e.within(f"{name}[{i}]") from None
+    return tuple(out)
+
+
+def _counts(obj: Mapping[str, Any], name: str, max_items: int) -> dict[str, int]:
+    """An object of reason -> count (a counter by reason)."""
+    value = _object(_get(obj, name), name)
+    if len(value) > max_items:
+        raise ContractError("out_of_range", f"{name}: more than {max_items} entries", name)
+    out = {}
+    for key in value:
+        if not isinstance(key, str) or len(key) > MAX_REASON_CHARS:
+            raise ContractError("out_of_range", f"{name}: {str(key)[:40]!r} is no reason", name)
+        try:
+            out[key] = _int(value, key)
+        except ContractError as e:
+            raise e.within(name) from None
+    return out
+
+
+def _nested(obj: Mapping[str, Any], name: str, build: Callable[[Any], T]) -> T:
+    try:
+        return build(_get(obj, name))
+    except ContractError as e:
+        if e.reason == "missing_field" and e.field == name:
+            raise
+        raise e.within(name) from None
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    """The wire form of a float that must be finite (a bug if not: refuse to hide it)."""
+    if x is not None and not math.isfinite(x):
+        raise ValueError(f"{x!r} is not finite")
+    return x
+
+
+# --------------------------------------------------------------------------- /v1/ranks
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed step of a rank's ``recent`` window."""
+
+    step: int
+    phase: str
+    restart: int
+    pid: int
+    step_seconds: float
+    data_wait_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    loss: float | None
+    seq: int | None = None  # the agent's sample number; incremental answers only
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "step": self.step,
+            "phase": self.phase,
+            "restart": self.restart,
+            "pid": self.pid,
+            "step_seconds": self.step_seconds,
+            "data_wait_seconds": self.data_wait_seconds,
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "loss": encode_float(self.loss),
+        }
+        if self.seq is not None:
+            out["seq"] = self.seq
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, incremental: bool = False) -> Sample:
+        o = _object(obj)
+        return cls(
+            step=_int(o, "step"),
+            phase=_str(o, "phase", choices=PHASES),
+            restart=_int(o, "restart"),
+            pid=_int(o, "pid"),
+            step_seconds=_float(o, "step_seconds"),
+            data_wait_seconds=_float(o, "data_wait_seconds"),
+            compute_seconds=_float(o, "compute_seconds"),
+            comm_seconds=_float(o, "comm_seconds"),
+            loss=_float(o, "loss", optional=True, finite=False),
+            seq=_int(o, "seq") if incremental else None,
+        )
+
+
+#: RankAnswer's float fields that may be null (each finite when set), in answer order.
+_RANK_FLOATS = (
+    "step_seconds",
+    "data_wait_seconds",
+    "compute_seconds",
+    "comm_seconds",
+    "comm_exposed_seconds",
+    "optimizer_seconds",
+    "checkpoint_block_seconds",
+    "comm_compute_ratio",
+    "tokens_per_second",
+    "mfu",
+)
+
+
+@dataclass(frozen=True)
+class RankAnswer:
+    """One rank as ``/v1/ranks`` shows it. A rank found in /proc (``source`` "process")
+    has no step, phase, heartbeat, loss, checkpoint step or peak memory: those are null.
+    ``up`` is exactly ``state in LIVE_STATES`` (``contract/states.py``)."""
+
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    restart: int
+    state: str
+    source: str = "telemetry"
+    process_changes: int = 0
+    state_detail: str | None = None
+    state_since: float = 0.0
+    exit_code: int | None = None
+    exited_at: float | None = None
+    first_seen_at: float = 0.0
+    step: int | None = None
+    phase: str | None = None
+    heartbeat_age_seconds: float | None = None
+    last_heartbeat_at: float | None = None
+    timed_step: int | None = None
+    step_seconds: float | None = None
+    data_wait_seconds: float | None = None
+    compute_seconds: float | None = None
+    comm_seconds: float | None = None
+    comm_exposed_seconds: float | None = None
+    optimizer_seconds: float | None = None
+    checkpoint_block_seconds: float | None = None
+    comm_compute_ratio: float | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    loss: float | None = None
+    peak_memory_bytes: int | None = None
+    checkpoint_step: int | None = None
+    cpu_seconds: float | None = None
+    cpu_utilization: float | None = None
+    cpu_active_at: float = 0.0
+    records_received: int = 0
+    # the client library's failure counters, by reason, from the rank's newest record
+    client_errors: Mapping[str, int] = field(default_factory=dict)
+    recent: tuple[Sample, ...] = ()
+    recent_from: int | None = None  # incremental answers: the window's oldest seq
+
+    @property
+    def up(self) -> bool:
+        return self.state in LIVE_STATES
+
+    def to_json(self, incremental: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "job": self.job,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "pid": self.pid,
+            "restart": self.restart,
+            "process_changes": self.process_changes,
+            "state": self.state,
+            "up": self.up,
+            "state_detail": self.state_detail,
+            "source": self.source,
+            "state_since": self.state_since,
+            "exit_code": self.exit_code,
+            "exited_at": self.exited_at,
+            "first_seen_at": self.first_seen_at,
+            "step": self.step,
+            "phase": self.phase,
+            "heartbeat_age_seconds": self.heartbeat_age_seconds,
+            "last_heartbeat_at": self.last_heartbeat_at,
+            "timed_step": self.timed_step,
+        }
+        for name in _RANK_FLOATS:
+            out[name] = _finite_or_none(getattr(self, name))
+        out.update(
+            loss=encode_float(self.loss),
+            peak_memory_bytes=self.peak_memory_bytes,
+            checkpoint_step=self.checkpoint_step,
+            cpu_seconds=self.cpu_seconds,
+            cpu_utilization=self.cpu_utilization,
+            cpu_active_at=self.cpu_active_at,
+            records_received=self.records_received,
+            client_errors=dict(self.client_errors),
+        )
+        if incremental:
+            out["recent_from"] = self.recent_from
+        out["recent"] = [s.to_json() for s in self.recent]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, incremental: bool = False) -> RankAnswer:
+        o = _object(obj)
+        state = _str(o, "state", choices=RANK_STATES)
+        if _bool(o, "up") != (state in LIVE_STATES):
+            raise ContractError("out_of_range", f"up: contradicts state {state!r}", "up")
+        world_size = _int(o, "world_size", minimum=1)
+        rank = _int(o, "rank")
+        if rank >= world_size:
+            raise ContractError("out_of_range", f"rank: {rank} >= world_size {world_size}", "rank")
+        return cls(
+            job=_str(o, "job", max_chars=MAX_JOB_CHARS),
+            rank=rank,
+            local_rank=_int(o, "local_rank"),
+            world_size=world_size,
+            pid=_int(o, "pid"),
+            restart=_int(o, "restart"),
+            state=state,
+            source=_str(o, "source", choices=RANK_SOURCES),
+            process_changes=_int(o, "process_changes"),
+            state_detail=_str(o, "state_detail", optional=True),
+            state_since=_float(o, "state_since"),
+            exit_code=_int(o, "exit_code", optional=True),
+            exited_at=_float(o, "exited_at", optional=True),
+            first_seen_at=_float(o, "first_seen_at"),
+            step=_int(o, "step", optional=True),
+            phase=_str(o, "phase", optional=True, choices=PHASES),
+            heartbeat_age_seconds=_float(o, "heartbeat_age_seconds", optional=True),
+            last_heartbeat_at=_float(o, "last_heartbeat_at", optional=True),
+            timed_step=_int(o, "timed_step", optional=True),
+            **{name: _float(o, name, optional=True) for name in _RANK_FLOATS},
+            loss=_float(o, "loss", optional=True, finite=False),
+            peak_memory_bytes=_int(o, "peak_memory_bytes", optional=True),
+            checkpoint_step=_int(o, "checkpoint_step", optional=True),
+            cpu_seconds=_float(o, "cpu_seconds", optional=True),
+            cpu_utilization=_float(o, "cpu_utilization", optional=True),
+            cpu_active_at=_float(o, "cpu_active_at"),
+            records_received=_int(o, "records_received"),
+            client_errors=_counts(o, "client_errors", MAX_CLIENT_ERRORS),
+            recent=_list(o, "recent", lambda s: Sample.from_json(s, incremental), _MAX_SAMPLES),
+            recent_from=_int(o, "recent_from", optional=True) if incremental else None,
+        )
+
+
+@dataclass(frozen=True)
+class TelemetryStats:
+    """The agent's telemetry receiver: records accepted, datagrams rejected by reason."""
+
+    path: str = ""
+    accepted: int = 0
+    rejected: Mapping[str, int] = field(default_factory=dict)
+    last_error: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "accepted": self.accepted, "rejected": dict(self.rejected),
+                "rejected_total": self.rejected_total,
+                "last_error": dict(self.last_error)}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TelemetryStats:
+        o = _object(obj)
+        rejected = _counts(o, "rejected", 64)
+        if _int(o, "rejected_total") != sum(rejected.values()):
+            raise ContractError("out_of_range", "rejected_total: not the sum", "rejected_total")
+        last = _object(_get(o, "last_error"), "last_error")
+        for key in last:
+            _str(last, key)
+        return cls(path=_str(o, "path"), accepted=_int(o, "accepted"), rejected=rejected,
+                   last_error=dict(last))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RanksAnswer:
+    """``GET /v1/ranks``: the node's ranks and its telemetry receiver's counters; with a
+    ``cursor`` (an incremental read) also whether the answer replaces everything."""
+
+    node: str
+    time: float
+    ranks: tuple[RankAnswer, ...] = ()
+    telemetry: TelemetryStats = field(default_factory=TelemetryStats)
+    cursor: str | None = None
+    full: bool = False
+    full_reason: str | None = None
+
+    @property
+    def incremental(self) -> bool:
+        return self.cursor is not None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "api": API_VERSION,
+            "node": self.node,
+            "time": self.time,
+            "ranks": [r.to_json(self.incremental) for r in self.ranks],
+            "telemetry": self.telemetry.to_json(),
+        }
+        if self.incremental:
+            out.update(cursor=self.cursor, full=self.full, full_reason=self.full_reason)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RanksAnswer:
+        o = _object(obj)
+        cursor = _str(o, "cursor", optional=True) if "cursor" in o else None
+        incremental = cursor is not None
+        return cls(
+            node=_str(o, "node"),
+            time=_float(o, "time"),
+            ranks=_list(o, "ranks", lambda r: RankAnswer.from_json(r, incremental), _MAX_RANKS),
+            telemetry=_nested(o, "telemetry", TelemetryStats.from_json),
+            cursor=cursor,
+            full=_bool(o, "full") if incremental else False,
+            full_reason=_str(o, "full_reason", optional=True) if incremental else None,
+        )
+
+
+# --------------------------------------------------------------------------- /v1/node
+
+
+@dataclass(frozen=True)
+class HealthReason:
+    code: str
+    severity: str
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "severity": self.severity, "message": self.message}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> HealthReason:
+        o = _object(obj)
+        return cls(code=_str(o, "code", max_chars=128),
+                   severity=_str(o, "severity", choices=NODE_STATUSES),
+                   message=_str(o, "message"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CollectorStatus:
+    success: bool
+    duration_seconds: float
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"success": self.success, "duration_seconds": self.duration_seconds,
+                "error": self.error}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any) -> CollectorStatus:
+        o = _object(obj)
+        return cls(success=_bool(o, "success"),
+                   duration_seconds=_float(o, "duration_seconds"),
+                   error=_str(o, "error", optional=True))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NodeAnswer:
+    """``GET /v1/node``: the node's verdict with reasons, each collector's last run, and
+    the collectors' facts (free-form JSON objects, one per collector, for people and
+    tools; the supervisor reads only the verdict)."""
+
+    node: str
+    version: str
+    time: float
+    uptime_seconds: float
+    status: str
+    reasons: tuple[HealthReason, ...] = ()
+    collectors: Mapping[str, CollectorStatus] = field(default_factory=dict)
+    facts: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "api": API_VERSION,
+            "node": self.node,
+            "version": self.version,
+            "time": self.time,
+            "uptime_seconds": self.uptime_seconds,
+            "status": self.status,
+            "reasons": [r.to_json() for r in self.reasons],
+            "collectors": {name: c.to_json() for name, c in self.collectors.items()},
+            "facts": dict(self.facts),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> NodeAnswer:
+        o = _object(obj)
+        collectors = {}
+        for name, c in _object(_get(o, "collectors"), "collectors").items():
+            try:
+                collectors[name] = CollectorStatus.from_json(c)
+            except ContractError as e:
+                raise e.within(f"collectors.{name}") from None
+        return cls(
+            node=_str(o, "node", max_chars=256),
+            version=_str(o, "version", max_chars=128),
+            time=_float(o, "time"),
+            uptime_seconds=_float(o, "uptime_seconds"),
+            status=_str(o, "status", choices=NODE_STATUSES),
+            reasons=_list(o, "reasons", HealthReason.from_json, 1024),
+            collectors=collectors,
+            facts=dict(_object(_get(o, "facts"), "facts")),
+        )
