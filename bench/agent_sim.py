@@ -189,6 +189,7 @@ class Cluster:
                 "cpu_utilization": 1.0 if r.state == "alive" else 0.0,
                 "cpu_active_at": now if r.state == "alive" else self.inc_start,
                 "records_received": step - self.base_step,
+                "stand_in": None,  # simulated ranks are started by torchrun itself
             }  # fmt: skip
             r.header = (key, _dumps(fields)[:-1])  # without the closing brace
         if s is None:  # the legacy answer: the whole window, no sample numbers

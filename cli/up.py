@@ -290,17 +290,18 @@ def up(
             threading.Timer(
                 f["at"], _inject, (f, agent_url, token, fault_file, ckpt_dir, job)
             ).start()
-        _watch(trainer, kept, sup_url, start)
+        stuck_after_training = _watch(trainer, kept, sup_url, job, start)
         typer.echo(f"{time.monotonic() - start:6.1f}s {_status_line(sup_url, kept)}")
         cluster = _get(sup_url + "/v1/cluster") or {}
         state = cluster.get("jobs", {}).get(job, {})
         verdict = state.get("verdict") if state.get("state") == "stopped" else None
         if trainer.returncode != 0 and verdict is None:
             verdict = _stop_verdict(db, job)
-        if trainer.returncode == 0 and script:
+        completed = trainer.returncode == 0 or stuck_after_training
+        if completed and script:
             typer.echo(f"rankguard up: training completed: {' '.join(script)} exited 0")
             code = 0
-        elif trainer.returncode == 0:
+        elif completed and (run_dir / "summary.json").is_file():
             summary = json.loads((run_dir / "summary.json").read_text())
             typer.echo(f"rankguard up: training completed: step {summary['final_step']}, loss "
                        f"{summary['final_loss']:.4f}, digest {summary['param_digest'][:16]}")  # fmt: skip
@@ -336,11 +337,30 @@ def up(
                 p.kill()
 
 
-def _watch(trainer: subprocess.Popen, kept: list[KeptDaemon], sup_url: str, start: float) -> None:
+FINISHED_GRACE_SECONDS = 60.0  # torchrun exits within a second or so of its last worker
+
+
+def training_finished(ranks: list[dict], job: str) -> bool:
+    """Every rank of the job's newest incarnation has finished (`/v1/ranks` rows)."""
+    mine = [r for r in ranks if r.get("job") == job and isinstance(r.get("restart"), int)]
+    if not mine:
+        return False
+    newest = max(r["restart"] for r in mine)
+    return all(r.get("state") == "finished" for r in mine if r["restart"] == newest)
+
+
+def _watch(
+    trainer: subprocess.Popen, kept: list[KeptDaemon], sup_url: str, job: str, start: float
+) -> bool:
     """Until the trainer exits: keep the daemons running (checked every half second, so a
-    dead supervisor is back within seconds) and print the status line now and then."""
+    dead supervisor is back within seconds) and print the status line now and then.
+
+    Never without a bound once training is over: when every rank has finished and
+    torchrun is still there FINISHED_GRACE_SECONDS later (a stopped launcher, or a
+    stand-in the supervisor could not end), torchrun is stopped; returns True then."""
     period = 2 if sys.stdout.isatty() else 5
     next_status = 0.0
+    finished_at: float | None = None
     while trainer.poll() is None:
         now = time.monotonic()
         for d in kept:
@@ -350,7 +370,27 @@ def _watch(trainer: subprocess.Popen, kept: list[KeptDaemon], sup_url: str, star
         if now >= next_status:
             typer.echo(f"{now - start:6.1f}s {_status_line(sup_url, kept)}")
             next_status = now + period
+            ranks = (_get(sup_url + "/v1/ranks") or {}).get("ranks") or []
+            if not training_finished(ranks, job):
+                finished_at = None
+            elif finished_at is None:
+                finished_at = now
+            elif now - finished_at > FINISHED_GRACE_SECONDS:
+                typer.echo(f"rankguard up: every rank finished {now - finished_at:.0f}s ago but "
+                           "torchrun has not exited; stopping it", err=True)  # fmt: skip
+                _end(trainer)
+                return True
         time.sleep(0.5)
+    return False
+
+
+def _end(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a stopped torchrun: SIGKILL ends it all the same
+        proc.wait()
 
 
 def _check_script(script: list[str]) -> None:

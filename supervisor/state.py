@@ -75,6 +75,11 @@ class RankObs:
     source: str = "telemetry"
     state_since: float | None = None  # when the agent saw the process state change
     cpu_active_at: float | None = None  # when the process last used CPU (agent's window)
+    # the process torchrun watches in place of this rank (a warm-start shim), if any:
+    # alive, stopped or gone, and since when (agent/stand_ins.py)
+    stand_in_pid: int | None = None
+    stand_in_state: str | None = None
+    stand_in_since: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -113,7 +118,16 @@ class RankObs:
             source="process" if d.get("source") == "process" else "telemetry",
             state_since=_float(d.get("state_since")),
             cpu_active_at=_float(d.get("cpu_active_at")),
+            **_stand_in(d.get("stand_in")),
         )
+
+
+def _stand_in(d) -> dict:
+    if not isinstance(d, dict) or not isinstance(d.get("pid"), int):
+        return {}
+    state = d.get("state")
+    return {"stand_in_pid": d["pid"], "stand_in_state": state if isinstance(state, str) else None,
+            "stand_in_since": _float(d.get("state_since"))}  # fmt: skip
 
 
 @dataclass(frozen=True)

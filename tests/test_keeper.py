@@ -1,5 +1,6 @@
 """The rule `rankguard up` keeps its agent and supervisor running by (cli/keeper.py):
-fake processes, a fake health check and a fake clock."""
+fake processes, a fake health check and a fake clock; and when `up` knows training is
+over (the bound on waiting for torchrun afterwards)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from rankguard.cli.keeper import KeptDaemon, describe_exit
+from rankguard.cli.up import training_finished
 
 
 class FakeProc:
@@ -107,3 +109,17 @@ def test_describe_exit(code, text):
 def test_describe_exit_of_a_real_process():
     proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])
     assert describe_exit(proc.wait()) == "killed by SIGKILL"
+
+
+def test_training_finished_judges_the_newest_incarnation_of_the_job():
+    def r(rank, state, restart=1, job="run"):
+        return {"job": job, "rank": rank, "state": state, "restart": restart}
+
+    assert training_finished([r(0, "finished"), r(1, "finished")], "run")
+    assert not training_finished([r(0, "finished"), r(1, "alive")], "run")
+    # the old incarnation's dead ranks do not count; the new one's do
+    assert training_finished([r(0, "exited", 0), r(0, "finished"), r(1, "finished")], "run")
+    assert not training_finished([r(0, "finished", 0), r(0, "alive", 1)], "run")
+    assert not training_finished([r(0, "finished", job="other")], "run")
+    assert not training_finished([], "run")
+    assert not training_finished([{"job": "run", "state": "finished"}], "run")  # malformed

@@ -129,3 +129,57 @@ def test_up_restarts_a_killed_daemon_and_a_later_rank_death_is_recorded(tmp_path
         capture_output=True, text=True,
     )  # fmt: skip
     assert listed.returncode == 0 and "rank_dead" in listed.stdout, listed.stderr
+
+
+def test_up_warm_start_stopped_stub_is_a_fault_and_up_exits_after_training(tmp_path):
+    """The rank runs in a process forked by the warm server; torchrun watches the stub it
+    started. A SIGSTOPped stub hid the rank from torchrun, and `up` sat at the last step
+    for ever. Now the agent watches the stub, the supervisor kills the rank with its stub,
+    torchrun restarts the group, and `up` exits 0 within seconds of the last step."""
+    run = tmp_path / "run"
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--warm-start", "--steps", "800",
+         "--ckpt-every", "20", "--run-dir", str(run), *SMALL_MODEL],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    out = Output(proc)
+    try:
+        sup_url = wait_until(
+            lambda: (m := re.search(r"supervisor (http://\S+)", out.text)) and m.group(1),
+            60, "up's first line",
+        )  # fmt: skip
+        rank1 = wait_until(
+            lambda: next((r for r in ranks(sup_url) if r["rank"] == 1 and (r.get("step") or 0) >= 20
+                          and r.get("stand_in")), None), 120, "rank 1 training, its stub known",
+        )  # fmt: skip
+        stub = rank1["stand_in"]["pid"]
+        assert stub != rank1["pid"] and rank1["stand_in"]["state"] == "alive"
+        assert rank1["step"] < 760, "training nearly over before the stub could be stopped"
+        os.kill(stub, signal.SIGSTOP)
+        stopped_at = time.time()
+        wait_until(lambda: all(r["state"] == "finished" and r["restart"] > rank1["restart"]
+                               for r in ranks(sup_url)) and len(ranks(sup_url)) == 2,
+                   300, "the restarted job finished")  # fmt: skip
+        finished = time.monotonic()
+        proc.wait(timeout=60)
+        exit_after_training = time.monotonic() - finished
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = out.text
+    print(text)
+    print(f"up exited {exit_after_training:.1f}s after training ended; whole run "
+          f"{time.monotonic() - started:.0f}s")  # fmt: skip
+    assert proc.returncode == 0, text[-4000:]
+    assert "training completed: step 800" in text
+    assert exit_after_training < 20
+    with sqlite3.connect(run / "rankguard.db") as db:
+        db.row_factory = sqlite3.Row
+        hung = db.execute("SELECT * FROM incidents WHERE kind = 'rank_hung'").fetchall()
+    assert [(h["rank"], h["action"]) for h in hung] == [(1, "kill_rank")], [dict(h) for h in hung]
+    assert ":stand_in:" in hung[0]["key"] and f"pid {stub}" in hung[0]["summary"]
+    assert hung[0]["detected_at"] - stopped_at < 10  # the 2 s budget, and a pass or two
+    with pytest.raises(ProcessLookupError):
+        os.kill(stub, 0)  # the stub was ended, not left stopped
