@@ -123,3 +123,62 @@ def test_training_finished_judges_the_newest_incarnation_of_the_job():
     assert not training_finished([r(0, "finished", job="other")], "run")
     assert not training_finished([], "run")
     assert not training_finished([{"job": "run", "state": "finished"}], "run")  # malformed
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class StuckLauncher:
+    """torchrun waiting on a stand-in that cannot exit: runs until signalled."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+        self.signals: list[str] = []
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def terminate(self) -> None:
+        self.signals.append("SIGTERM")
+        self.returncode = -15
+
+    def kill(self) -> None:
+        self.signals.append("SIGKILL")
+        self.returncode = -9
+
+    def wait(self, timeout=None) -> int | None:
+        return self.returncode
+
+
+@pytest.mark.parametrize(
+    ("states", "stopped"), [(["finished", "finished"], True), (["finished", "alive"], False)]
+)
+def test_up_stops_a_launcher_that_outlives_its_finished_ranks(monkeypatch, capsys, states, stopped):
+    from rankguard.cli import up
+
+    clock = FakeTime()
+    monkeypatch.setattr(up, "time", clock)
+    rows = [{"job": "run", "rank": i, "restart": 0, "state": s} for i, s in enumerate(states)]
+    monkeypatch.setattr(
+        up, "_get", lambda url: {"ranks": rows} if url.endswith("/v1/ranks") else {}
+    )
+    launcher = StuckLauncher()
+    if not stopped:  # a rank still training: up keeps waiting (here: until the test ends it)
+        monkeypatch.setattr(clock, "sleep", lambda s: (
+            setattr(clock, "now", clock.now + s),
+            clock.now > 600 and setattr(launcher, "returncode", 0)))  # fmt: skip
+    assert up._watch(launcher, [], "http://sup", "run", 0.0) is stopped
+    if stopped:
+        assert launcher.signals == ["SIGTERM"]
+        assert up.FINISHED_GRACE_SECONDS < clock.now < up.FINISHED_GRACE_SECONDS + 15
+        assert "torchrun has not exited; stopping it" in capsys.readouterr().err
+    else:
+        assert launcher.signals == [] and clock.now > 600
