@@ -58,14 +58,32 @@ def send_signal(table, body: dict) -> dict:
     name = body.get("signal", "SIGTERM")
     if name not in ALLOWED_SIGNALS:
         raise ControlError(400, f"signal must be one of {', '.join(ALLOWED_SIGNALS)}")
-    pid = resolve_pid(table, job, rank)
+    # SIGKILL reaches the rank's stand-in too (a warm-start shim: what torchrun watches),
+    # since a stand-in cannot forward it; a stopped one would otherwise keep the killed
+    # rank's death from torchrun. Other signals the shim forwards itself.
+    stand_in = table.stand_in_pid(job, rank) if name == "SIGKILL" else None
     try:
-        os.kill(pid, getattr(signal, name))
-    except ProcessLookupError:
-        raise ControlError(404, f"rank {rank} of job {job}: process {pid} is gone") from None
-    except PermissionError:
-        raise ControlError(403, f"not permitted to signal process {pid}") from None
-    return {"job": job, "rank": rank, "pid": pid, "signal": name, "sent": True}
+        pid = resolve_pid(table, job, rank)
+    except ControlError:
+        if stand_in is None:
+            raise
+        pid = None  # the rank has ended (finished, say) but torchrun cannot see it
+    for target in (stand_in, pid):
+        if target is None:
+            continue
+        try:
+            os.kill(target, getattr(signal, name))
+        except ProcessLookupError:
+            if target == pid and stand_in is None:  # else it died with its stand-in
+                raise ControlError(
+                    404, f"rank {rank} of job {job}: process {pid} is gone"
+                ) from None
+        except PermissionError:
+            raise ControlError(403, f"not permitted to signal process {target}") from None
+    out = {"job": job, "rank": rank, "pid": pid, "signal": name, "sent": True}
+    if stand_in is not None:
+        out["stand_in"] = stand_in
+    return out
 
 
 def py_spy_path() -> str | None:
@@ -105,15 +123,26 @@ def launcher_pid(pid: int, ppid: int | None) -> int | None:
     """The torchrun launcher of a rank process: its parent; or, for a warm-started worker
     (trainer/warm.py, forked by the warm server), the parent of the shim torchrun started,
     which the worker watches through a pidfd. Else the parent as it is."""
+    from .ranks import read_proc_stat
+
+    shim = stand_in_pid(pid, ppid)
+    stat = read_proc_stat(shim) if shim is not None else None
+    return stat.ppid if stat is not None else ppid
+
+
+def stand_in_pid(pid: int, ppid: int | None) -> int | None:
+    """The process torchrun started in place of a rank that runs elsewhere: the warm-start
+    shim, a process the rank holds a pidfd on whose parent is a launcher (agent/stand_ins.py).
+    None for a rank that torchrun started itself."""
     if ppid is None or _is_launcher(ppid):
-        return ppid
+        return None
     from .ranks import read_proc_stat
 
     for shim in _pidfd_targets(pid):
         stat = read_proc_stat(shim)
         if stat is not None and _is_launcher(stat.ppid):
-            return stat.ppid
-    return ppid
+            return shim
+    return None
 
 
 def _pidfd_targets(pid: int) -> list[int]:

@@ -91,14 +91,29 @@ def disk_reasons(filesystems: dict | None) -> list[Reason]:
         ratio = free / size
         if ratio < DISK_DEGRADED_RATIO:
             severity = "unhealthy" if ratio < DISK_UNHEALTHY_RATIO else "degraded"
-            out.append(
-                Reason(
-                    f"{role}_disk_low",
-                    severity,
-                    f"{role} filesystem at {fs.get('path')}: {ratio:.1%} free",
-                )  # fmt: skip
-            )
+            out.append(Reason(f"{role}_disk_low", severity, _disk_message(role, fs, ratio)))
     return out
+
+
+def _disk_message(role: str, fs: dict, ratio: float) -> str:
+    """Names the filesystem itself (mount point and type), not only the directory: that
+    is what the operator must free; a full one says so in the kernel's words."""
+    mount, fstype = fs.get("mountpoint"), fs.get("fstype")
+    where = f" {mount}" + (f" ({fstype})" if fstype else "") if mount else ""
+    free, size = fs.get("free_bytes") or 0, fs.get("size_bytes") or 0
+    state = "full: no space left on device" if free <= 0 else f"{ratio:.1%} free"
+    return (
+        f"{role} filesystem{where} holding {fs.get('path')}: {state} "
+        f"({_human_bytes(free)} of {_human_bytes(size)})"
+    )
+
+
+def _human_bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
 def collector_reasons(runs) -> list[Reason]:

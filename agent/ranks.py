@@ -46,7 +46,8 @@ from ..contract.cursor import Since, answer_fields, new_incarnation, since
 from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
 from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
 from ..contract.telemetry import SPLIT_FIELDS, TelemetryRecord
-from .control import launcher_pid
+from .control import launcher_pid, stand_in_pid
+from .stand_ins import StandIn, stand_in_state
 
 __all__ = [
     "HistoryEntry",
@@ -412,6 +413,7 @@ class _Rank:
         # torchrun's agent, for stop-job: remembered now, as between incarnations every
         # rank is dead and the job must still be stoppable
         self.parent_pid = launcher_pid(pid, stat.ppid) if stat else None
+        self.stand_in = _find_stand_in(pid, stat, now)  # a warm-start shim: watched too
         self.state, self.detail = "alive", None
         self.state_since = now  # when the state last changed (a stop's duration)
         self.exit_code: int | None = None  # waitpid status, when read from the zombie
@@ -540,6 +542,7 @@ class _Rank:
             client_errors=dict(rec.client_errors or {}),
             recent=samples,
             recent_from=first,
+            stand_in=self.stand_in.answer(to_unix) if self.stand_in else None,
         )
 
     def _window(self, n: int) -> list[HistoryEntry]:
@@ -552,6 +555,16 @@ class _Rank:
                 picked.append(entry)
         picked.reverse()
         return picked
+
+
+def _find_stand_in(pid: int, stat: ProcStat | None, now: float) -> StandIn | None:
+    shim = stand_in_pid(pid, stat.ppid) if stat else None
+    shim_stat = read_proc_stat(shim) if shim is not None else None
+    if shim_stat is None:
+        return None
+    return StandIn(
+        shim, shim_stat.start_ticks, stand_in_state(shim_stat, shim_stat.start_ticks), now
+    )
 
 
 class RankTable:
@@ -811,10 +824,19 @@ class RankTable:
                 for key, r in self._ranks.items()
                 if r.state in LIVE_STATES or r.state == "zombie"
             ]
+            # stand-ins outlive their rank when stopped: watched while they exist
+            shims = [(r.stand_in, r.stand_in.pid) for r in self._ranks.values()
+                     if r.stand_in is not None and r.stand_in.watched]  # fmt: skip
         stats: dict[tuple[str, int], ProcStat | None] = {}
         for key, pid in targets:  # /proc reads outside the lock
             try:
                 stats[key] = read_proc_stat(pid, self._proc_root)
+            except (OSError, ValueError) as e:
+                log.warning("cannot read /proc/%d/stat: %s", pid, e)
+        shim_stats = {}
+        for _, pid in shims:
+            try:
+                shim_stats[pid] = read_proc_stat(pid, self._proc_root)
             except (OSError, ValueError) as e:
                 log.warning("cannot read /proc/%d/stat: %s", pid, e)
         events = []
@@ -824,6 +846,9 @@ class RankTable:
                 if rank is None or rank.pid != pid or key not in stats:
                     continue  # forgotten or restarted meanwhile, or unreadable
                 events.append(rank.apply_stat(stats[key], now, self.cpu_window))
+            for shim, pid in shims:
+                if pid in shim_stats:
+                    shim.observe(shim_stats[pid], now)
         self._emit(events)
 
     def _forget(self, now: float) -> None:
@@ -946,6 +971,18 @@ class RankTable:
             "forgotten": self.forgotten,
             "watcher": self.watcher_mode,
         }
+
+    def stand_in_pid(self, job: str, rank: int) -> int | None:
+        """The pid of a rank's stand-in (a warm-start shim) while it is the process the
+        rank was registered with; else None. Checked like `verified_pid`."""
+        with self._lock:
+            entry = self._ranks.get((job, rank))
+            shim = entry.stand_in if entry is not None else None
+            if shim is None or not shim.watched:
+                return None
+            pid, start = shim.pid, shim.start_ticks
+        stat = read_proc_stat(pid, self._proc_root)
+        return pid if stand_in_state(stat, start) != "gone" else None
 
     def verified_pid(self, job: str, rank: int) -> int:
         """The PID of a registered, live rank whose process is still the one registered.

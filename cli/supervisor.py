@@ -145,9 +145,16 @@ def ranks(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False) -> 
                             "HEARTBEAT_S", "STEP_S", "COMM/COMPUTE", "LOSS"]))  # fmt: skip
 
 
-def incidents(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False) -> None:
+def incidents(
+    url: SupervisorUrl = DEFAULT_SUPERVISOR,
+    as_json: JsonOpt = False,
+    db: Annotated[
+        Path,
+        Opt(help="read a supervisor's database instead (e.g. RUN_DIR/rankguard.db after `up`)"),
+    ] = None,
+) -> None:
     """The incident timeline: what was detected, what was done, and each recovery's phases."""
-    view = fetch(url, "/v1/incidents")
+    view = read_incidents_db(db) if db is not None else fetch(url, "/v1/incidents")
     if as_json:
         typer.echo(json.dumps(view, indent=2))
         return
@@ -164,3 +171,24 @@ def incidents(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False)
             typer.echo("    " + ", ".join(f"{k} {v:.2f}s" for k, v in phases) + lost)
         if inc.get("verdict"):
             typer.echo(f"    verdict: {inc['verdict']}")
+
+
+def read_incidents_db(db: Path) -> dict:
+    """What `/v1/incidents` would answer, read from the database file itself."""
+    from types import SimpleNamespace
+
+    from rankguard.supervisor.store import IncidentStore, StoreError
+    from rankguard.supervisor.views import incidents_view
+
+    if not db.is_file():
+        typer.echo(f"rankguard: {db}: no such database", err=True)
+        raise typer.Exit(2)
+    try:
+        store = IncidentStore(db)
+    except (OSError, StoreError) as exc:
+        typer.echo(f"rankguard: {db}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        return incidents_view(SimpleNamespace(store=store))
+    finally:
+        store.close()

@@ -16,6 +16,8 @@ from typing import Annotated
 
 import typer
 
+from .keeper import KeptDaemon
+
 Opt = typer.Option
 
 EXIT_STOPPED = 3  # the supervisor stopped the job (crash loop): distinct from a plain failure
@@ -52,10 +54,14 @@ def _get(url: str) -> dict | None:
         return None
 
 
-def _start(args: list[str], log: Path, health: str, env: dict) -> subprocess.Popen:
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rankguard.cli.main", *args], stdout=out,
+def _spawn(args: list[str], log: Path, env: dict, append: bool = False) -> subprocess.Popen:
+    with open(log, "a" if append else "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "rankguard.cli.main", *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+
+def _start(args: list[str], log: Path, health: str, env: dict) -> subprocess.Popen:
+    proc = _spawn(args, log, env)
     for _ in range(600):
         if proc.poll() is not None:
             raise typer.Exit(_fail(f"{args[0]} exited at start; see {log}"))
@@ -84,9 +90,24 @@ def _step(value) -> str:
     return "-" if value is None else str(value)
 
 
-def _status_line(supervisor: str) -> str:
+def _keep(name: str, args: list[str], run_dir: Path, health: str, env: dict) -> KeptDaemon:
+    """Start a daemon (exit 2 when it cannot start) and keep it running: a restart appends
+    to the same log and reuses the same arguments (port, database, token)."""
+    log = run_dir / f"{name}.log"
+    return KeptDaemon(
+        name,
+        spawn=lambda: _spawn(args, log, env, append=True),
+        healthy=lambda: _get(health) is not None,
+        proc=_start(args, log, health, env),
+    )
+
+
+def _status_line(supervisor: str, kept: list[KeptDaemon] = ()) -> str:
+    notes = "".join(f" | {n}" for n in (d.note() for d in kept) if n)
+    cluster = _get(supervisor + "/v1/cluster")
+    if cluster is None:  # not "waiting for ranks": nobody is watching them right now
+        return f"[{'?':9}] supervisor not answering{notes}"
     ranks = (_get(supervisor + "/v1/ranks") or {}).get("ranks", [])
-    cluster = _get(supervisor + "/v1/cluster") or {}
     incidents = (_get(supervisor + "/v1/incidents") or {}).get("incidents", [])
     per_rank = (
         " ".join(f"r{r['rank']}:{r['state'][:5]}@{_step(r.get('step'))}" for r in ranks)
@@ -97,7 +118,28 @@ def _status_line(supervisor: str) -> str:
         if incidents
         else ""
     )
-    return f"[{cluster.get('status', '?'):9}] {per_rank} | incidents {len(incidents)}{last}"
+    status = f"[{cluster.get('status', '?'):9}] {per_rank} | incidents {len(incidents)}{last}"
+    return status + notes
+
+
+def _stop_verdict(db: Path, job: str) -> str | None:
+    """Why the supervisor stopped the job, from its database: the answer survives a
+    supervisor that is not answering at the end."""
+    from rankguard.supervisor.model import ACT_STOP_JOB
+    from rankguard.supervisor.store import IncidentStore, StoreError
+
+    if not db.exists():
+        return None
+    try:
+        store = IncidentStore(db)
+    except (OSError, StoreError) as exc:
+        typer.echo(f"rankguard up: cannot read {db}: {exc}", err=True)
+        return None
+    try:
+        stops = [i for i in store.list_incidents(job=job) if i.action == ACT_STOP_JOB]
+    finally:
+        store.close()
+    return (stops[0].verdict or stops[0].summary) if stops else None
 
 
 SCRIPT_HELP = """\
@@ -204,15 +246,18 @@ def up(
     env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str((run_dir / "telemetry.sock").absolute()),
            "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url}  # fmt: skip
     procs: list[subprocess.Popen] = []
+    kept: list[KeptDaemon] = []
+    db = run_dir / "rankguard.db"
+    daemon_env = dict(env)  # as started: later additions are for the trainer only
     try:
-        procs.append(_start(["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
-                             "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"],
-                             "--ckpt-dir", str(ckpt_dir), "--interval", "0.5"],
-                            run_dir / "agent.log", agent_url + "/healthz", env))  # fmt: skip
-        procs.append(_start(["supervisor", "--agents", agent_url, "--db", str(run_dir / "rankguard.db"),
-                             "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
-                             "--process-idle-seconds", str(process_idle_seconds)],
-                            run_dir / "supervisor.log", sup_url + "/healthz", env))  # fmt: skip
+        kept.append(_keep("agent", ["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
+                                    "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"],
+                                    "--ckpt-dir", str(ckpt_dir), "--interval", "0.5"],
+                          run_dir, agent_url + "/healthz", daemon_env))  # fmt: skip
+        kept.append(_keep("supervisor", ["supervisor", "--agents", agent_url, "--db", str(db),
+                                         "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
+                                         "--process-idle-seconds", str(process_idle_seconds)],
+                          run_dir, sup_url + "/healthz", daemon_env))  # fmt: skip
         entry = ["rankguard.trainer"]
         if warm_start:
             procs.append(_start_warm_server(run_dir, env))
@@ -245,24 +290,24 @@ def up(
             threading.Timer(
                 f["at"], _inject, (f, agent_url, token, fault_file, ckpt_dir, job)
             ).start()
-        while trainer.poll() is None:
-            typer.echo(f"{time.monotonic() - start:6.1f}s {_status_line(sup_url)}")
-            time.sleep(2 if sys.stdout.isatty() else 5)
-        typer.echo(f"{time.monotonic() - start:6.1f}s {_status_line(sup_url)}")
+        stuck_after_training = _watch(trainer, kept, sup_url, job, start)
+        typer.echo(f"{time.monotonic() - start:6.1f}s {_status_line(sup_url, kept)}")
         cluster = _get(sup_url + "/v1/cluster") or {}
         state = cluster.get("jobs", {}).get(job, {})
-        if trainer.returncode == 0 and script:
+        verdict = state.get("verdict") if state.get("state") == "stopped" else None
+        if trainer.returncode != 0 and verdict is None:
+            verdict = _stop_verdict(db, job)
+        completed = trainer.returncode == 0 or stuck_after_training
+        if completed and script:
             typer.echo(f"rankguard up: training completed: {' '.join(script)} exited 0")
             code = 0
-        elif trainer.returncode == 0:
+        elif completed and (run_dir / "summary.json").is_file():
             summary = json.loads((run_dir / "summary.json").read_text())
             typer.echo(f"rankguard up: training completed: step {summary['final_step']}, loss "
                        f"{summary['final_loss']:.4f}, digest {summary['param_digest'][:16]}")  # fmt: skip
             code = 0
-        elif state.get("state") == "stopped":
-            typer.echo(
-                f"rankguard up: the supervisor stopped the job: {state.get('verdict')}", err=True
-            )
+        elif verdict is not None:
+            typer.echo(f"rankguard up: the supervisor stopped the job: {verdict}", err=True)
             code = EXIT_STOPPED
         else:
             typer.echo(
@@ -274,10 +319,14 @@ def up(
             error = last_traceback((run_dir / "trainer.log").read_text(errors="replace"))
             if error:
                 typer.echo(f"rankguard up: the script's last error:\n{error}", err=True)
-        typer.echo(f"rankguard up: incidents: rankguard incidents --supervisor {sup_url} (while running) "
-                   f"or {run_dir}/rankguard.db")  # fmt: skip
+        restarted = [f"{d.name} {d.restarts}x" for d in kept if d.restarts]
+        if restarted:
+            typer.echo(f"rankguard up: restarted during the run: {', '.join(restarted)}")
+        # the supervisor ends with `up`: point at its database, not at its URL
+        typer.echo(f"rankguard up: incidents: rankguard incidents --db {db}")
         raise typer.Exit(code)
     finally:
+        procs = [d.proc for d in kept] + procs
         for p in reversed(procs):
             if p.poll() is None:
                 p.terminate()
@@ -286,6 +335,62 @@ def up(
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+FINISHED_GRACE_SECONDS = 60.0  # torchrun exits within a second or so of its last worker
+
+
+def training_finished(ranks: list[dict], job: str) -> bool:
+    """Every rank of the job's newest incarnation has finished (`/v1/ranks` rows)."""
+    mine = [r for r in ranks if r.get("job") == job and isinstance(r.get("restart"), int)]
+    if not mine:
+        return False
+    newest = max(r["restart"] for r in mine)
+    return all(r.get("state") == "finished" for r in mine if r["restart"] == newest)
+
+
+def _watch(
+    trainer: subprocess.Popen, kept: list[KeptDaemon], sup_url: str, job: str, start: float
+) -> bool:
+    """Until the trainer exits: keep the daemons running (checked every half second, so a
+    dead supervisor is back within seconds) and print the status line now and then.
+
+    Never without a bound once training is over: when every rank has finished and
+    torchrun is still there FINISHED_GRACE_SECONDS later (a stopped launcher, or a
+    stand-in the supervisor could not end), torchrun is stopped; returns True then."""
+    period = 2 if sys.stdout.isatty() else 5
+    next_status = 0.0
+    finished_at: float | None = None
+    while trainer.poll() is None:
+        now = time.monotonic()
+        for d in kept:
+            event = d.tick()
+            if event:
+                typer.echo(f"{now - start:6.1f}s rankguard up: {event}")
+        if now >= next_status:
+            typer.echo(f"{now - start:6.1f}s {_status_line(sup_url, kept)}")
+            next_status = now + period
+            ranks = (_get(sup_url + "/v1/ranks") or {}).get("ranks") or []
+            if not training_finished(ranks, job):
+                finished_at = None
+            elif finished_at is None:
+                finished_at = now
+            elif now - finished_at > FINISHED_GRACE_SECONDS:
+                typer.echo(f"rankguard up: every rank finished {now - finished_at:.0f}s ago but "
+                           "torchrun has not exited; stopping it", err=True)  # fmt: skip
+                _end(trainer)
+                return True
+        time.sleep(0.5)
+    return False
+
+
+def _end(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a stopped torchrun: SIGKILL ends it all the same
+        proc.wait()
 
 
 def _check_script(script: list[str]) -> None:

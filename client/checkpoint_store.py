@@ -424,9 +424,28 @@ def claim_incarnation(root: str | os.PathLike[str], at_least: int = 0) -> int:
     except (FileNotFoundError, ValueError):
         current = 0  # a first start, or a damaged file: the restart count still bounds it
     value = max(current, at_least)
-    _write_durably(path, f"{value + 1}\n".encode())
+    data = f"{value + 1}\n".encode()
+    try:
+        _write_durably(path, data)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC or not path.is_file():
+            raise
+        # A full disk: a new file gets no block, but the file's own block takes these few
+        # bytes. Without this, a restart while the disk is full fell back to the restart
+        # count and could reuse an earlier incarnation's number (its incidents' keys).
+        _overwrite_in_place(path, data)
     _fsync_dir(root)
     return value
+
+
+def _overwrite_in_place(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def partial_dir(root: str | os.PathLike[str], step: int) -> Path:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from .errors import ContractError
 from .numbers import decode_float, encode_float
-from .states import LIVE_STATES, RANK_SOURCES, RANK_STATES
+from .states import LIVE_STATES, RANK_SOURCES, RANK_STATES, STAND_IN_STATES
 from .telemetry import MAX_CLIENT_ERRORS, MAX_JOB_CHARS, MAX_REASON_CHARS, PHASES
 
 __all__ = [
@@ -220,6 +220,28 @@ class Sample:
         )
 
 
+@dataclass(frozen=True)
+class StandInAnswer:
+    """The process torchrun started for a rank that runs in another one (warm start's shim):
+    torchrun watches it, so a stopped stand-in hides its rank's exit (agent/stand_ins.py)."""
+
+    pid: int
+    state: str  # STAND_IN_STATES
+    state_since: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "state": self.state, "state_since": self.state_since}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> StandInAnswer:
+        o = _object(obj)
+        return cls(
+            pid=_int(o, "pid", minimum=1),
+            state=_str(o, "state", choices=STAND_IN_STATES),
+            state_since=_float(o, "state_since"),
+        )
+
+
 #: RankAnswer's float fields that may be null (each finite when set), in answer order.
 _RANK_FLOATS = (
     "step_seconds",
@@ -279,6 +301,7 @@ class RankAnswer:
     records_received: int = 0
     # the client library's failure counters, by reason, from the rank's newest record
     client_errors: Mapping[str, int] = field(default_factory=dict)
+    stand_in: StandInAnswer | None = None  # warm start: the shim torchrun watches
     recent: tuple[Sample, ...] = ()
     recent_from: int | None = None  # incremental answers: the window's oldest seq
 
@@ -320,6 +343,7 @@ class RankAnswer:
             cpu_active_at=self.cpu_active_at,
             records_received=self.records_received,
             client_errors=dict(self.client_errors),
+            stand_in=self.stand_in.to_json() if self.stand_in else None,
         )
         if incremental:
             out["recent_from"] = self.recent_from
@@ -365,6 +389,9 @@ class RankAnswer:
             cpu_active_at=_float(o, "cpu_active_at"),
             records_received=_int(o, "records_received"),
             client_errors=_counts(o, "client_errors", MAX_CLIENT_ERRORS),
+            stand_in=None
+            if o.get("stand_in") is None
+            else _nested(o, "stand_in", StandInAnswer.from_json),
             recent=_list(o, "recent", lambda s: Sample.from_json(s, incremental), _MAX_SAMPLES),
             recent_from=_int(o, "recent_from", optional=True) if incremental else None,
         )

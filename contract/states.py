@@ -24,7 +24,14 @@ counted ``finished`` among its dead states and the supervisor did not.)
 
 from __future__ import annotations
 
-__all__ = ["DEAD_STATES", "ENDED_STATES", "LIVE_STATES", "RANK_SOURCES", "RANK_STATES"]
+__all__ = [
+    "DEAD_STATES",
+    "ENDED_STATES",
+    "LIVE_STATES",
+    "RANK_SOURCES",
+    "RANK_STATES",
+    "STAND_IN_STATES",
+]
 
 RANK_STATES = ("alive", "stopped", "zombie", "exited", "finished")
 LIVE_STATES = frozenset({"alive", "stopped"})
@@ -34,3 +41,6 @@ ENDED_STATES = DEAD_STATES | {"finished"}
 #: How the agent knows a rank: "telemetry" (it reports its steps) or "process" (a torchrun
 #: worker found in /proc that sends nothing: no step, phase, heartbeat or loss).
 RANK_SOURCES = ("telemetry", "process")
+
+#: A rank's stand-in (the warm-start shim torchrun watches in its place, agent/stand_ins.py).
+STAND_IN_STATES = ("alive", "stopped", "gone")

@@ -17,6 +17,7 @@ AGENT2 = {"job": "rankguard-agent", "instance": "n2:9407"}
 SUP = {"job": "rankguard-supervisor", "instance": "head:9408"}
 GPU0 = {"gpu": "0", "uuid": "GPU-0"}
 GPU1 = {"gpu": "1", "uuid": "GPU-1"}
+CKPT_FS = {"role": "checkpoint", "path": "/ckfs/ckpt", "mountpoint": "/ckfs", "fstype": "tmpfs"}
 
 
 def s(name: str, labels: dict, values: str) -> dict:
@@ -147,17 +148,25 @@ def _cases(t: Targets) -> list[dict]:
                     s("rankguard_supervisor_job_state", {**SUP, "training_job": "fresh", "state": "running"}, "1x80")],
          "expect": {"CheckpointStale": [("30m", []), ("70m", [alert(
              "warning", "Job llm has no new validated checkpoint for 1h 10m 0s", **SUP, training_job="llm")])]}},
-        {"name": "checkpoint filesystem nearly full (one node) and full (another)",
+        {"name": "checkpoint filesystem nearly full (one node) and full (another, mount unknown)",
          "series": [node_info(), node_info(AGENT2, "node-2"),
                     s("rankguard_filesystem_free_ratio", {**AGENT, "role": "checkpoint"}, "0.08x20"),
+                    s("rankguard_filesystem_info", {**AGENT, **CKPT_FS}, "1x20"),
                     s("rankguard_filesystem_free_ratio", {**AGENT, "role": "data"}, "0.01x20"),
                     s("rankguard_filesystem_free_ratio", {**AGENT2, "role": "checkpoint"}, "0.5 0.5 0.5 0.03x20")],
          "expect": {
              "CheckpointFilesystemNearlyFull": [("3m", []), ("10m", [
-                 alert("warning", "Checkpoint filesystem on node node-1 is 8% free", **AGENT, node="node-1", role="checkpoint"),
+                 alert("warning", "Checkpoint filesystem /ckfs on node node-1 is 8% free", **AGENT,
+                       node="node-1", **CKPT_FS),
                  alert("warning", "Checkpoint filesystem on node node-2 is 3% free", **AGENT2, node="node-2", role="checkpoint")])],
              "CheckpointFilesystemFull": [("3m", []), ("10m", [
                  alert("critical", "Checkpoint filesystem on node node-2 is 3% free", **AGENT2, node="node-2", role="checkpoint")])]}},
+        {"name": "a full checkpoint filesystem, named by its mount point",
+         "series": [node_info(), s("rankguard_filesystem_free_ratio", {**AGENT, "role": "checkpoint"}, "0.5 0x10"),
+                    s("rankguard_filesystem_info", {**AGENT, **CKPT_FS}, "1x10")],
+         "expect": {"CheckpointFilesystemFull": [("1m", []), ("3m", [alert(
+             "critical", "Checkpoint filesystem /ckfs on node node-1 is 0% free", **AGENT,
+             node="node-1", **CKPT_FS)])]}},
         {"name": "an agent down (named by its last node info) and one never seen",
          "series": [node_info(values="1 1 _ _ _ _ _"), s("up", AGENT, "1 1 0 0 0 0 0"),
                     node_info(AGENT2, "node-2", "1x6"), s("up", AGENT2, "1x6"),

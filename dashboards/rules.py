@@ -63,6 +63,18 @@ def named_node(expr: str) -> str:
     return f"({expr}) * on (instance) group_left (node) {NODE_INFO}"
 
 
+FS_INFO = "rankguard_filesystem_info"
+MOUNT = "{{ with $labels.mountpoint }}{{ . }} {{ end }}"  # "" when the mount is unknown
+
+
+def named_mount(expr: str) -> str:
+    """Give filesystem series the `mountpoint`, `fstype` and `path` of the agent's
+    `rankguard_filesystem_info`, so an alert names the filesystem to free; without that
+    series (an agent that could not read its mounts) the alert still fires, unnamed."""
+    named = f"({expr}) * on (instance, role) group_left (mountpoint, fstype, path) {FS_INFO}"
+    return f"{named} or on (instance, role) {expr}"
+
+
 def recording_rules() -> list[Record]:
     compute = (
         'sum without (phase) (avg_over_time(rankguard_rank_phase_seconds{phase="compute"}[2m]))'
@@ -185,15 +197,18 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               f"No newer validated checkpoint for over {t.checkpoint_max_age_seconds} s: a crash now "
               "loses that much work. Check the trainer's checkpoint log and storage."),
         Alert("CheckpointFilesystemNearlyFull",
-              named_node(f'rankguard_filesystem_free_ratio{{role="checkpoint"}} < {t.filesystem_free_warning}'),
-              "warning", "Checkpoint filesystem on node {{ $labels.node }} is {{ $value | humanizePercentage }} free",
+              named_mount(named_node(f'rankguard_filesystem_free_ratio{{role="checkpoint"}} < {t.filesystem_free_warning}')),
+              "warning", f"Checkpoint filesystem {MOUNT}on node {{{{ $labels.node }}}} is "
+                         "{{ $value | humanizePercentage }} free",
               f"Under {pct(t.filesystem_free_warning)} free: saves will fail soon. Retention keeps "
               "the newest validated checkpoint; free space or move older ones.", "5m"),
         Alert("CheckpointFilesystemFull",
-              named_node(f'rankguard_filesystem_free_ratio{{role="checkpoint"}} < {t.filesystem_free_critical}'),
-              "critical", "Checkpoint filesystem on node {{ $labels.node }} is {{ $value | humanizePercentage }} free",
-              f"Under {pct(t.filesystem_free_critical)} free: checkpoint saves are failing or about to.",
-              "1m"),
+              named_mount(named_node(f'rankguard_filesystem_free_ratio{{role="checkpoint"}} < {t.filesystem_free_critical}')),
+              "critical", f"Checkpoint filesystem {MOUNT}on node {{{{ $labels.node }}}} is "
+                          "{{ $value | humanizePercentage }} free",
+              f"Under {pct(t.filesystem_free_critical)} free: checkpoint saves are failing or about to "
+              "(training goes on; the failed saves stay .partial and are quarantined later). Free "
+              "space on this filesystem: saves validate again by themselves.", "1m"),
         Alert("AgentDown",
               f'(up{{job="{AGENT_JOB}"}} == 0) * on (instance) group_left (node) '
               f"topk by (instance) (1, last_over_time({NODE_INFO}[1d])) "

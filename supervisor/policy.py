@@ -36,6 +36,7 @@ The budget lives in the store (actions rows), so it survives supervisor restarts
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -281,7 +282,7 @@ class _Pass:
     def _crash_loop(self, job: str, f: Finding) -> bool:
         """Count this restart (done or about to be) on top of the recorded ones; stop the
         job when the last `crash_loop_restarts` of them saw no checkpoint progress."""
-        records = self._history(job, f)
+        records = _carry_checkpoints_forward(self._history(job, f))
         stuck = _restarts_without_progress(records)
         if len(stuck) < self.cfg.crash_loop_restarts:
             return False
@@ -325,6 +326,21 @@ class _Pass:
                 checkpoint_step=ckpt if ckpt is not None else jv.checkpoint_step,
             )
         return sorted(records, key=lambda r: r.at) + [current]
+
+
+def _carry_checkpoints_forward(records: list[RestartRecord]) -> list[RestartRecord]:
+    """A restart recorded without a checkpoint step (its ranks died before reporting one,
+    or the supervisor restarted and had seen none) keeps the step known before it: a
+    validated checkpoint does not vanish because it was not reported, and a lower step
+    reported later (the newest one quarantined at resume) is still taken as it is."""
+    out: list[RestartRecord] = []
+    known: int | None = None
+    for r in records:
+        if r.checkpoint_step is None and known is not None:
+            r = dataclasses.replace(r, checkpoint_step=known)
+        known = r.checkpoint_step
+        out.append(r)
+    return out
 
 
 def _restarts_without_progress(records: list[RestartRecord]) -> list[RestartRecord]:

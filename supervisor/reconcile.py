@@ -153,10 +153,19 @@ class Supervisor:
     def _url_of(obs: ClusterObs, rank: RankObs) -> str:
         return next(n.url for n in obs.nodes if n.node == rank.node)
 
-    @staticmethod
-    def _checkpoint_step(obs: ClusterObs, job: str | None) -> int | None:
-        steps = [r.checkpoint_step for r in obs.current_ranks(job)] if job else []
-        return max((c for c in steps if c is not None), default=None)
+    def _checkpoint_step(self, obs: ClusterObs, job: str | None) -> int | None:
+        """The job's newest validated checkpoint: what its current ranks report, else the
+        last one they reported. A restarted rank reports none until it has resumed, and
+        one that dies before then (a full disk failing the resume) would otherwise make a
+        crash-loop verdict read "no validated checkpoint" while one was there."""
+        if not job:
+            return None
+        steps = [r.checkpoint_step for r in obs.current_ranks(job)]
+        reported = max((c for c in steps if c is not None), default=None)
+        if reported is not None:
+            return reported
+        progress = self.history.checkpoint_progress.get(job)
+        return progress[0] if progress else None
 
     def _record(self, finding: Finding, obs: ClusterObs, now: float) -> None:
         ranks = obs.current_ranks(finding.job) if finding.job else []

@@ -59,6 +59,11 @@ class RankObs:
     source: str = "telemetry"
     state_since: float | None = None  # when the agent saw the process state change
     cpu_active_at: float | None = None  # when the process last used CPU (agent's window)
+    # the process torchrun watches in place of this rank (a warm-start shim), if any:
+    # alive, stopped or gone, and since when (agent/stand_ins.py)
+    stand_in_pid: int | None = None
+    stand_in_state: str | None = None
+    stand_in_since: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -74,6 +79,7 @@ class RankObs:
         instead of the answer's own."""
         if recent is None:
             recent = tuple(StepSample.of(s) for s in a.recent)
+        shim = a.stand_in
         return cls(
             node=node, job=a.job, rank=a.rank, world_size=a.world_size, pid=a.pid,
             restart=a.restart, state=a.state, step=a.step, phase=a.phase,
@@ -82,7 +88,9 @@ class RankObs:
             comm_seconds=a.comm_seconds, comm_compute_ratio=a.comm_compute_ratio, loss=a.loss,
             checkpoint_step=a.checkpoint_step, cpu_utilization=a.cpu_utilization,
             recent=recent, source=a.source, state_since=a.state_since,
-            cpu_active_at=a.cpu_active_at,
+            cpu_active_at=a.cpu_active_at, stand_in_pid=shim.pid if shim else None,
+            stand_in_state=shim.state if shim else None,
+            stand_in_since=shim.state_since if shim else None,
         )  # fmt: skip
 
 

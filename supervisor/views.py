@@ -81,7 +81,9 @@ def ranks_view(sup) -> dict:
              "state": r.state, "step": r.step, "phase": r.phase,
              "heartbeat_age_seconds": r.heartbeat_age_seconds, "step_seconds": r.step_seconds,
              "comm_compute_ratio": r.comm_compute_ratio, "loss": r.loss,
-             "checkpoint_step": r.checkpoint_step, "source": r.source}
+             "checkpoint_step": r.checkpoint_step, "source": r.source,
+             "stand_in": None if r.stand_in_pid is None else {
+                 "pid": r.stand_in_pid, "state": r.stand_in_state, "state_since": r.stand_in_since}}
             for r in sorted(ranks, key=lambda r: (r.job, r.rank))
         ]
     }  # fmt: skip

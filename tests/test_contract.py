@@ -32,8 +32,9 @@ from rankguard.contract import (
     encode_float,
     json_safe,
 )
-from rankguard.contract.answers import NODE_STATUSES
+from rankguard.contract.answers import NODE_STATUSES, StandInAnswer
 from rankguard.contract.errors import REASONS
+from rankguard.contract.states import STAND_IN_STATES
 from rankguard.contract.telemetry import PHASES
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -110,6 +111,16 @@ def rank_answers(draw, incremental: bool) -> RankAnswer:
         cpu_active_at=draw(finite),
         records_received=draw(counts),
         client_errors=draw(st.dictionaries(reason, counts, max_size=5)),
+        stand_in=draw(
+            optional(
+                st.builds(
+                    StandInAnswer,
+                    pid=st.integers(1, 2**22),
+                    state=st.sampled_from(STAND_IN_STATES),
+                    state_since=finite,
+                )
+            )
+        ),
         recent=tuple(draw(st.lists(samples(incremental), max_size=4))),
         recent_from=draw(optional(counts)) if incremental else None,
     )

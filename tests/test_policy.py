@@ -236,6 +236,23 @@ def test_crash_loop_stops_instead_of_the_third_kill():
     assert "(no validated checkpoint)" in loop.reason
 
 
+def test_crash_loop_verdict_names_the_checkpoint_known_before_unreported_restarts():
+    """Ranks that die before reporting a checkpoint (their resume failed) leave restarts
+    without a step; the verdict names the validated step the job had, not none."""
+    view = jobs(j=JobView(restarts=restarts(60, None), checkpoint_step=None))
+    _, loop = decide([finding(RANK_DEAD, key="dead:j:2", restart=2)], view, CFG, 1000.0)
+    assert loop.finding.key == "crash_loop:j:60"
+    assert loop.reason == "crash loop: 3 restarts without checkpoint progress past step 60"
+    assert loop.finding.evidence["checkpoint_step"] == 60
+    # A lower step reported later (the newest one quarantined at resume) is what is there.
+    lower = jobs(j=JobView(restarts=restarts(60, 40), checkpoint_step=40))
+    _, loop = decide([finding(RANK_DEAD, key="dead:j:2", restart=2)], lower, CFG, 1000.0)
+    assert loop.reason.endswith("past step 40")
+    # An unreported restart after progress does not hide the progress either.
+    advanced = jobs(j=JobView(restarts=restarts(10, 10, 60), checkpoint_step=None))
+    assert len(decide([finding(RANK_DEAD, key="dead:j:9", restart=9)], advanced, CFG, 1e3)) == 1
+
+
 def test_incidents_of_one_incarnation_are_one_restart():
     # The hang we killed in incarnation 0 and the dead record of the killed rank.
     recs = (RestartRecord("hang:j:0", 100.0, 0, 10), RestartRecord("dead:j:0:3", 101.0, 0, 10))

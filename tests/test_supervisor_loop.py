@@ -22,12 +22,14 @@ import os, sys, time
 from rankguard.client import TelemetrySender
 from rankguard.contract.telemetry import SCHEMA_VERSION
 sender, rank = TelemetrySender(sys.argv[1]), int(sys.argv[2])
+restart = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+ckpt = int(sys.argv[4]) if len(sys.argv) > 4 else None
 for step in range(1, 10**6):
     sender.send(dict(v=SCHEMA_VERSION, job="j", rank=rank, local_rank=rank, world_size=2,
-        pid=os.getpid(), restart=0, step=step, phase="train", time=time.time(),
+        pid=os.getpid(), restart=restart, step=step, phase="train", time=time.time(),
         step_seconds=0.05, data_wait_seconds=0.0, compute_seconds=0.04, comm_seconds=0.01,
         comm_exposed_seconds=0.0, optimizer_seconds=0.0, checkpoint_block_seconds=0.0,
-        tokens_per_second=1000.0, mfu=0.1, peak_memory_bytes=1, loss=2.0, checkpoint_step=None))
+        tokens_per_second=1000.0, mfu=0.1, peak_memory_bytes=1, loss=2.0, checkpoint_step=ckpt))
     time.sleep(0.05)
 """
 
@@ -48,7 +50,7 @@ def node(tmp_path):
     store = IncidentStore(tmp_path / "db.sqlite")
     sup = Supervisor(store, lambda: [f"http://{host}:{port}"], agent.token, SupervisorConfig())
     yield sup, ranks
-    for p in ranks:
+    for p in ranks:  # the list may have grown: a test's later incarnations
         p.kill()
         p.wait()
     sup.close()
@@ -95,3 +97,35 @@ def test_hang_is_acted_on_once_through_the_agent(node):
     assert inc.id == hung[0].id and inc.action == "kill_rank"
     assert len([a for a in sup.store.actions(inc.id) if a.kind == "kill_rank"]) == 1
     time.sleep(0.1)
+
+
+def test_a_restart_dead_before_reporting_its_checkpoint_keeps_the_known_one(node, tmp_path):
+    """Ranks of a new incarnation report no checkpoint until they have resumed; one that
+    dies before then (a full disk failing the resume) is recorded with the newest
+    validated checkpoint the job last reported, not with none."""
+    sup, ranks = node
+    wait_until(lambda: (sup.reconcile_once(), len(sup.last_obs.ranks()) == 2)[1], 20, "two ranks")
+    for p in ranks:
+        p.kill()
+        p.wait()
+    sock = str(tmp_path / "t.sock")
+    ranks.clear()
+    ranks.extend(subprocess.Popen([sys.executable, "-c", RANK, sock, str(r), "1", "60"])
+                 for r in (0, 1))  # fmt: skip
+    wait_until(
+        lambda: (sup.reconcile_once(), {r.checkpoint_step for r in sup.last_obs.ranks()} == {60})[1],
+        20, "checkpoint 60 reported",
+    )  # fmt: skip
+    for p in ranks:
+        p.kill()
+        p.wait()
+    ranks.extend(subprocess.Popen([sys.executable, "-c", RANK, sock, str(r), "2"]) for r in (0, 1))
+    wait_until(
+        lambda: (sup.reconcile_once(), {r.restart for r in sup.last_obs.current_ranks("j")} == {2})[1],
+        20, "the second incarnation",
+    )  # fmt: skip
+    ranks[-1].kill()
+    dead = wait_until(
+        lambda: (sup.reconcile_once(), sup.store.by_key("rank_dead:j:2"))[1], 10, "its death"
+    )
+    assert dead.checkpoint_step == 60

@@ -50,7 +50,11 @@ def test_up_warm_start_crash_loop_is_stopped_through_the_launcher(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stopped the job" in proc.stderr
+    # the verdict names the checkpoint every restart resumed from, not "no checkpoint"
+    assert "without checkpoint progress past step 20" in proc.stderr, proc.stderr[-2000:]
     with sqlite3.connect(run / "rankguard.db") as db:
-        kinds = [k for (k,) in db.execute("SELECT kind FROM incidents")]
-    assert "crash_loop" in kinds and kinds.count("rank_dead") == 3, kinds
+        kinds = [k for (k,) in db.execute("SELECT kind FROM incidents ORDER BY id")]
+    # stopped at the third restart; an incarnation torchrun had started just before the
+    # stop landed dies of the stop itself and may be recorded after it (seen once)
+    assert "crash_loop" in kinds and kinds[: kinds.index("crash_loop")] == ["rank_dead"] * 3, kinds
     assert "starting cold" not in (run / "trainer.log").read_text()  # really warm

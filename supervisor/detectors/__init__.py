@@ -34,7 +34,7 @@ class DetectorConfig:
     hang_spin_cpu_cores: float = 0.5  # a culprit stuck busy in Python uses at least this
     hang_idle_cpu_cores: float = 0.2  # ... while the others, asleep in the collective, stay below
     # hang of ranks without telemetry (zero-code: process state and CPU time only)
-    process_stopped_seconds: float = 2.0  # a rank stopped (SIGSTOP) this long is hung
+    process_stopped_seconds: float = 2.0  # a rank (or its stand-in) stopped this long is hung
     process_idle_seconds: float = 120.0  # all but one rank without CPU progress this long
     # straggler
     straggler_window: int = 12
@@ -98,6 +98,7 @@ from . import (  # noqa: E402
     node,
     numerics,
     process_hang,
+    stand_in,
     straggler,
     unreachable,
 )
@@ -106,6 +107,7 @@ DETECTORS: tuple[tuple[str, Detector], ...] = (
     ("dead", dead.detect),
     ("hang", hang.detect),
     ("process_hang", process_hang.detect),
+    ("stand_in", stand_in.detect),
     ("straggler", straggler.detect),
     ("numerics", numerics.detect),
     ("node", node.detect),
