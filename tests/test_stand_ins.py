@@ -133,7 +133,7 @@ def test_table_watches_a_ranks_stand_in_and_sigkill_ends_both(chain):
 def test_a_finished_rank_whose_stand_in_is_stopped_has_the_stand_in_killed(chain):
     shim, start_rank = chain
     with RankTable() as table:
-        rank = start_rank(seconds=0.5)
+        rank = start_rank(seconds=2.0)  # time to register before it ends, under load too
         table.update(record(rank.pid, phase="done"), sender_pid=rank.pid)
         os.kill(shim, signal.SIGSTOP)
         rank.wait()
