@@ -2,8 +2,11 @@
 alternated side by side in one run.
 
     python bench/client_overhead.py [--rounds 100] [--steps 10] [--width 512] [--out FILE]
+    python bench/client_overhead.py --cuda [--nproc 1] --width 4096 --batch 2048 ...
 
-Starts `torchrun --standalone --nproc-per-node=2` (gloo, CPU) of this file's worker, with
+Starts `torchrun --standalone --nproc-per-node=2` (gloo, CPU; with --cuda NCCL, one GPU
+per rank, each step ended by a device synchronisation outside the library) of this file's
+worker, with
 a real Unix datagram listener (drained by a thread of this process) at
 $RANKGUARD_TELEMETRY_SOCKET. The worker holds three identical DDP models: "plain" (DDP's
 own all-reduce, no library), "client" (a `Reporter` attached: the timed comm hook,
@@ -39,14 +42,20 @@ def worker(args: argparse.Namespace) -> None:
 
     from rankguard.client import Reporter, StepTimer, timed_allreduce_hook
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if args.cuda else "gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    # A GPU's step ends when its kernels do: wait for them outside the library, in each variant.
+    sync = torch.cuda.synchronize if args.cuda else (lambda: None)
 
     def build():
         torch.manual_seed(0)
         w = args.width
-        return DDP(nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)))
+        net = nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)).to(device)
+        return DDP(net, device_ids=[device.index] if device is not None else None)
 
     plain, client, hooked = build(), build(), build()
     rg = Reporter(client, job="bench")
@@ -54,8 +63,8 @@ def worker(args: argparse.Namespace) -> None:
     hooked.register_comm_hook(StepTimer(), timed_allreduce_hook)
     opts = {m: torch.optim.SGD(m.parameters(), lr=1e-3) for m in (plain, client, hooked)}
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.width, generator=g)
-    y = torch.randn(args.batch, args.width, generator=g)
+    x = torch.randn(args.batch, args.width, generator=g).to(device)
+    y = torch.randn(args.batch, args.width, generator=g).to(device)
 
     def plain_step(_n: int) -> None:
         loss = nn.functional.mse_loss(plain(x), y)
@@ -87,6 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         for name in steps:
             n += 1
             steps[name](n)
+    sync()
     names = list(steps)
     for r in range(args.rounds):
         order = names[r % 3 :] + names[: r % 3]  # each variant first, middle, last in turn
@@ -98,6 +108,7 @@ def worker(args: argparse.Namespace) -> None:
                 n += 1
                 t0 = time.perf_counter()
                 steps[name](n)
+                sync()
                 block.append(time.perf_counter() - t0)
             times[name].append(block)
     rg.close()
@@ -173,7 +184,7 @@ def summarize(results: list[dict], args: argparse.Namespace, received: int) -> s
     fast = statistics.median(fastest_all)
     hook_only = statistics.median(hook_all)
     head = [
-        f"2 ranks, gloo on CPU; model Linear({args.width}, {4 * args.width}) + GELU + "
+        f"{args.nproc} rank(s), {args.where}; model Linear({args.width}, {4 * args.width}) + GELU + "
         f"Linear({4 * args.width}, {args.width}), batch {args.batch}; {args.rounds} rounds "
         f"x {args.steps} steps of each, variants rotated.",
         "",
@@ -198,10 +209,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--cuda", action="store_true", help="NCCL, one GPU per rank")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--out", type=Path, help="also write the markdown table here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.where = "NCCL, one GPU each" if args.cuda else "gloo on CPU"
     if args.worker:
         worker(args)
         return 0
@@ -217,9 +231,10 @@ def main() -> int:
         out = Path(tmp) / "result.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node=2", __file__, "--worker", "--json", str(out),
+            f"--nproc-per-node={args.nproc}", __file__, "--worker", "--json", str(out),
             "--rounds", str(args.rounds), "--steps", str(args.steps),
             "--width", str(args.width), "--batch", str(args.batch),
+            *(["--cuda"] if args.cuda else []),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": str(path)}
         start = time.monotonic()
