@@ -21,8 +21,9 @@ _STATES_HELP = (
     "States: validated = committed, manifest.json present and every file matches it (sizes, "
     "and sha256 checksums when verified). incomplete = a .partial dir (save in progress or "
     "interrupted), or a step dir whose manifest.json is missing, unreadable, of another format "
-    "or of another step. corrupt = a listed file is missing, truncated, changed (checksum), or "
-    "an unlisted file is present. quarantined = moved aside under DIR/quarantine/ by a resume "
+    "or of another step. corrupt = a listed file is missing, truncated, changed (checksum), "
+    "an unlisted file or any symbolic link is present, or (with --key-file) the manifest's "
+    "HMAC is missing or wrong. quarantined = moved aside under DIR/quarantine/ by a resume "
     "(never deleted).\n\n"
 )
 

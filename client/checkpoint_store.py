@@ -26,8 +26,9 @@ States (``CheckpointStatus.state``):
 - ``incomplete``: a ``.partial`` dir, or a committed dir whose manifest is missing,
   unreadable, not valid JSON, of another format/version, or names another step.
 - ``corrupt``: a listed file is missing, has another size or checksum, or an unlisted file
-  is present. The reason names the file, e.g. ``__1_0.distcp: size 1200 != manifest 4096
-  (truncated)``.
+  is present, or anything in the dir is a symbolic link (refused, never followed), or, when
+  a key is given, the manifest's HMAC is missing, of another key or wrong. The reason
+  names the file, e.g. ``__1_0.distcp: size 1200 != manifest 4096 (truncated)``.
 - ``quarantined``: an entry under ``ROOT/quarantine/``; ``original_state`` is the state it was
   judged to have when it was moved aside.
 
@@ -56,10 +57,20 @@ Public API:
   rank 0 at every (re)start: quarantine every ``.partial``; verify committed dirs newest-first
   with checksums, quarantining each incomplete/corrupt one met; return the newest validated
   (or None) and the quarantined statuses (state "quarantined", new path, ``original_state``).
-- ``apply_retention(root, keep) -> list[Path]``: delete validated committed checkpoints beyond
-  the newest ``keep`` (size-only checks; ``keep <= 0`` keeps all). Never removes the newest
-  validated one, never touches ``.partial`` dirs, invalid dirs or the quarantine.
-- ``CheckpointError(Exception)``.
+- ``apply_retention(root, keep, *, key, verified) -> list[Path]``: delete validated committed
+  checkpoints beyond the newest ``keep`` fully verified ones (``keep <= 0`` keeps all);
+  nothing while the newest committed one fails verification; only manifest-listed files.
+- ``ensure_partial_dir(root, step)``: every rank's safe ``mkdir -p`` of ``step-N.partial``.
+- ``identity(step_dir)``: ``(st_dev, st_ino)`` of a checkpoint the caller verified itself.
+- ``load_key(path)``, ``resolve_key(key_file)`` (else ``$RANKGUARD_CHECKPOINT_KEY_FILE``),
+  ``sign_manifest``, ``check_signature``: keyed manifests (HMAC-SHA256).
+- ``CheckpointError(Exception)``, ``UntrustedManifest(CheckpointError)``.
+
+Trust (docs/security.md, "Checkpoint roots"): nothing under a root is followed through a
+symbolic link (directory descriptors opened ``O_NOFOLLOW``), atomic writes never write
+through a planted tmp name, and ``key=`` (every read and write function takes one) makes a
+tampered manifest corrupt before any file it lists is read. Without a key the SHA-256 sums
+catch corruption, not tampering.
 
 ``progress`` callbacks are called as ``progress(bytes_hashed, bytes_total)``. In ``scan`` the
 total is known up front; in ``select_resume`` it grows as older checkpoints need verifying.
