@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_checkpoint_store import flip_byte, make_ckpt
+from test_checkpoint_store import _json, flip_byte, make_ckpt
 from typer.testing import CliRunner
 
 from rankguard.cli.checkpoints import app
@@ -453,3 +453,21 @@ open(os.path.join(d, "manifest.json"), "w").write(json.dumps(doc))
         ]  # fmt: skip
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(value=_json, seal=_json)
+def test_with_a_key_no_manifest_content_raises_or_validates(tmp_path, value, seal):
+    """Arbitrary JSON as the manifest, or as its seal: judged (never raised) and never valid."""
+    key = b"z" * 32
+    d = Path(tempfile.mkdtemp(dir=tmp_path)) / "step-00000001"
+    d.mkdir()
+    (d / "a").write_bytes(b"abc")
+    doc = {"format": cs.FORMAT, "format_version": 1, "step": 1, "world_size": 1,
+           "created_at": 1.0, "files": [manifest_entry(b"abc", "a")], "extra": {}}  # fmt: skip
+    for manifest in (value, {**doc, cs.HMAC_FIELD: seal}):
+        (d / cs.MANIFEST_NAME).write_text(json.dumps(manifest))
+        status = cs.inspect(d, key=key)
+        assert status.state in ("corrupt", "incomplete") and status.reason
