@@ -471,3 +471,59 @@ def test_with_a_key_no_manifest_content_raises_or_validates(tmp_path, value, sea
         (d / cs.MANIFEST_NAME).write_text(json.dumps(manifest))
         status = cs.inspect(d, key=key)
         assert status.state in ("corrupt", "incomplete") and status.reason
+
+
+TRAINER_RESUME = r"""
+import hashlib, json, os, pickle, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from rankguard.client import checkpoint_store as cs
+from rankguard.trainer.checkpoint import AsyncCheckpointer
+from rankguard.trainer.config import CheckpointConfig
+from rankguard.trainer.distributed import DistInfo
+
+root, marker, key_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{root.parent}/pg", rank=0, world_size=1)
+info = DistInfo(0, 0, 1, 1, 0, torch.device("cpu"), dist.new_group(backend="gloo"))
+faults = type("NoFaults", (), {"ckpt_delay": staticmethod(lambda step: 0)})()
+cfg = CheckpointConfig(dir=root, every=10, keep=3, mode="sync", key=cs.load_key(key_file))
+ckpt = AsyncCheckpointer(cfg, info, faults)
+model = torch.nn.Linear(4, 4)
+optim = torch.optim.AdamW(model.parameters())
+ckpt.save(10, model, optim, {"step": 10})
+ckpt.wait()
+
+class Marker:
+    def __reduce__(self):
+        return (Path.touch, (Path(marker),))
+
+# a self-consistent forgery of a newer step: a crafted .metadata pickle, an unkeyed manifest
+forged = root / "step-00000020"
+forged.mkdir()
+(forged / ".metadata").write_bytes(pickle.dumps(Marker()))
+data = (forged / ".metadata").read_bytes()
+doc = {"format": "rankguard-checkpoint", "format_version": 1, "step": 20, "world_size": 1,
+       "created_at": 1.0, "extra": {}, "files": [{"path": ".metadata", "size": len(data),
+       "sha256": hashlib.sha256(data).hexdigest()}]}
+(forged / "manifest.json").write_text(json.dumps(doc))
+state = ckpt.resume(model, optim)
+ckpt.close()
+print(json.dumps({"resumed": ckpt.newest_validated, "state_step": state["step"]}))
+dist.destroy_process_group()
+"""
+
+
+def test_the_trainer_refuses_a_forged_dcp_checkpoint_before_dcp_load(tmp_path):
+    pytest.importorskip("torch")
+    root = tmp_path / "ckpt"
+    marker = tmp_path / "unpickled"
+    key_file = write_key(tmp_path / "key")
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAINER_RESUME, str(root), str(marker), str(key_file)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"resumed": 10, "state_step": 10}
+    assert not marker.exists()
+    [q] = [s for s in cs.scan(root) if s.state == "quarantined"]
+    assert q.step == 20 and "not signed" in q.reason
