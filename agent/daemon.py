@@ -150,6 +150,7 @@ class Agent:
                 r.name: CollectorStatus(r.success, r.duration_seconds, r.error) for r in runs
             },
             facts=facts,
+            warnings=tuple(verdict.warnings),
         ).to_json()
 
     def ranks_view(self, query: dict | None = None) -> dict:

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..contract.answers import NODE_STATUSES as SEVERITIES  # a verdict is its worst reason
+from ..contract.answers import NodeWarning  # leaves the verdict as it is
 
 # XIDs that mean the GPU or its memory can no longer be trusted (NVIDIA's XID catalogue):
 # 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fell off the bus,
@@ -35,6 +36,7 @@ class Reason:
 class Verdict:
     status: str
     reasons: list[Reason] = field(default_factory=list)
+    warnings: list[NodeWarning] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"status": self.status, "reasons": [r.to_dict() for r in self.reasons]}
@@ -116,6 +118,25 @@ def _human_bytes(n: float) -> str:
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
+def permission_warnings(filesystems: dict | None) -> list[NodeWarning]:
+    """A checkpoint root writable by group or others: anyone who can write there can plant
+    symlinks, fake step dirs or forged checkpoints (docs/security.md, "Checkpoint roots")."""
+    fs = (filesystems or {}).get("checkpoint") or {}
+    mode = fs.get("mode")
+    if not isinstance(mode, int) or isinstance(mode, bool) or not mode & 0o022:
+        return []
+    who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if mode & bit)
+    sticky = " (sticky)" if mode & 0o1000 else ""
+    return [
+        NodeWarning(
+            "checkpoint_dir_writable_by_others",
+            f"checkpoint dir {fs.get('path')} is writable by {who} (mode {mode:o}{sticky}): "
+            "they can plant symlinks and forged checkpoints there; chmod go-w it, and set "
+            "a checkpoint key (RANKGUARD_CHECKPOINT_KEY_FILE) so forgeries are refused",
+        )
+    ]
+
+
 def collector_reasons(runs) -> list[Reason]:
     return [
         Reason(f"collector_{r.name}_failed", "degraded", f"collector {r.name} failed: {r.error}")
@@ -130,4 +151,5 @@ def node_verdict(facts: dict, runs, expected_gpus: int | None) -> Verdict:
         + disk_reasons((facts.get("storage") or {}).get("filesystems"))
         + collector_reasons(runs)
     )
-    return Verdict(worst(reasons), reasons)
+    filesystems = (facts.get("storage") or {}).get("filesystems")
+    return Verdict(worst(reasons), reasons, permission_warnings(filesystems))

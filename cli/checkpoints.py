@@ -21,8 +21,9 @@ _STATES_HELP = (
     "States: validated = committed, manifest.json present and every file matches it (sizes, "
     "and sha256 checksums when verified). incomplete = a .partial dir (save in progress or "
     "interrupted), or a step dir whose manifest.json is missing, unreadable, of another format "
-    "or of another step. corrupt = a listed file is missing, truncated, changed (checksum), or "
-    "an unlisted file is present. quarantined = moved aside under DIR/quarantine/ by a resume "
+    "or of another step. corrupt = a listed file is missing, truncated, changed (checksum), "
+    "an unlisted file or any symbolic link is present, or (with --key-file) the manifest's "
+    "HMAC is missing or wrong. quarantined = moved aside under DIR/quarantine/ by a resume "
     "(never deleted).\n\n"
 )
 
@@ -45,6 +46,16 @@ DirArg = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
+KeyFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--key-file",
+        help="Checkpoint key (the trainer's --ckpt-key-file): manifests without a valid HMAC "
+        "are then corrupt. Default: $RANKGUARD_CHECKPOINT_KEY_FILE; none: SHA-256 only "
+        "(catches corruption, not tampering).",
+        show_default=False,
+    ),
+]
 
 EXIT_OK, EXIT_DEGRADED, EXIT_UNHEALTHY = 0, 1, 2
 
@@ -165,14 +176,18 @@ def _fail(root: Path, message: str, as_json: bool) -> typer.Exit:
 
 
 def _scan(
-    root: Path, checksums: bool, as_json: bool, progress: Any = None
+    root: Path, checksums: bool, as_json: bool, progress: Any = None, key_file: Path | None = None
 ) -> list[CheckpointStatus]:
+    try:
+        key = store.resolve_key(key_file)
+    except CheckpointError as e:
+        raise _fail(root, str(e), as_json) from None
     if not root.exists():
         raise _fail(root, f"checkpoint directory {root} does not exist", as_json)
     if not root.is_dir():
         raise _fail(root, f"{root} is not a directory", as_json)
     try:
-        return store.scan(root, verify_checksums=checksums, progress=progress)
+        return store.scan(root, verify_checksums=checksums, progress=progress, key=key)
     except (CheckpointError, OSError) as e:
         raise _fail(root, f"cannot read {root}: {e}", as_json) from None
 
@@ -228,9 +243,10 @@ def list_(
     verify: Annotated[
         bool, typer.Option("--verify/--no-verify", help="Also verify sha256 checksums (slow).")
     ] = False,
+    key_file: KeyFileOpt = None,
 ) -> None:
     progress = _Progress() if verify else None
-    statuses = _scan(directory, verify, as_json, progress)
+    statuses = _scan(directory, verify, as_json, progress, key_file)
     if progress is not None:
         progress.finish()
     raise typer.Exit(_report(directory, statuses, as_json, verify))
@@ -243,8 +259,8 @@ def list_(
     + _STATES_HELP
     + _EXIT_HELP
 )
-def verify(directory: DirArg, as_json: JsonOpt = False) -> None:
+def verify(directory: DirArg, as_json: JsonOpt = False, key_file: KeyFileOpt = None) -> None:
     progress = _Progress()
-    statuses = _scan(directory, True, as_json, progress)
+    statuses = _scan(directory, True, as_json, progress, key_file)
     progress.finish()
     raise typer.Exit(_report(directory, statuses, as_json, True))

@@ -26,8 +26,9 @@ States (``CheckpointStatus.state``):
 - ``incomplete``: a ``.partial`` dir, or a committed dir whose manifest is missing,
   unreadable, not valid JSON, of another format/version, or names another step.
 - ``corrupt``: a listed file is missing, has another size or checksum, or an unlisted file
-  is present. The reason names the file, e.g. ``__1_0.distcp: size 1200 != manifest 4096
-  (truncated)``.
+  is present, or anything in the dir is a symbolic link (refused, never followed), or, when
+  a key is given, the manifest's HMAC is missing, of another key or wrong. The reason
+  names the file, e.g. ``__1_0.distcp: size 1200 != manifest 4096 (truncated)``.
 - ``quarantined``: an entry under ``ROOT/quarantine/``; ``original_state`` is the state it was
   judged to have when it was moved aside.
 
@@ -56,10 +57,20 @@ Public API:
   rank 0 at every (re)start: quarantine every ``.partial``; verify committed dirs newest-first
   with checksums, quarantining each incomplete/corrupt one met; return the newest validated
   (or None) and the quarantined statuses (state "quarantined", new path, ``original_state``).
-- ``apply_retention(root, keep) -> list[Path]``: delete validated committed checkpoints beyond
-  the newest ``keep`` (size-only checks; ``keep <= 0`` keeps all). Never removes the newest
-  validated one, never touches ``.partial`` dirs, invalid dirs or the quarantine.
-- ``CheckpointError(Exception)``.
+- ``apply_retention(root, keep, *, key, verified) -> list[Path]``: delete validated committed
+  checkpoints beyond the newest ``keep`` fully verified ones (``keep <= 0`` keeps all);
+  nothing while the newest committed one fails verification; only manifest-listed files.
+- ``ensure_partial_dir(root, step)``: every rank's safe ``mkdir -p`` of ``step-N.partial``.
+- ``identity(step_dir)``: ``(st_dev, st_ino)`` of a checkpoint the caller verified itself.
+- ``load_key(path)``, ``resolve_key(key_file)`` (else ``$RANKGUARD_CHECKPOINT_KEY_FILE``),
+  ``sign_manifest``, ``check_signature``: keyed manifests (HMAC-SHA256).
+- ``CheckpointError(Exception)``, ``UntrustedManifest(CheckpointError)``.
+
+Trust (docs/security.md, "Checkpoint roots"): nothing under a root is followed through a
+symbolic link (directory descriptors opened ``O_NOFOLLOW``), atomic writes never write
+through a planted tmp name, and ``key=`` (every read and write function takes one) makes a
+tampered manifest corrupt before any file it lists is read. Without a key the SHA-256 sums
+catch corruption, not tampering.
 
 ``progress`` callbacks are called as ``progress(bytes_hashed, bytes_total)``. In ``scan`` the
 total is known up front; in ``select_resume`` it grows as older checkpoints need verifying.
@@ -71,15 +82,16 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
+import hmac
 import json
 import logging
 import math
 import os
 import re
-import shutil
+import secrets
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -96,6 +108,18 @@ FORMAT_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
 DEFAULT_CHUNK = 8 * 1024 * 1024
 _TRASH_PREFIX = ".trash-"
+_TRASH_RE = re.compile(r"^\.trash-step-\d{8,}\.")
+#: the manifest field holding its HMAC when a checkpoint key is configured
+HMAC_FIELD = "hmac"
+HMAC_ALG = "hmac-sha256"
+#: where a checkpoint key file is named when no argument names one
+KEY_FILE_ENV = "RANKGUARD_CHECKPOINT_KEY_FILE"
+MIN_KEY_BYTES = 16
+_MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # far above any real manifest, far below a memory problem
+_MAX_SMALL_FILE = 1024 * 1024  # QUARANTINE.json, incarnation
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO planted under a listed name must not block the reader forever
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 VALIDATED = "validated"
 INCOMPLETE = "incomplete"
@@ -114,6 +138,87 @@ Progress = Callable[[int, int], None]
 
 class CheckpointError(Exception):
     """A checkpoint operation was refused or a checkpoint cannot be used (message says why)."""
+
+
+class UntrustedManifest(CheckpointError):
+    """A manifest whose HMAC is missing, of another key, or wrong while a key is configured:
+    the checkpoint may have been tampered with, so it is judged corrupt and never loaded."""
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def load_key(path: str | os.PathLike[str]) -> bytes:
+    """The checkpoint key in ``path``: its bytes without trailing whitespace, at least
+    ``MIN_KEY_BYTES`` long, in a regular file only its owner can read (like the agent token).
+    Raises CheckpointError with a one-line reason."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"checkpoint key file {path} is not a regular file")
+            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise CheckpointError(
+                    f"checkpoint key file {path} is accessible by group or others (mode "
+                    f"{stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}"
+                )
+            key = _read_fd(fd, _MAX_SMALL_FILE).rstrip()
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint key file {path}: {e.strerror or e}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise CheckpointError(
+            f"checkpoint key file {path}: key shorter than {MIN_KEY_BYTES} bytes "
+            "(make one with: head -c 32 /dev/urandom | base64 > FILE)"
+        )
+    return key
+
+
+def resolve_key(
+    key_file: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
+) -> bytes | None:
+    """The key from ``key_file``, else from the file named by ``$RANKGUARD_CHECKPOINT_KEY_FILE``,
+    else None (manifests then carry plain SHA-256 only: corruption is caught, tampering not)."""
+    if key_file is None:
+        key_file = (os.environ if environ is None else environ).get(KEY_FILE_ENV) or None
+    return None if key_file is None else load_key(key_file)
+
+
+def key_id(key: bytes) -> str:
+    """A short public name of a key, so a mismatch can say "signed with another key"."""
+    return hashlib.sha256(b"rankguard-checkpoint-key-id\0" + key).hexdigest()[:16]
+
+
+def _signed_bytes(doc: Mapping[str, Any]) -> bytes:
+    """The canonical bytes an HMAC covers: the manifest without its HMAC field."""
+    body = {k: v for k, v in doc.items() if k != HMAC_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sign_manifest(doc: Mapping[str, Any], key: bytes) -> dict[str, Any]:
+    """``doc`` with its HMAC field set."""
+    digest = hmac.new(key, _signed_bytes(doc), hashlib.sha256).hexdigest()
+    return {**doc, HMAC_FIELD: {"alg": HMAC_ALG, "key_id": key_id(key), "digest": digest}}
+
+
+def check_signature(doc: Mapping[str, Any], key: bytes) -> None:
+    """Raise UntrustedManifest unless ``doc`` carries a valid HMAC under ``key``."""
+    seal = doc.get(HMAC_FIELD)
+    if seal is None:
+        raise UntrustedManifest(f"{MANIFEST_NAME} is not signed (a checkpoint key is configured)")
+    if not isinstance(seal, Mapping) or seal.get("alg") != HMAC_ALG:
+        raise UntrustedManifest(f"{MANIFEST_NAME}: '{HMAC_FIELD}' is not an {HMAC_ALG} seal")
+    if seal.get("key_id") != key_id(key):
+        raise UntrustedManifest(
+            f"{MANIFEST_NAME} is signed with another key (key id {_short(seal.get('key_id'))}, "
+            f"ours {key_id(key)})"
+        )
+    digest = seal.get("digest")
+    expected = hmac.new(key, _signed_bytes(doc), hashlib.sha256).hexdigest()
+    if not isinstance(digest, str) or not hmac.compare_digest(digest, expected):
+        raise UntrustedManifest(f"{MANIFEST_NAME}: HMAC does not match (tampered with)")
 
 
 # --------------------------------------------------------------------------- names
@@ -295,24 +400,106 @@ class CheckpointStatus:
 def _fsync_dir(path: Path) -> None:
     """fsync a directory so renames/creations in it are durable. Filesystems that cannot
     fsync a directory (EINVAL/ENOTSUP) are tolerated; real failures (EIO, ENOSPC) raise."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _fsync_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_fd(fd: int) -> None:
     try:
         os.fsync(fd)
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise
+
+
+# Everything under a checkpoint root is reached through directory descriptors opened with
+# O_NOFOLLOW, one component at a time: a symbolic link planted anywhere under the root (by
+# anyone who can write there) is refused, never followed out of it. The root itself is
+# opened as configured (it may be a symlink the operator chose).
+
+
+def _open_dir_at(dir_fd: int | None, name: str) -> int:
+    """Open directory ``name`` (relative to ``dir_fd``, or a path) without following a
+    symlink in its last component; CheckpointError if it is a symlink or no directory."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        try:
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = False
+        what = "is a symbolic link (refused)" if is_link else "is not a directory"
+        raise CheckpointError(f"{name} {what}") from None
+
+
+def _open_beneath(dir_fd: int, rel: str, flags: int = _READ_FLAGS, mode: int = 0o644) -> int:
+    """Open ``rel`` (a normalized relative posix path) under ``dir_fd``, refusing a symlink
+    in any component."""
+    *parents, leaf = rel.split("/")
+    fd = dir_fd
+    try:
+        for part in parents:
+            nxt = _open_dir_at(fd, part)
+            if fd != dir_fd:
+                os.close(fd)
+            fd = nxt
+        try:
+            return os.open(leaf, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CheckpointError(f"{rel} is a symbolic link (refused)") from None
+            raise
+    finally:
+        if fd != dir_fd:
+            os.close(fd)
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    chunks, total = [], 0
+    while True:
+        block = os.read(fd, 1 << 20)
+        if not block:
+            return b"".join(chunks)
+        total += len(block)
+        if total > limit:
+            raise CheckpointError(f"larger than {limit} bytes")
+        chunks.append(block)
+
+
+def _read_regular_at(dir_fd: int, name: str, limit: int) -> bytes:
+    """The bytes of regular file ``name`` under ``dir_fd`` (no symlink, FIFO or device)."""
+    fd = _open_beneath(dir_fd, name)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{name} is not a regular file")
+        return _read_fd(fd, limit)
     finally:
         os.close(fd)
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``path`` atomically: ``path.tmp`` + fsync + rename (caller fsyncs the dir).
-    On any failure the tmp file is removed and ``path`` is untouched."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write ``path`` atomically (see ``_write_durably_at``; the parent is opened as given)."""
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644
-        )
+        _write_durably_at(dir_fd, path.name, data)
+    finally:
+        os.close(dir_fd)
+
+
+def _write_durably_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Write ``name`` under ``dir_fd`` atomically: a fresh tmp file of an unguessable name
+    (O_EXCL | O_NOFOLLOW: a planted ``name.tmp`` symlink is never written through) + fsync +
+    rename, which replaces a symlink at ``name`` itself rather than its target (caller
+    fsyncs the dir). On any failure the tmp file is removed and ``name`` is untouched."""
+    tmp = f"{name}.tmp-{secrets.token_hex(6)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
         try:
             view = memoryview(data)
             while view:
@@ -321,57 +508,101 @@ def _write_durably(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
+
+
+def _sha256_fd(
+    fd: int, chunk: int, on_bytes: Callable[[int], None] | None = None
+) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    # no 8 MiB buffer for a 100-byte file; +1 so the first read can already see EOF
+    buf = bytearray(max(1, min(chunk, os.fstat(fd).st_size + 1)))
+    mv = memoryview(buf)
+    while True:
+        n = os.readv(fd, [buf])
+        if not n:
+            break
+        h.update(mv[:n])
+        size += n
+        if on_bytes is not None:
+            on_bytes(n)
+    return size, h.hexdigest()
 
 
 def _sha256_file(
     path: Path, chunk: int, *, fsync: bool = False, on_bytes: Callable[[int], None] | None = None
 ) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path} is not a regular file")
         if fsync:
-            os.fsync(f.fileno())
-        # no 8 MiB buffer for a 100-byte file; +1 so the first read can already see EOF
-        buf = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size + 1)))
-        mv = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(mv[:n])
-            size += n
-            if on_bytes is not None:
-                on_bytes(n)
-    return size, h.hexdigest()
+            os.fsync(fd)
+        return _sha256_fd(fd, chunk, on_bytes)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Tree:
+    """Everything under a directory, by relative posix path, never following a symlink."""
+
+    files: dict[str, int] = field(default_factory=dict)  # regular files: size
+    links: list[str] = field(default_factory=list)  # symbolic links: refused
+    others: list[str] = field(default_factory=list)  # FIFOs, sockets, devices
+    dirs: list[str] = field(default_factory=list)  # subdirectories, parents first
+
+
+def _read_tree(dir_fd: int, prefix: str = "", tree: _Tree | None = None) -> _Tree:
+    tree = _Tree() if tree is None else tree
+    with os.scandir(dir_fd) as it:
+        entries = list(it)
+    for e in entries:
+        rel = prefix + e.name
+        try:
+            mode = e.stat(follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            tree.links.append(rel)
+        elif stat.S_ISDIR(mode):
+            try:
+                sub = _open_dir_at(dir_fd, e.name)
+            except CheckpointError:  # swapped for a symlink meanwhile
+                tree.links.append(rel)
+                continue
+            except FileNotFoundError:
+                continue
+            tree.dirs.append(rel)
+            try:
+                _read_tree(sub, rel + "/", tree)
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(mode):
+            tree.files[rel] = e.stat(follow_symlinks=False).st_size
+        else:
+            tree.others.append(rel)
+    return tree
 
 
 def _walk_files(directory: Path) -> dict[str, int]:
-    """Every non-directory entry under ``directory`` as {relative posix path: size}."""
-    out: dict[str, int] = {}
-
-    def _raise(err: OSError) -> None:
-        raise err
-
-    for dirpath, _dirnames, filenames in os.walk(directory, onerror=_raise):
-        rel_dir = Path(dirpath).relative_to(directory)
-        for name in filenames:
-            rel = (rel_dir / name).as_posix()
-            try:
-                out[rel] = os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                continue
-    return out
-
-
-def _tree_size(directory: Path) -> int:
+    """Every regular file under ``directory`` as {relative posix path: size}."""
+    fd = _open_dir_at(None, str(directory))
     try:
-        return sum(_walk_files(directory).values())
-    except OSError:
+        return _read_tree(fd).files
+    finally:
+        os.close(fd)
+
+
+def _tree_size(dir_fd: int) -> int:
+    try:
+        return sum(_read_tree(dir_fd).files.values())
+    except (OSError, CheckpointError):
         return 0
 
 
@@ -418,29 +649,40 @@ def claim_incarnation(root: str | os.PathLike[str], at_least: int = 0) -> int:
     directory cannot be written (the caller falls back to the restart count)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / INCARNATION_FILE
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        current = int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        current = 0  # a first start, or a damaged file: the restart count still bounds it
-    value = max(current, at_least)
-    data = f"{value + 1}\n".encode()
-    try:
-        _write_durably(path, data)
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC or not path.is_file():
-            raise
-        # A full disk: a new file gets no block, but the file's own block takes these few
-        # bytes. Without this, a restart while the disk is full fell back to the restart
-        # count and could reuse an earlier incarnation's number (its incidents' keys).
-        _overwrite_in_place(path, data)
-    _fsync_dir(root)
+        try:
+            current = int(_read_regular_at(root_fd, INCARNATION_FILE, _MAX_SMALL_FILE).strip())
+        except FileNotFoundError:
+            current = 0  # a first start
+        except (CheckpointError, ValueError):
+            # damaged, or not a regular file (a planted symlink is replaced, never followed):
+            # the restart count still bounds the number
+            current = 0
+        value = max(current, at_least)
+        data = f"{value + 1}\n".encode()
+        try:
+            _write_durably_at(root_fd, INCARNATION_FILE, data)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            # A full disk: a new file gets no block, but the file's own block takes these
+            # few bytes. Without this, a restart while the disk is full fell back to the
+            # restart count and could reuse an earlier incarnation's number (its
+            # incidents' keys).
+            _overwrite_in_place_at(root_fd, INCARNATION_FILE, data)
+        _fsync_fd(root_fd)
+    finally:
+        os.close(root_fd)
     return value
 
 
-def _overwrite_in_place(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+def _overwrite_in_place_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Rewrite a regular file's first bytes where it stands (never through a symlink)."""
+    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{name}: not a regular file")
         os.pwrite(fd, data, 0)
         os.ftruncate(fd, len(data))
         os.fsync(fd)
@@ -456,14 +698,34 @@ def partial_dir(root: str | os.PathLike[str], step: int) -> Path:
     root = Path(root)
     name = step_dir_name(step)
     final = root / name
-    if final.exists():
+    if os.path.lexists(final):
         raise CheckpointError(f"{final} is already committed; refusing to save step {step} again")
     root.mkdir(parents=True, exist_ok=True)
     partial = root / (name + PARTIAL_SUFFIX)
-    if partial.exists():
+    if os.path.lexists(partial):  # a symlink there is refused by quarantine(), never followed
         quarantine(partial, "stale .partial left by an interrupted save", state=INCOMPLETE)
     partial.mkdir()
     _fsync_dir(root)
+    return partial
+
+
+def ensure_partial_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """``ROOT/step-N.partial`` for a save every rank writes into (each rank calls it; the first
+    creates it). Refuses (CheckpointError) a symlink or non-directory there, or a directory
+    another user owns: its writers would otherwise write wherever it points."""
+    root = Path(root)
+    partial = root / (step_dir_name(step) + PARTIAL_SUFFIX)
+    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        partial.mkdir()
+    st = os.lstat(partial)
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise CheckpointError(f"{partial} is {what}; refusing to save into it")
+    if st.st_uid != os.geteuid():
+        raise CheckpointError(
+            f"{partial} is owned by uid {st.st_uid}, not this process; refusing to save into it"
+        )
     return partial
 
 
@@ -504,8 +766,11 @@ def commit(
     world_size: int,
     files: Iterable[FileEntry | Mapping[str, Any]],
     extra: Mapping[str, Any] | None = None,
+    *,
+    key: bytes | None = None,
 ) -> Path:
     """Commit a finished ``.partial`` dir: manifest, fsync, atomic rename. Returns the final path.
+    With ``key`` the manifest carries its HMAC (``check_signature``).
 
     Raises CheckpointError (listing does not match the dir, bad arguments, already committed) or
     OSError (e.g. ENOSPC); in both cases nothing is committed and the ``.partial`` stays."""
@@ -513,13 +778,13 @@ def commit(
     name = step_dir_name(step)
     if partial.name != name + PARTIAL_SUFFIX:
         raise CheckpointError(f"{partial} is not the partial dir of step {step} ({name}.partial)")
-    if not partial.is_dir():
-        raise CheckpointError(f"{partial} does not exist or is not a directory")
+    if not stat.S_ISDIR(_lstat_mode(partial)):
+        raise CheckpointError(f"{partial} does not exist or is not a directory (or is a symlink)")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise CheckpointError(f"world_size must be a positive integer, got {world_size!r}")
     root = partial.parent
     final = root / name
-    if final.exists():
+    if os.path.lexists(final):
         raise CheckpointError(f"{final} already exists; refusing to overwrite a committed step")
 
     entries: list[FileEntry] = []
@@ -534,12 +799,17 @@ def commit(
     )
     try:
         # Round-trip through the parser: the manifest we write is one we accept.
-        data = json.dumps(manifest.to_dict(), indent=2).encode() + b"\n"
+        doc = manifest.to_dict() if key is None else sign_manifest(manifest.to_dict(), key)
+        data = json.dumps(doc, indent=2).encode() + b"\n"
         Manifest.from_dict(json.loads(data))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"cannot write manifest for step {step}: {e}") from None
 
-    problems = _listing_problems(partial, manifest, ignore=_RESERVED)
+    fd = _open_dir_at(None, str(partial))
+    try:
+        problems = _listing_problems(fd, manifest, ignore=_RESERVED)
+    finally:
+        os.close(fd)
     if problems:
         raise CheckpointError(f"cannot commit {partial.name}: " + _join(problems))
 
@@ -557,30 +827,38 @@ def commit(
     return final
 
 
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
+
+
 def _listing_problems(
-    directory: Path, manifest: Manifest, *, ignore: Iterable[str] = (MANIFEST_NAME,)
+    dir_fd: int, manifest: Manifest, *, ignore: Iterable[str] = (MANIFEST_NAME,)
 ) -> list[str]:
-    """Size-only comparison of a dir with a manifest: missing/short/long/unlisted files."""
+    """Size-only comparison of a dir with a manifest: missing/short/long/unlisted files, and
+    any symbolic link (listed or not: one could lead out of the root) or special file."""
+    tree = _read_tree(dir_fd)
+    links, others = set(tree.links), set(tree.others)
     problems: list[str] = []
     listed = {f.path for f in manifest.files}
     for entry in manifest.files:
-        try:
-            st = os.stat(directory / entry.path)
-        except FileNotFoundError:
-            problems.append(f"{entry.path}: missing (listed in manifest, {entry.size} bytes)")
-            continue
-        except OSError as e:
-            problems.append(f"{entry.path}: cannot stat: {e.strerror or e}")
-            continue
-        if not stat.S_ISREG(st.st_mode):
+        size = tree.files.get(entry.path)
+        if entry.path in links:
+            problems.append(f"{entry.path}: symbolic link (refused)")
+        elif entry.path in others:
             problems.append(f"{entry.path}: not a regular file")
-        elif st.st_size != entry.size:
-            how = "truncated" if st.st_size < entry.size else "larger than manifest"
-            problems.append(f"{entry.path}: size {st.st_size} != manifest {entry.size} ({how})")
+        elif size is None:
+            problems.append(f"{entry.path}: missing (listed in manifest, {entry.size} bytes)")
+        elif size != entry.size:
+            how = "truncated" if size < entry.size else "larger than manifest"
+            problems.append(f"{entry.path}: size {size} != manifest {entry.size} ({how})")
     ignored = set(ignore)
-    for rel in sorted(_walk_files(directory)):
-        if rel not in listed and rel not in ignored:
-            problems.append(f"{rel}: not listed in manifest (unexpected file)")
+    for rel in sorted(links - listed):
+        problems.append(f"{rel}: symbolic link (refused)")
+    for rel in sorted((set(tree.files) | others) - listed - ignored):
+        problems.append(f"{rel}: not listed in manifest (unexpected file)")
     return problems
 
 
@@ -594,15 +872,28 @@ def _join(problems: list[str], limit: int = 3) -> str:
 # --------------------------------------------------------------------------- read path
 
 
-def read_manifest(step_dir: str | os.PathLike[str]) -> Manifest:
-    """Read and validate ``step_dir/manifest.json``; CheckpointError says what is wrong."""
-    p = Path(step_dir) / MANIFEST_NAME
+def read_manifest(step_dir: str | os.PathLike[str], *, key: bytes | None = None) -> Manifest:
+    """Read and validate ``step_dir/manifest.json``; CheckpointError says what is wrong.
+    With ``key`` its HMAC is checked first (UntrustedManifest when missing or wrong)."""
     try:
-        raw = p.read_bytes()
+        fd = _open_dir_at(None, str(step_dir))
+    except OSError as e:
+        raise CheckpointError(f"{MANIFEST_NAME} unreadable: {e.strerror or e}") from None
+    try:
+        return _read_manifest_at(fd, key)
+    finally:
+        os.close(fd)
+
+
+def _read_manifest_at(dir_fd: int, key: bytes | None) -> Manifest:
+    try:
+        raw = _read_regular_at(dir_fd, MANIFEST_NAME, _MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{MANIFEST_NAME} missing") from None
     except OSError as e:
         raise CheckpointError(f"{MANIFEST_NAME} unreadable: {e.strerror or e}") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{MANIFEST_NAME} unreadable: {e}") from None
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -610,6 +901,15 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> Manifest:
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{MANIFEST_NAME} is not valid JSON: {_short(msg, 120)}") from None
+    if key is not None:
+        if not isinstance(data, dict):
+            raise UntrustedManifest(f"{MANIFEST_NAME} is not signed (not an object)")
+        try:
+            check_signature(data, key)
+        except (TypeError, ValueError, RecursionError):  # unserializable: cannot be ours
+            raise UntrustedManifest(
+                f"{MANIFEST_NAME}: HMAC does not match (tampered with)"
+            ) from None
     try:
         return Manifest.from_dict(data)
     except CheckpointError as e:
@@ -620,25 +920,39 @@ def inspect(
     step_dir: str | os.PathLike[str],
     verify_checksums: bool = True,
     progress: Progress | None = None,
+    *,
+    key: bytes | None = None,
 ) -> CheckpointStatus:
     """Judge one step dir, ``.partial`` dir or quarantine entry. Never raises for bad contents;
-    raises CheckpointError only if ``step_dir`` is not a directory with a checkpoint name."""
-    status, _ = _inspect(Path(step_dir), verify_checksums, progress)
+    raises CheckpointError only if ``step_dir`` is not a directory with a checkpoint name
+    (a symlink is refused). With ``key`` a manifest without a valid HMAC is corrupt."""
+    status, _ = _inspect(Path(step_dir), verify_checksums, progress, key)
     return status
 
 
 def _inspect(
-    path: Path, verify: bool, progress: Progress | None
+    path: Path, verify: bool, progress: Progress | None, key: bytes | None = None
 ) -> tuple[CheckpointStatus, Manifest | None]:
-    if not path.is_dir():
-        raise CheckpointError(f"{path} does not exist or is not a directory")
+    try:
+        fd = _open_dir_at(None, str(path))  # CheckpointError for a symlink
+    except OSError:
+        raise CheckpointError(f"{path} does not exist or is not a directory") from None
+    try:
+        return _inspect_at(fd, path, verify, progress, key)
+    finally:
+        os.close(fd)
+
+
+def _inspect_at(
+    fd: int, path: Path, verify: bool, progress: Progress | None, key: bytes | None
+) -> tuple[CheckpointStatus, Manifest | None]:
     parsed = parse_step_dir_name(path.name)
     if parsed is None:
         if path.parent.name == QUARANTINE_DIRNAME and _QUARANTINE_ENTRY_RE.match(path.name):
-            return _inspect_quarantined(path), None
+            return _inspect_quarantined(fd, path, key), None
         raise CheckpointError(f"{path.name!r} is not a checkpoint directory name (step-NNNNNNNN)")
     step, is_partial = parsed
-    size = _tree_size(path)
+    size = _tree_size(fd)
 
     def status(state: str, reason: str, m: Manifest | None) -> CheckpointStatus:
         return CheckpointStatus(
@@ -653,13 +967,15 @@ def _inspect(
         )
 
     if is_partial:
-        m = _try_manifest(path)
+        m = _try_manifest(fd, key)
         why = "save in progress or interrupted (.partial directory)"
         if m is not None:
             why = "interrupted during commit (.partial directory with a manifest)"
         return status(INCOMPLETE, why, m), None
     try:
-        m = read_manifest(path)
+        m = _read_manifest_at(fd, key)
+    except UntrustedManifest as e:
+        return status(CORRUPT, str(e), None), None
     except CheckpointError as e:
         return status(INCOMPLETE, str(e), None), None
     if m.step != step:
@@ -667,19 +983,19 @@ def _inspect(
             INCOMPLETE, f"{MANIFEST_NAME}: step {m.step} does not match directory {path.name}", m
         ), m
     try:
-        problems = _listing_problems(path, m)
-    except OSError as e:
-        problems = [f"cannot list directory: {e.strerror or e}"]
+        problems = _listing_problems(fd, m)
+    except (OSError, CheckpointError) as e:
+        problems = [f"cannot list directory: {getattr(e, 'strerror', None) or e}"]
     if problems:
         return status(CORRUPT, _join(problems), m), m
     if verify:
-        problems = _checksum_problems(path, m, progress)
+        problems = _checksum_problems(fd, m, progress)
         if problems:
             return status(CORRUPT, _join(problems), m), m
     return status(VALIDATED, "", m), m
 
 
-def _checksum_problems(path: Path, m: Manifest, progress: Progress | None) -> list[str]:
+def _checksum_problems(dir_fd: int, m: Manifest, progress: Progress | None) -> list[str]:
     total = m.total_bytes
     done = 0
 
@@ -692,11 +1008,20 @@ def _checksum_problems(path: Path, m: Manifest, progress: Progress | None) -> li
     problems = []
     for entry in m.files:
         before = done
+        digest = None
         try:
-            _size, digest = _sha256_file(path / entry.path, DEFAULT_CHUNK, on_bytes=on_bytes)
+            fd = _open_beneath(dir_fd, entry.path)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    _size, digest = _sha256_fd(fd, DEFAULT_CHUNK, on_bytes)
+                else:
+                    problems.append(f"{entry.path}: not a regular file")
+            finally:
+                os.close(fd)
         except OSError as e:
             problems.append(f"{entry.path}: unreadable: {e.strerror or e}")
-            digest = None
+        except CheckpointError as e:
+            problems.append(str(e))
         # keep the byte count consistent with the total even if the file changed under us
         done = before + entry.size
         if digest is not None and digest != entry.sha256:
@@ -709,25 +1034,25 @@ def _checksum_problems(path: Path, m: Manifest, progress: Progress | None) -> li
     return problems
 
 
-def _try_manifest(path: Path) -> Manifest | None:
+def _try_manifest(dir_fd: int, key: bytes | None) -> Manifest | None:
     try:
-        return read_manifest(path)
+        return _read_manifest_at(dir_fd, key)
     except CheckpointError:
         return None
 
 
-def _inspect_quarantined(path: Path) -> CheckpointStatus:
+def _inspect_quarantined(fd: int, path: Path, key: bytes | None) -> CheckpointStatus:
     record: dict[str, Any] = {}
     reason = ""
     try:
-        loaded = json.loads((path / QUARANTINE_RECORD).read_bytes())
+        loaded = json.loads(_read_regular_at(fd, QUARANTINE_RECORD, _MAX_SMALL_FILE))
         if isinstance(loaded, dict):
             record = loaded
         else:
             reason = f"{QUARANTINE_RECORD} is not an object"
     except FileNotFoundError:
         reason = f"{QUARANTINE_RECORD} missing (quarantine interrupted?)"
-    except (OSError, ValueError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError, CheckpointError) as e:
         reason = f"{QUARANTINE_RECORD} unreadable: {_short(str(e), 80)}"
     original = record.get("original")
     parsed = parse_step_dir_name(original) if isinstance(original, str) else None
@@ -739,13 +1064,13 @@ def _inspect_quarantined(path: Path) -> CheckpointStatus:
     if not reason:
         reason = str(record.get("reason", "")) or "quarantined (no reason recorded)"
     state = record.get("state")
-    m = _try_manifest(path)
+    m = _try_manifest(fd, key)
     return CheckpointStatus(
         step=parsed[0],
         path=path,
         state=QUARANTINED,
         reason=reason,
-        size_bytes=_tree_size(path),
+        size_bytes=_tree_size(fd),
         world_size=m.world_size if m else None,
         created_at=m.created_at if m else None,
         extra=m.extra if m else None,
@@ -789,6 +1114,8 @@ def scan(
     root: str | os.PathLike[str],
     verify_checksums: bool = True,
     progress: Progress | None = None,
+    *,
+    key: bytes | None = None,
 ) -> list[CheckpointStatus]:
     """Every step dir, partial dir and quarantined entry of ``root``, sorted by step
     (quarantined, then partial, then committed within a step). Read-only."""
@@ -798,7 +1125,7 @@ def scan(
     results: list[tuple[CheckpointStatus, Manifest | None]] = []
     for p in paths:
         try:
-            results.append(_inspect(p, False, None))
+            results.append(_inspect(p, False, None, key))
         except CheckpointError:  # vanished while scanning, or not ours after all
             continue
     if verify_checksums:
@@ -814,7 +1141,7 @@ def scan(
 
             status = results[i][0]
             with contextlib.suppress(CheckpointError):  # vanished meanwhile
-                results[i] = _inspect(status.path, True, sub)
+                results[i] = _inspect(status.path, True, sub, key)
             offset += m.total_bytes
         if progress is not None and not to_hash:
             progress(0, 0)
@@ -829,10 +1156,15 @@ def quarantine(
     reason: str,
     *,
     state: str | None = None,
+    key: bytes | None = None,
 ) -> Path:
     """Move a checkpoint dir to ``ROOT/quarantine/<name>.<UTC stamp>/`` and write
     QUARANTINE.json there. Never deletes. ``state`` (recorded) defaults to the status's
     state, or a size-only ``inspect`` of the path. Returns the new path.
+
+    A symlink at the checkpoint's name or at ``quarantine`` is refused (CheckpointError):
+    the move goes through directory descriptors opened without following links, so nothing
+    is ever moved out of the root.
 
     Order: rename (atomic; nothing copied), fsync both dirs, then write the record. If the
     rename fails nothing moved; if the record cannot be written (ENOSPC) the entry is
@@ -843,40 +1175,75 @@ def quarantine(
     else:
         path = Path(status_or_path)
     parsed = parse_step_dir_name(path.name)
-    if parsed is None or not path.is_dir():
+    if parsed is None:
         raise CheckpointError(f"{path} is not a checkpoint directory (or is already quarantined)")
-    if state is None:
-        state = inspect(path, verify_checksums=False).state
     root = path.parent
-    qdir = root / QUARANTINE_DIRNAME
-    if not qdir.is_dir():
-        qdir.mkdir(exist_ok=True)
-        _fsync_dir(root)
-    stamp = _utc_stamp()
-    dest = qdir / f"{path.name}.{stamp}"
-    n = 1
-    while dest.exists():
-        dest = qdir / f"{path.name}.{stamp}-{n}"
-        n += 1
-    os.rename(path, dest)
-    _fsync_dir(qdir)
-    _fsync_dir(root)
-    record = {
-        "format": "rankguard-quarantine",
-        "format_version": 1,
-        "reason": reason,
-        "state": state,
-        "quarantined_at": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
-        "original": path.name,
-        "original_path": str(path.absolute()),
-        "step": parsed[0],
-    }
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        _write_durably(dest / QUARANTINE_RECORD, json.dumps(record, indent=2).encode() + b"\n")
-        _fsync_dir(dest)
-    except OSError as e:  # e.g. ENOSPC: the entry is aside already; scan says the record is missing
-        log.warning("quarantined %s without its record (%s): %s", path.name, dest, e)
-        return dest
+        mode = _lstat_mode_at(root_fd, path.name)
+        if stat.S_ISLNK(mode):
+            raise CheckpointError(f"{path} is a symbolic link (refused)")
+        if not stat.S_ISDIR(mode):
+            raise CheckpointError(f"{path} is not a checkpoint directory")
+        if state is None:
+            state = inspect(path, verify_checksums=False, key=key).state
+        return _quarantine_at(root_fd, path, parsed[0], reason, state)
+    finally:
+        os.close(root_fd)
+
+
+def _lstat_mode_at(dir_fd: int, name: str) -> int:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return 0
+
+
+def _quarantine_at(root_fd: int, path: Path, step: int, reason: str, state: str) -> Path:
+    created = False
+    try:
+        os.mkdir(QUARANTINE_DIRNAME, 0o755, dir_fd=root_fd)
+        created = True
+    except FileExistsError:
+        pass
+    q_fd = _open_dir_at(root_fd, QUARANTINE_DIRNAME)  # refuses a planted symlink
+    try:
+        if created:
+            _fsync_fd(root_fd)
+        stamp = _utc_stamp()
+        dest_name = f"{path.name}.{stamp}"
+        n = 1
+        while _lstat_mode_at(q_fd, dest_name):
+            dest_name = f"{path.name}.{stamp}-{n}"
+            n += 1
+        os.rename(path.name, dest_name, src_dir_fd=root_fd, dst_dir_fd=q_fd)
+        _fsync_fd(q_fd)
+        _fsync_fd(root_fd)
+        dest = path.parent / QUARANTINE_DIRNAME / dest_name
+        record = {
+            "format": "rankguard-quarantine",
+            "format_version": 1,
+            "reason": reason,
+            "state": state,
+            "quarantined_at": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
+            "original": path.name,
+            "original_path": str(path.absolute()),
+            "step": step,
+        }
+        try:
+            dest_fd = _open_dir_at(q_fd, dest_name)
+            try:
+                data = json.dumps(record, indent=2).encode() + b"\n"
+                _write_durably_at(dest_fd, QUARANTINE_RECORD, data)
+                _fsync_fd(dest_fd)
+            finally:
+                os.close(dest_fd)
+        except (OSError, CheckpointError) as e:
+            # e.g. ENOSPC: the entry is aside already; scan says the record is missing
+            log.warning("quarantined %s without its record (%s): %s", path.name, dest, e)
+            return dest
+    finally:
+        os.close(q_fd)
     log.warning("quarantined checkpoint %s (%s: %s) -> %s", path.name, state, reason, dest)
     return dest
 
@@ -885,12 +1252,13 @@ def quarantine(
 
 
 def select_resume(
-    root: str | os.PathLike[str], progress: Progress | None = None
+    root: str | os.PathLike[str], progress: Progress | None = None, *, key: bytes | None = None
 ) -> tuple[CheckpointStatus | None, list[CheckpointStatus]]:
     """Pick the checkpoint to resume from (rank 0, at every (re)start, with no save running).
 
-    Every ``.partial`` is quarantined; committed dirs are verified newest-first with checksums,
-    each incomplete/corrupt one met is quarantined with its reason, and the first validated one
+    Every ``.partial`` is quarantined; committed dirs are verified newest-first with checksums
+    (and, with ``key``, their manifest's HMAC, before any of their files is read), each
+    incomplete/corrupt one met is quarantined with its reason, and the first validated one
     is returned (older ones are not read). Returns (newest validated or None, quarantined
     statuses with state "quarantined", their new path and ``original_state``)."""
     root = Path(root)
@@ -899,15 +1267,16 @@ def select_resume(
 
     def put_aside(st: CheckpointStatus) -> None:
         try:
-            dest = quarantine(st, st.reason)
-        except OSError as e:  # no room even for the quarantine folder: leave it where it is
+            dest = quarantine(st, st.reason, key=key)
+        except (OSError, CheckpointError) as e:
+            # no room even for the quarantine folder, or a symlink planted at its name
             log.warning("cannot quarantine %s (%s); left in place, never chosen", st.path.name, e)
             return
         moved.append(dataclasses.replace(st, path=dest, state=QUARANTINED, original_state=st.state))
 
     for _, p in sorted(partial):
         with contextlib.suppress(CheckpointError):  # vanished meanwhile
-            put_aside(inspect(p, verify_checksums=False))
+            put_aside(inspect(p, verify_checksums=False, key=key))
 
     hashed = 0
     for _, p in sorted(committed, reverse=True):
@@ -918,7 +1287,7 @@ def select_resume(
                 progress(base + done, base + total)
 
         try:
-            st, m = _inspect(p, True, sub)
+            st, m = _inspect(p, True, sub, key)
         except CheckpointError:
             continue
         hashed += m.total_bytes if m else 0
@@ -928,7 +1297,9 @@ def select_resume(
     return None, moved
 
 
-def quarantine_failed_saves(root: str | os.PathLike[str], before_step: int) -> list[Path]:
+def quarantine_failed_saves(
+    root: str | os.PathLike[str], before_step: int, *, key: bytes | None = None
+) -> list[Path]:
     """Quarantine every ``.partial`` of a step older than ``before_step``: called by the
     committer right after step ``before_step`` committed, when no older save can still be in
     flight, so they are saves that failed (a full disk, a crashed writer). A move that cannot
@@ -939,48 +1310,150 @@ def quarantine_failed_saves(root: str | os.PathLike[str], before_step: int) -> l
         if step >= before_step:
             continue
         try:
-            moved.append(quarantine(p, "save failed; a later step committed", state=INCOMPLETE))
+            moved.append(
+                quarantine(p, "save failed; a later step committed", state=INCOMPLETE, key=key)
+            )
         except (OSError, CheckpointError) as e:
             log.warning("cannot quarantine failed save %s yet: %s", p.name, e)
     return moved
 
 
-def apply_retention(root: str | os.PathLike[str], keep: int) -> list[Path]:
-    """Delete validated committed checkpoints beyond the newest ``keep`` (size-only checks).
+def identity(step_dir: str | os.PathLike[str]) -> tuple[int, int]:
+    """``(st_dev, st_ino)`` of a step dir: how a caller names a checkpoint it has verified
+    itself (it hashed the files it committed), so retention need not read it again."""
+    st = os.lstat(step_dir)
+    return st.st_dev, st.st_ino
 
-    ``keep <= 0`` keeps everything. Never removes the newest validated checkpoint; never
-    touches ``.partial`` dirs, invalid committed dirs (select_resume quarantines those) or the
-    quarantine. A checkpoint is first renamed to a hidden ``.trash-*`` name (so a crash
+
+def apply_retention(
+    root: str | os.PathLike[str],
+    keep: int,
+    *,
+    key: bytes | None = None,
+    verified: Collection[tuple[int, int]] = (),
+) -> list[Path]:
+    """Delete validated committed checkpoints beyond the newest ``keep`` verified ones.
+
+    ``keep <= 0`` keeps everything. Only ``step-N`` directories are ever deleted, and in them
+    only the files their manifest lists (then the manifest, then the emptied directories):
+    a file nobody listed stays, and so does its directory. Nothing is deleted while the
+    newest committed checkpoint fails verification (checksums, and the HMAC with ``key``):
+    the older ones are then the only good ones. The ``keep`` checkpoints kept must pass
+    full verification; those named in ``verified`` (``identity()`` of checkpoints the
+    caller committed or verified itself) are not read again. Never touches ``.partial``
+    dirs, invalid committed dirs (select_resume quarantines those) or the quarantine.
+    A checkpoint is first renamed to a hidden ``.trash-step-N.*`` name (so a crash
     mid-delete never leaves a half-deleted ``step-N``), then removed. Returns removed paths."""
     root = Path(root)
     if keep <= 0 or not root.is_dir():
         return []
-    _empty_trash(root)
-    committed, _, _ = _entries(root)
-    validated: list[Path] = []
-    for _, p in sorted(committed, reverse=True):
-        with contextlib.suppress(CheckpointError):
-            if inspect(p, verify_checksums=False).state == VALIDATED:
-                validated.append(p)
-    removed: list[Path] = []
-    for p in validated[keep:]:
-        trash = root / f"{_TRASH_PREFIX}{p.name}.{_utc_stamp()}"
-        os.rename(p, trash)
-        _fsync_dir(root)
-        removed.append(p)
-        _rmtree(trash)
-    return removed
-
-
-def _empty_trash(root: Path) -> None:
-    with os.scandir(root) as it:
-        for e in it:
-            if e.name.startswith(_TRASH_PREFIX) and e.is_dir(follow_symlinks=False):
-                _rmtree(Path(e.path))
-
-
-def _rmtree(path: Path) -> None:
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        shutil.rmtree(path)
+        _empty_trash(root_fd, key)
+        doomed = _retention_victims(root, keep, key, set(verified))
+        removed: list[Path] = []
+        for p in doomed:
+            trash = f"{_TRASH_PREFIX}{p.name}.{_utc_stamp()}"
+            os.rename(p.name, trash, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+            _fsync_fd(root_fd)
+            removed.append(p)
+            _delete_checkpoint(root_fd, trash, key)
+        return removed
+    finally:
+        os.close(root_fd)
+
+
+def _retention_victims(
+    root: Path, keep: int, key: bytes | None, verified: set[tuple[int, int]]
+) -> list[Path]:
+    committed, _, _ = _entries(root)
+    kept = 0
+    doomed: list[Path] = []
+    for i, (_, p) in enumerate(sorted(committed, reverse=True)):
+        try:
+            status = inspect(p, verify_checksums=False, key=key)
+            if status.state == VALIDATED and kept < keep and identity(p) not in verified:
+                status = inspect(p, verify_checksums=True, key=key)
+        except (OSError, CheckpointError):  # vanished meanwhile
+            continue
+        if status.state != VALIDATED:
+            if i == 0:
+                log.warning(
+                    "retention under %s deletes nothing: the newest checkpoint %s is %s (%s)",
+                    root, p.name, status.state, status.reason,
+                )  # fmt: skip
+                return []
+            continue
+        if kept < keep:
+            kept += 1
+        else:
+            doomed.append(p)
+    return doomed
+
+
+def _empty_trash(root_fd: int, key: bytes | None) -> None:
+    """Finish deletions a crash interrupted (only ``.trash-step-N.*`` dirs, as above)."""
+    with os.scandir(root_fd) as it:
+        names = [e.name for e in it if _TRASH_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
+    for name in names:
+        _delete_checkpoint(root_fd, name, key)
+
+
+def _delete_checkpoint(root_fd: int, name: str, key: bytes | None) -> None:
+    """Delete the files the manifest of ``root/name`` lists, the manifest, then the emptied
+    directories and ``name`` itself; anything else is left (with a warning)."""
+    try:
+        fd = _open_dir_at(root_fd, name)
+    except (OSError, CheckpointError) as e:
+        log.warning("not deleting %s: %s", name, e)
+        return
+    try:
+        try:
+            listed = [f.path for f in _read_manifest_at(fd, key).files]
+        except CheckpointError:  # an interrupted delete removed the manifest last: no files left
+            listed = []
+        for rel in listed:
+            with contextlib.suppress(FileNotFoundError, CheckpointError):
+                _unlink_beneath(fd, rel)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(MANIFEST_NAME, dir_fd=fd)
+        parents = {
+            "/".join(rel.split("/")[:i]) for rel in listed for i in range(1, rel.count("/") + 1)
+        }
+        for sub in sorted(parents, key=lambda d: d.count("/"), reverse=True):
+            with contextlib.suppress(OSError, CheckpointError):
+                _rmdir_beneath(fd, sub)
     except OSError as e:
-        log.warning("could not remove %s (will retry at next retention): %s", path, e)
+        log.warning("could not remove %s (will retry at next retention): %s", name, e)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=root_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("left %s: it holds files no manifest lists, or %s", name, e.strerror or e)
+
+
+def _unlink_beneath(dir_fd: int, rel: str) -> None:
+    *parents, leaf = rel.split("/")
+    if not parents:
+        os.unlink(leaf, dir_fd=dir_fd)  # a symlink itself is removed, never its target
+        return
+    sub = _open_beneath(dir_fd, "/".join(parents), _DIR_FLAGS)
+    try:
+        os.unlink(leaf, dir_fd=sub)
+    finally:
+        os.close(sub)
+
+
+def _rmdir_beneath(dir_fd: int, rel: str) -> None:
+    *parents, leaf = rel.split("/")
+    if not parents:
+        os.rmdir(leaf, dir_fd=dir_fd)
+        return
+    sub = _open_beneath(dir_fd, "/".join(parents), _DIR_FLAGS)
+    try:
+        os.rmdir(leaf, dir_fd=sub)
+    finally:
+        os.close(sub)

@@ -16,6 +16,11 @@ reads). ``latest()`` verifies committed checkpoints newest first with their chec
 and moves anything incomplete or corrupt to ``ROOT/quarantine/`` with the reason (never
 deletes it); ``keep`` retains the newest K validated ones and never the newest.
 
+A checkpoint key (``key_file=``, else the file named by ``$RANKGUARD_CHECKPOINT_KEY_FILE``)
+makes every manifest carry an HMAC: a checkpoint whose manifest is unsigned or tampered
+with is corrupt, and :meth:`load` verifies the HMAC and every checksum before it
+unpickles anything. Without a key the SHA-256 sums catch corruption, not tampering.
+
 One process writes and selects (rank 0 for replicated state); any rank may
 :meth:`load` the path it is given. Saving is synchronous (the caller decides when; the
 reporter's heartbeats keep a slow save from looking like a hang). Like the rest of
@@ -62,6 +67,8 @@ class CheckpointStore:
     :class:`~rankguard.client.Reporter`; each save then runs in its ``checkpoint_save``
     phase (heartbeats) and reports the step as the newest validated checkpoint.
     ``world_size`` is recorded in the manifest (default: ``$WORLD_SIZE`` or 1).
+    ``key_file``: the checkpoint key (default: ``$RANKGUARD_CHECKPOINT_KEY_FILE``, or none);
+    a bad key file raises ``CheckpointError`` here, at construction.
     """
 
     def __init__(
@@ -72,8 +79,11 @@ class CheckpointStore:
         reporter: Any = None,
         world_size: int | None = None,
         check_finite: bool = True,
+        key_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self.root = Path(root)
+        self.key = cs.resolve_key(key_file)
+        self._verified: set[tuple[int, int]] = set()  # identities of checkpoints hashed here
         self.check_finite = check_finite
         self.keep = keep
         self.reporter = reporter
@@ -145,10 +155,11 @@ class CheckpointStore:
             with open(path, "wb") as f:
                 pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
         entry = cs.hash_file(path, base=partial)  # fsyncs: durable before the commit
-        final = cs.commit(partial, step, self.world_size, [entry], extra or {})
+        final = cs.commit(partial, step, self.world_size, [entry], extra or {}, key=self.key)
+        self._verified.add(cs.identity(final))  # hashed just now: retention need not reread it
         if self.keep > 0:
             try:
-                cs.apply_retention(self.root, self.keep)
+                cs.apply_retention(self.root, self.keep, key=self.key, verified=self._verified)
             except Exception as exc:  # the save itself is committed
                 log.warning("checkpoint retention under %s: %s", self.root, exc)
         return final
@@ -158,7 +169,7 @@ class CheckpointStore:
         checksums; every incomplete or corrupt one met first is quarantined. None when
         there is none (or the root cannot be read: counted in :attr:`failures`)."""
         try:
-            found, moved = cs.select_resume(self.root)
+            found, moved = cs.select_resume(self.root, key=self.key)
         except Exception as exc:
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
@@ -166,8 +177,11 @@ class CheckpointStore:
             return None
         for st in moved:
             log.warning("quarantined %s (%s): %s", st.path, st.original_state, st.reason)
-        if found is not None and self.reporter is not None:
-            self.reporter.checkpoint_saved(found.step)
+        if found is not None:
+            with contextlib.suppress(OSError):
+                self._verified.add(cs.identity(found.path))
+            if self.reporter is not None:
+                self.reporter.checkpoint_saved(found.step)
         return found
 
     def resume(self, **torch_load: Any) -> tuple[int, Any]:
@@ -197,7 +211,8 @@ class CheckpointStore:
         **torch_load: Any,
     ) -> Any:
         """The state saved in ``which``: a status from :meth:`latest`, a step dir, a step
-        number, or None for :meth:`latest`. Checks the dir's manifest (sizes) first.
+        number, or None for :meth:`latest`. Checks the dir's manifest (sizes) first; with a
+        key, its HMAC and every checksum, before anything is unpickled.
         ``torch_load`` goes to ``torch.load`` (e.g. ``map_location``, ``weights_only``).
         Raises ``CheckpointError`` when there is nothing valid to load."""
         if which is None:
@@ -210,7 +225,7 @@ class CheckpointStore:
             path = self.root / cs.step_dir_name(which)
         else:
             path = Path(which)
-        status = cs.inspect(path, verify_checksums=False)
+        status = cs.inspect(path, verify_checksums=self.key is not None, key=self.key)
         if status.state != cs.VALIDATED:
             raise CheckpointError(f"{path} is {status.state}: {status.reason}")
         if (path / TORCH_FILE).exists():

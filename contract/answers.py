@@ -34,6 +34,7 @@ __all__ = [
     "CollectorStatus",
     "HealthReason",
     "NodeAnswer",
+    "NodeWarning",
     "RankAnswer",
     "RanksAnswer",
     "Sample",
@@ -512,10 +513,28 @@ class CollectorStatus:
 
 
 @dataclass(frozen=True)
+class NodeWarning:
+    """Something an operator should fix that does not change the verdict (a checkpoint
+    root others can write into, say)."""
+
+    code: str
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> NodeWarning:
+        o = _object(obj)
+        return cls(code=_str(o, "code", max_chars=128), message=_str(o, "message"))
+
+
+@dataclass(frozen=True)
 class NodeAnswer:
     """``GET /v1/node``: the node's verdict with reasons, each collector's last run, and
     the collectors' facts (free-form JSON objects, one per collector, for people and
-    tools; the supervisor reads only the verdict)."""
+    tools; the supervisor reads only the verdict). ``warnings`` were added within v1: an
+    answer without them (an older agent) reads as having none."""
 
     node: str
     version: str
@@ -525,6 +544,7 @@ class NodeAnswer:
     reasons: tuple[HealthReason, ...] = ()
     collectors: Mapping[str, CollectorStatus] = field(default_factory=dict)
     facts: Mapping[str, Any] = field(default_factory=dict)
+    warnings: tuple[NodeWarning, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -537,6 +557,7 @@ class NodeAnswer:
             "reasons": [r.to_json() for r in self.reasons],
             "collectors": {name: c.to_json() for name, c in self.collectors.items()},
             "facts": dict(self.facts),
+            "warnings": [w.to_json() for w in self.warnings],
         }
 
     @classmethod
@@ -557,4 +578,5 @@ class NodeAnswer:
             reasons=_list(o, "reasons", HealthReason.from_json, 1024),
             collectors=collectors,
             facts=dict(_object(_get(o, "facts"), "facts")),
+            warnings=_list(o, "warnings", NodeWarning.from_json, 64) if "warnings" in o else (),
         )

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from rankguard.agent.config import AgentConfig, AgentConfigError, load_config, read_token
 from rankguard.agent.daemon import Agent
 from rankguard.agent.nvml_double import NvmlDouble, make_double
+from rankguard.contract.answers import NodeAnswer
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 
@@ -126,6 +127,19 @@ def test_node_view_reports_verdict_and_facts(agent):
     assert node["node"] == "testnode" and node["status"] == "healthy", node["reasons"]
     assert node["facts"]["gpu"]["count"] == 2
     assert set(node["collectors"]) >= {"gpu", "host", "storage", "network", "ranks"}
+
+
+def test_a_checkpoint_root_others_can_write_is_a_warning(agent, tmp_path):
+    _, node = get_json(agent, "/v1/node")
+    assert node["warnings"] == []  # pytest's tmp dirs are 0700
+    tmp_path.chmod(0o1777)
+    agent.collect_once()
+    _, node = get_json(agent, "/v1/node")
+    [warning] = NodeAnswer.from_json(node).warnings
+    assert warning.code == "checkpoint_dir_writable_by_others"
+    assert str(tmp_path) in warning.message and "group and others" in warning.message
+    assert node["status"] == "healthy"  # a warning, not a verdict
+    tmp_path.chmod(0o700)
 
 
 def test_lost_gpu_makes_the_node_unhealthy(agent):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rankguard.agent import procfs
+from rankguard.agent import health, procfs
 from rankguard.agent.collectors import CollectorContext, CollectorResult, run_collector
 from rankguard.agent.collectors.host import HostCollector
 from rankguard.agent.collectors.network import NetworkCollector
@@ -411,3 +411,24 @@ def test_rank_process_io_real(tmp_path):
     finally:
         proc.stdin.close()
         proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("mode", "who"),
+    [(0o755, None), (0o700, None), (0o775, "group"), (0o757, "others"),
+     (0o1777, "group and others")],
+)  # fmt: skip
+def test_checkpoint_root_permissions_give_a_warning(tree, mode, who):
+    ctx, _, root = tree
+    os.chmod(root, mode)
+    facts = StorageCollector(ctx).collect().facts["filesystems"]
+    assert facts["checkpoint"]["mode"] == mode
+    warnings = health.permission_warnings(facts)
+    if who is None:
+        assert warnings == []
+    else:
+        [w] = warnings
+        assert f"writable by {who} (mode {mode:o}" in w.message and str(root) in w.message
+    # the data dir is not a checkpoint root: its mode never warns
+    assert health.permission_warnings({"data": {**facts["checkpoint"], "mode": 0o777}}) == []
+    assert health.permission_warnings({"checkpoint": {"mode": "777"}}) == []  # bad facts: none

@@ -24,6 +24,7 @@ from rankguard.contract import (
     ContractError,
     HealthReason,
     NodeAnswer,
+    NodeWarning,
     RankAnswer,
     RanksAnswer,
     Sample,
@@ -168,6 +169,9 @@ node_answers = st.builds(
         max_size=3,
     ),
     facts=st.dictionaries(st.text(max_size=10), st.dictionaries(st.text(max_size=5), counts)),
+    warnings=st.lists(
+        st.builds(NodeWarning, code=st.text(max_size=20), message=text), max_size=3
+    ).map(tuple),
 )
 
 
@@ -304,6 +308,8 @@ def test_a_malformed_node_answer_names_its_field():
         ("collectors", {"gpu": {"success": "yes", "duration_seconds": 0, "error": None}},
          "collectors.gpu.success"),
         ("facts", [], "facts"),
+        ("warnings", [{"code": 5, "message": ""}], "warnings[0].code"),
+        ("warnings", {}, "warnings"),
     ]:  # fmt: skip
         with pytest.raises(ContractError) as err:
             NodeAnswer.from_json({**good, key: value})
@@ -380,3 +386,12 @@ def test_readers_of_the_contract_do_not_import_the_agent(module):
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_an_older_agents_node_answer_without_warnings_reads_as_none():
+    answer = NodeAnswer(node="n", version="1", time=1.0, uptime_seconds=2.0, status="healthy",
+                        warnings=(NodeWarning("w", "fix it"),))  # fmt: skip
+    wire = over_json(answer.to_json())
+    assert NodeAnswer.from_json(wire).warnings == (NodeWarning("w", "fix it"),)
+    del wire["warnings"]
+    assert NodeAnswer.from_json(wire).warnings == ()

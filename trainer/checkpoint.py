@@ -78,6 +78,7 @@ class AsyncCheckpointer:
         self._stager = self._new_stager() if STAGER_REUSABLE else None
         self.newest_validated: int | None = None  # as known to this rank
         self.failures = 0
+        self._verified: set[tuple[int, int]] = set()  # identities of checkpoints hashed here
 
     def _new_stager(self) -> DefaultStager:
         cuda = self.info.device.type == "cuda"
@@ -107,7 +108,7 @@ class AsyncCheckpointer:
         self.wait()
         partial = self.root / f"{store.step_dir_name(step)}.partial"
         try:
-            partial.mkdir(parents=True, exist_ok=True)
+            store.ensure_partial_dir(self.root, step)  # never a symlink or another user's dir
             torch.save(trainer_state, partial / _trainer_state_name(self.info.rank))
             prepared = None
         except Exception as exc:  # OSError, or torch.save's RuntimeError on a full disk
@@ -177,7 +178,7 @@ class AsyncCheckpointer:
             else:
                 try:
                     files = [store.FileEntry.from_dict(e) for _, lst in gathered for e in lst]
-                    store.commit(
+                    final = store.commit(
                         partial,
                         step,
                         info.world_size,
@@ -187,11 +188,16 @@ class AsyncCheckpointer:
                                 _trainer_state_name(r) for r in range(info.world_size)
                             ]
                         },
+                        key=self.cfg.key,
                     )
-                    removed = store.apply_retention(self.root, self.cfg.keep)
+                    # every rank hashed its files just now: retention need not reread them
+                    self._verified.add(store.identity(final))
+                    removed = store.apply_retention(
+                        self.root, self.cfg.keep, key=self.cfg.key, verified=self._verified
+                    )
                     if removed:
                         log.info("retention removed %s", ", ".join(p.name for p in removed))
-                    store.quarantine_failed_saves(self.root, step)
+                    store.quarantine_failed_saves(self.root, step, key=self.cfg.key)
                     outcome[0] = ("ok", step)
                 except Exception as exc:  # e.g. ENOSPC: stays .partial, never validated
                     outcome[0] = ("error", f"commit failed: {exc!r}")
@@ -227,11 +233,14 @@ class AsyncCheckpointer:
         info = self.info
         choice: list = [None]
         if info.rank == 0:
-            chosen, quarantined = store.select_resume(self.root)
+            # with a key, a manifest without a valid HMAC is refused here, before dcp.load
+            # unpickles the .metadata it lists
+            chosen, quarantined = store.select_resume(self.root, key=self.cfg.key)
             for q in quarantined:
                 log.warning("quarantined checkpoint %s: %s", q.path.name, q.reason)
             if chosen is not None:
                 choice[0] = (chosen.step, str(chosen.path), chosen.world_size)
+                self._verified.add(store.identity(chosen.path))
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None

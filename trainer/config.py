@@ -101,6 +101,9 @@ class CheckpointConfig:
     keep: int = 3  # validated checkpoints kept by retention; <= 0 keeps all
     load: bool = True  # resume from the newest validated checkpoint at start
     mode: str = "async"  # "sync": blocking dcp.save, the benchmark's baseline
+    # HMAC key for the manifests (--ckpt-key-file or $RANKGUARD_CHECKPOINT_KEY_FILE); None:
+    # plain SHA-256 (catches corruption, not tampering). Never printed.
+    key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -167,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="async",
         help="async (default) blocks only for staging; sync blocks for the whole save",
     )
+    p.add_argument(
+        "--ckpt-key-file",
+        type=Path,
+        help="file with the secret key that signs and checks checkpoint manifests (HMAC); "
+        "default $RANKGUARD_CHECKPOINT_KEY_FILE; none: SHA-256 only",
+    )
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--data", type=Path, help="token shards from `rankguard trainer prepare`")
     p.add_argument("--seed", type=int, default=1234)
@@ -210,6 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _checkpoint_key(key_file: Path | None, environ) -> bytes | None:
+    """The checkpoint key, read before any process group: a bad file is a one-line error."""
+    from ..client.checkpoint_store import CheckpointError, resolve_key
+
+    try:
+        return resolve_key(key_file, environ)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def config_from_args(argv: list[str] | None = None, environ=os.environ) -> TrainConfig:
     from ..contract.telemetry import socket_path_from_env
 
@@ -250,6 +269,7 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
             keep=args.keep,
             load=not args.no_resume,
             mode=args.ckpt_mode,
+            key=_checkpoint_key(args.ckpt_key_file, environ) if args.ckpt_dir else None,
         ),
         steps=args.steps,
         seed=args.seed,

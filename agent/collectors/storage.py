@@ -8,6 +8,7 @@ the interval since the previous collection, for /v1/node and the health verdict.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,10 @@ class StorageCollector(Collector):
                 continue
             total, avail = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
             frac = avail / total if total else 0.0
+            try:  # who may write into it (a checkpoint root others write to is a warning)
+                mode: int | None = stat.S_IMODE(os.stat(real).st_mode)
+            except OSError:
+                mode = None
             mount = procfs.find_mount(mounts, real)
             mountpoint, fstype = (mount.mountpoint, mount.fstype) if mount else ("", "")
             free.add((role,), avail)
@@ -167,6 +172,7 @@ class StorageCollector(Collector):
                 "free_bytes": avail,
                 "size_bytes": total,
                 "free_ratio": frac,
+                "mode": mode,
             }
         result.metrics += [free, size, ratio, fs_info]
         result.facts["filesystems"] = facts
