@@ -26,6 +26,12 @@ from .windows import NodeWindows
 log = logging.getLogger("rankguard.supervisor")
 
 
+# An agent's answer larger than this is refused unread: a healthy node's /v1/ranks is
+# ~140 KB (8 ranks x 64 steps, docs/scaling.md), and one hostile 300 MB answer took the
+# supervisor from 48 MB to 927 MB of memory.
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+
+
 class AgentError(Exception):
     def __init__(self, url: str, message: str, status: int | None = None):
         super().__init__(f"{url}: {message}")
@@ -72,11 +78,45 @@ _CONNECTIONS = _Connections()
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
+def _read_capped(resp: http.client.HTTPResponse, limit: int) -> bytes:
+    """The answer's body, or ContractError("too_large") past `limit` bytes: a declared
+    length over the limit is refused unread, an undeclared one (chunked) read to limit + 1."""
+    declared = resp.getheader("Content-Length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise ContractError("too_large", f"answer of {int(declared)} bytes (limit {limit})")
+    raw = resp.read(limit + 1)
+    if len(raw) > limit:
+        raise ContractError("too_large", f"answer larger than {limit} bytes")
+    return raw
+
+
+def decode_answer(raw: bytes) -> dict:
+    """JSON of an answer, or ContractError: bad UTF-8, not JSON, or nested deeper than the
+    parser's recursion limit (a 200k-deep answer raised RecursionError out of every pass)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ContractError("not_utf8", "answer is not UTF-8") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ContractError("not_json", "answer nested too deeply") from None
+    except ValueError:
+        raise ContractError("not_json", "answer is not JSON") from None
+
+
 class AgentClient:
-    def __init__(self, url: str, token: str | None = None, timeout: float = 2.0):
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 2.0,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+    ):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self.max_answer_bytes = max_answer_bytes
         parts = urllib.parse.urlsplit(self.url)
         self._key = (parts.scheme, parts.hostname, parts.port)
         self._prefix = parts.path  # e.g. a simulator's /agents/7
@@ -93,7 +133,7 @@ class AgentClient:
             try:
                 conn.request("GET" if body is None else "POST", self._prefix + path, data, headers)
                 resp = conn.getresponse()
-                raw = resp.read()
+                raw = _read_capped(resp, self.max_answer_bytes)
             except _STALE as exc:
                 conn.close()
                 if reused and attempt == 1:
@@ -102,6 +142,9 @@ class AgentClient:
             except (OSError, http.client.HTTPException) as exc:  # refused, timed out, garbage
                 conn.close()
                 raise AgentError(self.url, str(exc) or type(exc).__name__) from None
+            except ContractError:
+                conn.close()  # the rest of the answer is still on the wire
+                raise
             if resp.will_close:
                 conn.close()
             else:
@@ -109,27 +152,36 @@ class AgentClient:
             break
         if resp.status >= 400:
             try:
-                message = json.loads(raw)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
+                message = str(json.loads(raw)["error"]["message"])[:500]
+            except (ValueError, KeyError, TypeError, RecursionError):
                 message = resp.reason
             raise AgentError(self.url, f"HTTP {resp.status}: {message}", resp.status)
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise AgentError(self.url, "answer is not JSON") from None
+        return decode_answer(raw)
 
     def get(self, path: str) -> dict:
         return self._request(path)
 
     def post(self, path: str, body: dict, timeout: float | None = None) -> dict:
-        return self._request(path, body, timeout)["result"]
+        """The `result` of a control call; AgentError for any answer without one (an action
+        is then recorded as failed, never half-understood)."""
+        try:
+            answer = self._request(path, body, timeout)
+        except ContractError as exc:
+            raise AgentError(self.url, f"malformed answer: {exc}") from None
+        result = answer.get("result") if isinstance(answer, dict) else None
+        if not isinstance(result, dict):
+            raise AgentError(self.url, "malformed answer: no 'result' object")
+        return result
 
     # -- control --------------------------------------------------------------------
     def signal(self, job: str, rank: int, signal: str) -> dict:
         return self.post("/v1/control/signal", {"job": job, "rank": rank, "signal": signal})
 
     def stacks(self, job: str, rank: int) -> dict:
-        return self.post("/v1/control/stacks", {"job": job, "rank": rank}, timeout=30)
+        result = self.post("/v1/control/stacks", {"job": job, "rank": rank}, timeout=30)
+        if not isinstance(result.get("stacks"), str):
+            raise AgentError(self.url, "malformed answer: 'stacks' is not text")
+        return result
 
     def stop_job(self, job: str) -> dict:
         return self.post("/v1/control/stop-job", {"job": job})
@@ -168,6 +220,11 @@ def poll_node(
             on_malformed(exc)
         log.warning("%s: malformed answer (%s): %s", client.url, exc.reason, exc)
         return NodeObs.unreachable(client.url, f"malformed answer: {exc}", now), None
+    except Exception as exc:  # a bug reading one answer must not fail the pass
+        if windows is not None:
+            windows.reset()
+        log.exception("%s: answer could not be read", client.url)
+        return NodeObs.unreachable(client.url, f"answer could not be read: {exc!r}", now), None
 
 
 def _read_ranks(client: AgentClient, windows: NodeWindows) -> RanksAnswer:
