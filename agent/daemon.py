@@ -9,6 +9,7 @@ import time
 
 from ..contract.answers import CollectorStatus, HealthReason, NodeAnswer, TelemetryStats
 from ..service import sdnotify
+from ..service.httpd import REFUSALS
 from ..service.version import VERSION
 from .api import agent_service, start_http
 from .collectors import (
@@ -132,7 +133,14 @@ class Agent:
             "rankguard_agent_auth_failures_total", "Control requests refused for their token."
         )
         auth.add((), self.service.auth_failures)
-        return [info, start, health, requests, auth]
+        refused = counter(
+            "rankguard_agent_http_refused_connections_total",
+            "HTTP connections refused or cut short, by reason (caps, TLS, unread bodies).",
+            ("reason",),
+        )
+        for reason in REFUSALS:
+            refused.add((reason,), self.service.refusals.get(reason, 0))
+        return [info, start, health, requests, auth, refused]
 
     # -- views --------------------------------------------------------------------
     def node_view(self) -> dict:

@@ -47,7 +47,8 @@ def _watchdog(sup: Supervisor, every: float, done: threading.Event) -> None:
 def run_supervisor(sup: Supervisor, host: str, port: int, install_signals: bool = True) -> None:
     """Serve and reconcile until SIGTERM/SIGINT (or `sup.stop()`); under systemd, report
     READY=1 once serving and feed the watchdog (Type=notify, WatchdogSec)."""
-    server = serve(supervisor_service(sup), host, port)
+    sup.service = supervisor_service(sup)
+    server = serve(sup.service, host, port)
     log.info("supervisor on http://%s:%s", *server.server_address[:2])
     if install_signals and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -89,6 +89,7 @@ class Supervisor:
         self._stop = threading.Event()
         self.clock = time.time
         self._stacks_tried: dict[str, float] = {}
+        self.service = None  # its HTTP service once serving (supervisor/daemon.py)
 
     def clients(self) -> list[AgentClient]:
         return [AgentClient(u, self.token, self.cfg.agent_timeout) for u in self._urls()]

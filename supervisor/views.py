@@ -10,6 +10,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from ..contract.errors import REASONS as CONTRACT_REASONS
 from ..contract.metrics import JOB_LABEL
+from ..service.httpd import REFUSALS
 from ..service.version import VERSION
 from .model import KINDS
 
@@ -142,6 +143,15 @@ class SupervisorCollector:
         for reason in CONTRACT_REASONS:
             malformed.add_metric([reason], sup.poller.malformed.get(reason, 0))
         yield malformed
+        refused = CounterMetricFamily(
+            "rankguard_supervisor_http_refused_connections",
+            "HTTP connections refused or cut short, by reason (caps, TLS, unread bodies).",
+            labels=["reason"],
+        )
+        service = sup.service  # None until the supervisor serves HTTP
+        for reason in REFUSALS:
+            refused.add_metric([reason], service.refusals.get(reason, 0) if service else 0)
+        yield refused
         # The open incidents by who they name, so alerts can say which rank and node
         # (a count: two incarnations' deaths of one rank can both be open).
         named = GaugeMetricFamily(
