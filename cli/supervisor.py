@@ -32,7 +32,16 @@ def supervisor(
     db: Annotated[Path, Opt(help="SQLite file for incidents (kept across restarts)")] = Path(
         "rankguard.db"
     ),
-    token_file: Annotated[Path, Opt(help="bearer token for the agents' control endpoints")] = None,
+    token_file: Annotated[
+        Path, Opt(help="one bearer token for every agent's control endpoints")
+    ] = None,
+    agent_secret_file: Annotated[
+        Path,
+        Opt(
+            help="per-agent tokens: each agent's token is derived from this secret and the "
+            "host of its URL (`rankguard deploy agent-token`; docs/security.md)"
+        ),
+    ] = None,
     bind: Annotated[str, Opt(help="HOST:PORT for /metrics and /v1")] = "127.0.0.1:9408",
     interval: Annotated[float, Opt(help="seconds between reconcile passes")] = 0.25,
     process_stopped_seconds: Annotated[
@@ -58,6 +67,7 @@ def supervisor(
     from rankguard.supervisor.daemon import run_supervisor
     from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
     from rankguard.supervisor.store import IncidentStore
+    from rankguard.supervisor.tokens import AgentTokens
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s", stream=sys.stderr)  # fmt: skip
@@ -69,7 +79,10 @@ def supervisor(
         typer.echo(f"rankguard supervisor: --bind must be HOST:PORT, got {bind!r}", err=True)
         raise typer.Exit(2)
     try:
-        token = read_token(token_file) if token_file else None
+        tokens = AgentTokens(
+            shared=read_token(token_file) if token_file else None,
+            secret=read_token(agent_secret_file) if agent_secret_file else None,
+        )
         store = IncidentStore(db)
     except (AgentConfigError, OSError, ValueError) as exc:
         typer.echo(f"rankguard supervisor: {exc}", err=True)
@@ -80,7 +93,9 @@ def supervisor(
     detectors = DetectorConfig(
         process_stopped_seconds=process_stopped_seconds, process_idle_seconds=process_idle_seconds
     )
-    sup = Supervisor(store, source, token, SupervisorConfig(interval=interval, detectors=detectors))
+    sup = Supervisor(
+        store, source, tokens, SupervisorConfig(interval=interval, detectors=detectors)
+    )
     run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port))
 
 

@@ -30,6 +30,8 @@ log = logging.getLogger("rankguard.supervisor")
 # ~140 KB (8 ranks x 64 steps, docs/scaling.md), and one hostile 300 MB answer took the
 # supervisor from 48 MB to 927 MB of memory.
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
+#: Why an agent's answer was refused for who sent it (a bounded label set for counters).
+REFUSED_ANSWERS = ("node_name_taken",)
 
 
 class AgentError(Exception):
@@ -275,6 +277,10 @@ class Poller:
         self._inflight: dict[str, tuple[Future, list[float]]] = {}  # url -> (poll, [started])
         self._last: dict[str, NodeObs] = {}  # url -> newest completed observation
         self._windows: dict[str, NodeWindows] = {}  # url -> samples kept between polls
+        # node name -> the agent URL that first reported it: a second agent claiming the
+        # name is refused, so every action on a node's ranks goes to that node's agent
+        self._owners: dict[str, str] = {}
+        self.refused: Counter[str] = Counter()  # answers refused for who sent them, by reason
 
     def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
         cached = self._node_cache.get(client.url)
@@ -328,12 +334,41 @@ class Poller:
             # else: never answered yet, nothing known (not "unreachable": it may be queued
             # behind a thousand others); a failed first request reports itself when done.
         urls = {c.url for c in clients}
+        nodes = self._one_agent_per_name(nodes, urls, now)
         for gone in [u for u in self._last if u not in urls]:  # removed from the agents file
             self._last.pop(gone)
             self._node_cache.pop(gone, None)
         for gone in [u for u in self._windows if u not in urls]:
             self._windows.pop(gone)  # a poll still in flight merges into its own copy
         return ClusterObs(time=now, nodes=tuple(nodes))
+
+    def _one_agent_per_name(self, nodes: list[NodeObs], urls: set[str], now: float) -> list:
+        """Bind each node name to the first agent URL that reports it, for as long as that
+        URL is listed; an answer from another URL under a taken name makes that agent unseen
+        (counted): a hostile agent cannot pose as a node to steer actions at its ranks."""
+        for name, owner in list(self._owners.items()):
+            if owner not in urls:
+                del self._owners[name]
+        for n in nodes:  # an agent that renamed itself gives its old name up
+            if n.reachable:
+                for name in [k for k, v in self._owners.items() if v == n.url and k != n.node]:
+                    del self._owners[name]
+        out = []
+        for n in nodes:
+            owner = self._owners.setdefault(n.node, n.url) if n.reachable else None
+            owner = self._owners.get(n.node) if owner is None else owner
+            if owner is None or owner == n.url:
+                out.append(n)
+                continue
+            if not n.reachable:  # unseen under a name it may not use: shown by its URL
+                out.append(replace(n, node=n.url))
+                continue
+            self.refused["node_name_taken"] += 1
+            log.warning("%s claims node name %r, which %s reports: ignored", n.url, n.node, owner)
+            out.append(NodeObs.unreachable(
+                n.url, f"claims node name {n.node!r} of agent {owner}", now
+            ))  # fmt: skip
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

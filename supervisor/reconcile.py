@@ -32,6 +32,7 @@ from .model import (
 from .policy import PolicyConfig, decide
 from .state import LIVE_STATES, ClusterObs, RankObs
 from .store import ActionExists, IncidentStore, build_view
+from .tokens import AgentTokens
 
 log = logging.getLogger("rankguard.supervisor")
 
@@ -74,10 +75,13 @@ class SupervisorConfig:
 
 
 class Supervisor:
-    def __init__(self, store: IncidentStore, urls, token: str | None, cfg: SupervisorConfig):
+    def __init__(
+        self, store: IncidentStore, urls, token: str | AgentTokens | None, cfg: SupervisorConfig
+    ):
+        """`token`: one token for every agent, or AgentTokens (per-agent tokens)."""
         self.store = store
         self._urls = urls  # a callable returning the current agent URLs
-        self.token = token
+        self.tokens = token if isinstance(token, AgentTokens) else AgentTokens(shared=token)
         self.cfg = cfg
         self.poller = Poller()
         self.history = History()
@@ -92,10 +96,10 @@ class Supervisor:
         self.service = None  # its HTTP service once serving (supervisor/daemon.py)
 
     def clients(self) -> list[AgentClient]:
-        return [AgentClient(u, self.token, self.cfg.agent_timeout) for u in self._urls()]
+        return [self.client_for(u) for u in self._urls()]
 
     def client_for(self, node_url: str) -> AgentClient:
-        return AgentClient(node_url, self.token, self.cfg.agent_timeout)
+        return AgentClient(node_url, self.tokens.for_url(node_url), self.cfg.agent_timeout)
 
     # -- one pass -----------------------------------------------------------------
     def reconcile_once(self, now: float | None = None) -> list[Decision]:

@@ -12,6 +12,7 @@ from ..contract.errors import REASONS as CONTRACT_REASONS
 from ..contract.metrics import JOB_LABEL
 from ..service.httpd import REFUSALS
 from ..service.version import VERSION
+from .agents import REFUSED_ANSWERS
 from .model import KINDS
 
 VERDICTS = ("healthy", "degraded", "unhealthy")
@@ -143,6 +144,14 @@ class SupervisorCollector:
         for reason in CONTRACT_REASONS:
             malformed.add_metric([reason], sup.poller.malformed.get(reason, 0))
         yield malformed
+        refused_answers = CounterMetricFamily(
+            "rankguard_supervisor_refused_answers",
+            "Agent answers refused for who sent them (the agent was left unseen), by reason.",
+            labels=["reason"],
+        )
+        for reason in REFUSED_ANSWERS:
+            refused_answers.add_metric([reason], sup.poller.refused.get(reason, 0))
+        yield refused_answers
         refused = CounterMetricFamily(
             "rankguard_supervisor_http_refused_connections",
             "HTTP connections refused or cut short, by reason (caps, TLS, unread bodies).",

@@ -14,10 +14,9 @@ from rankguard.contract.answers import NodeAnswer, RankAnswer, RanksAnswer
 
 def rank(job: str = "j", rank: int = 0, world: int = 2, **kw) -> RankAnswer:
     """A live telemetry rank (pass state="exited", exit_code=1 for a dead one)."""
-    state = kw.pop("state", "alive")
-    return RankAnswer(job=job, rank=rank, local_rank=rank, world_size=world, pid=1000 + rank,
-                      restart=0, state=state, step=kw.pop("step", 10), phase="train",
-                      heartbeat_age_seconds=0.1, **kw)  # fmt: skip
+    fields = dict(local_rank=rank, pid=1000 + rank, restart=0, state="alive", step=10,
+                  phase="train", heartbeat_age_seconds=0.1)  # fmt: skip
+    return RankAnswer(job=job, rank=rank, world_size=world, **{**fields, **kw})
 
 
 class FakeAgent(ThreadingHTTPServer):
