@@ -145,6 +145,9 @@ def make_handler(service: Service, domain_errors: tuple[type[Exception], ...] = 
         sys_version = ""
         timeout = REQUEST_TIMEOUT_SECONDS
         protocol_version = "HTTP/1.1"
+        # Headers and body leave in two writes: with Nagle on, the body waited for the
+        # client's delayed ACK, 44 ms per request on a keep-alive connection (measured).
+        disable_nagle_algorithm = True
 
         def log_message(self, fmt: str, *args) -> None:  # through logging, quietly
             log.debug("%s %s", self.address_string(), fmt % args)

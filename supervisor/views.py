@@ -14,6 +14,7 @@ from ..service.httpd import REFUSALS
 from ..service.version import VERSION
 from .agents import REFUSED_ANSWERS
 from .model import KINDS
+from .stacks import SKIPS as STACK_SKIPS
 
 VERDICTS = ("healthy", "degraded", "unhealthy")
 JOB_STATES = ("running", "recovering", "finished", "stopped")
@@ -152,6 +153,18 @@ class SupervisorCollector:
         for reason in REFUSED_ANSWERS:
             refused_answers.add_metric([reason], sup.poller.refused.get(reason, 0))
         yield refused_answers
+        captures = CounterMetricFamily(
+            "rankguard_supervisor_stack_captures", "Stack dumps asked of agents (py-spy)."
+        )
+        captures.add_metric([], sup.stack_budget.captured)
+        skipped = CounterMetricFamily(
+            "rankguard_supervisor_stack_captures_skipped",
+            "Stack dumps not asked for now: the pass's budget was spent, or the rank backs off.",
+            labels=["reason"],
+        )
+        for reason in STACK_SKIPS:
+            skipped.add_metric([reason], sup.stack_budget.skipped.get(reason, 0))
+        yield from (captures, skipped)
         refused = CounterMetricFamily(
             "rankguard_supervisor_http_refused_connections",
             "HTTP connections refused or cut short, by reason (caps, TLS, unread bodies).",
