@@ -22,7 +22,7 @@ from .collectors import (
     load_all,
     run_collector,
 )
-from .config import AgentConfig, read_token
+from .config import AgentConfig, load_tls, read_token
 from .control import dump_stacks, send_signal, stop_job
 from .discovery import WorkerScanner
 from .exposition import collector_meta, make_registry
@@ -38,6 +38,7 @@ class Agent:
     def __init__(self, cfg: AgentConfig, nvml=None):
         self.cfg = cfg
         self.token = read_token(cfg.token_file) if cfg.token_file else None
+        self.tls = load_tls(cfg.tls_cert, cfg.tls_key)
         self.started_at = time.time()
         self.control_actions: list[dict] = []  # an audit trail, newest last (bounded)
         self.table = RankTable()
@@ -200,7 +201,7 @@ class Agent:
     # -- lifecycle ------------------------------------------------------------------
     def start_http(self):
         host, port = self.cfg.host_port()
-        self._server = start_http(self, host, port)
+        self._server = start_http(self, host, port, self.tls)
         return self._server.server_address
 
     def run(self) -> None:

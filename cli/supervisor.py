@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -43,6 +45,13 @@ def supervisor(
         ),
     ] = None,
     bind: Annotated[str, Opt(help="HOST:PORT for /metrics and /v1")] = "127.0.0.1:9408",
+    tls_cert: Annotated[
+        Path, Opt(help="serve HTTPS with this certificate (PEM chain); needs --tls-key")
+    ] = None,
+    tls_key: Annotated[Path, Opt(help="the certificate's private key (owner-only)")] = None,
+    ca_file: Annotated[
+        Path, Opt(help="CA bundle (PEM) that https agents' certificates are checked against")
+    ] = None,
     interval: Annotated[float, Opt(help="seconds between reconcile passes")] = 0.25,
     process_stopped_seconds: Annotated[
         float, Opt(help="ranks without telemetry: a rank stopped this long is hung", min=0)
@@ -62,8 +71,8 @@ def supervisor(
 
     Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad configuration.
     """
-    from rankguard.agent.config import AgentConfigError, read_token
-    from rankguard.supervisor.agents import AgentsFile
+    from rankguard.agent.config import AgentConfigError, load_tls, read_token
+    from rankguard.supervisor.agents import AgentsFile, trust_agents_signed_by
     from rankguard.supervisor.daemon import run_supervisor
     from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
     from rankguard.supervisor.store import IncidentStore
@@ -83,7 +92,15 @@ def supervisor(
             shared=read_token(token_file) if token_file else None,
             secret=read_token(agent_secret_file) if agent_secret_file else None,
         )
+        if (tls_cert is None) != (tls_key is None):
+            raise AgentConfigError("--tls-cert and --tls-key go together")
+        tls = load_tls(tls_cert, tls_key)
+        if ca_file is not None:
+            trust_agents_signed_by(str(ca_file))
         store = IncidentStore(db)
+    except ssl.SSLError as exc:
+        typer.echo(f"rankguard supervisor: --ca-file {ca_file}: {exc}", err=True)
+        raise typer.Exit(2) from None
     except (AgentConfigError, OSError, ValueError) as exc:
         typer.echo(f"rankguard supervisor: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -96,18 +113,33 @@ def supervisor(
     sup = Supervisor(
         store, source, tokens, SupervisorConfig(interval=interval, detectors=detectors)
     )
-    run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port))
+    run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port), tls=tls)
 
 
 def fetch(url: str, path: str) -> dict:
+    """The supervisor's JSON answer at `path`, or one line on stderr and exit 2: unreachable,
+    not JSON, or not a rankguard supervisor. HTTPS is checked against $RANKGUARD_CA_FILE
+    when set (the cluster's CA, docs/security.md), else the system's CAs."""
+    from rankguard.supervisor.daemon import API_VERSION
+
+    def fail(why: str) -> typer.Exit:
+        typer.echo(f"rankguard: supervisor at {url}: {why}", err=True)
+        return typer.Exit(2)
+
+    ca_file = os.environ.get("RANKGUARD_CA_FILE")
     try:
-        with urllib.request.urlopen(url.rstrip("/") + path, timeout=5) as resp:
-            return json.loads(resp.read())
-    except (OSError, ValueError) as exc:
-        typer.echo(
-            f"rankguard: supervisor at {url} unreachable: {getattr(exc, 'reason', exc)}", err=True
-        )
-        raise typer.Exit(2) from None
+        context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=5, context=context) as resp:
+            data = json.loads(resp.read(64 * 1024 * 1024))
+    except ValueError as exc:  # a URL without a scheme, or an answer that is not JSON
+        raise fail(f"unusable: {exc}") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise fail(f"unreachable: {getattr(exc, 'reason', exc)}") from None
+    except RecursionError:
+        raise fail("unusable: answer nested too deeply") from None
+    if not isinstance(data, dict) or data.get("api") != API_VERSION:
+        raise fail(f"not a rankguard supervisor (no {API_VERSION!r} answer at {path})")
+    return data
 
 
 def _fmt(value, digits: int = 3) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import ssl
 import threading
 import time
 import urllib.parse
@@ -47,6 +48,7 @@ class _Connections:
 
     def __init__(self, idle_per_agent: int = 2):
         self.idle_per_agent = idle_per_agent
+        self.tls: ssl.SSLContext | None = None  # verifies https agents; None: system CAs
         self._idle: dict[tuple, list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
 
@@ -63,8 +65,9 @@ class _Connections:
                 conn.sock.settimeout(timeout)
             return conn, True
         scheme, host, port = key
-        cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-        return cls(host, port, timeout=timeout), False
+        if scheme == "https":
+            return http.client.HTTPSConnection(host, port, timeout=timeout, context=self.tls), False
+        return http.client.HTTPConnection(host, port, timeout=timeout), False
 
     def give(self, key: tuple, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -76,6 +79,19 @@ class _Connections:
 
 
 _CONNECTIONS = _Connections()
+
+
+def trust_agents_signed_by(ca_file: str | None) -> None:
+    """Verify https agents against this CA bundle (PEM) instead of the system's: the
+    cluster's own CA (docs/security.md). Host names are checked as always."""
+    _CONNECTIONS.tls = None if ca_file is None else ssl.create_default_context(cafile=ca_file)
+    with _CONNECTIONS._lock:  # connections made under the old trust are not reused
+        for idle in _CONNECTIONS._idle.values():
+            for conn in idle:
+                conn.close()
+        _CONNECTIONS._idle.clear()
+
+
 # The agent closed an idle connection before this request reached it: safe to send again.
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
