@@ -9,7 +9,7 @@ import time
 
 from ..contract.answers import CollectorStatus, HealthReason, NodeAnswer, TelemetryStats
 from ..service import sdnotify
-from ..service.httpd import REFUSALS
+from ..service.httpd import REFUSALS, ServeError
 from ..service.version import VERSION
 from .api import agent_service, start_http
 from .collectors import (
@@ -22,7 +22,7 @@ from .collectors import (
     load_all,
     run_collector,
 )
-from .config import AgentConfig, load_tls, read_token
+from .config import AgentConfig, AgentConfigError, load_tls, read_token
 from .control import dump_stacks, send_signal, stop_job
 from .discovery import WorkerScanner
 from .exposition import collector_meta, make_registry
@@ -201,7 +201,10 @@ class Agent:
     # -- lifecycle ------------------------------------------------------------------
     def start_http(self):
         host, port = self.cfg.host_port()
-        self._server = start_http(self, host, port, self.tls)
+        try:
+            self._server = start_http(self, host, port, self.tls)
+        except ServeError as exc:  # a configuration fault: the CLI says it in one line
+            raise AgentConfigError(str(exc)) from None
         return self._server.server_address
 
     def run(self) -> None:

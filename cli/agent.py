@@ -81,4 +81,9 @@ def agent(
     except (AgentConfigError, OSError) as exc:
         typer.echo(f"rankguard agent: {exc}", err=True)
         raise typer.Exit(2) from None
-    daemon.run()
+    try:
+        daemon.run()
+    except AgentConfigError as exc:  # the address: in use, or not resolvable
+        daemon.close()
+        typer.echo(f"rankguard agent: {exc}", err=True)
+        raise typer.Exit(2) from None

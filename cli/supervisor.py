@@ -53,6 +53,7 @@ def supervisor(
         Path, Opt(help="CA bundle (PEM) that https agents' certificates are checked against")
     ] = None,
     interval: Annotated[float, Opt(help="seconds between reconcile passes")] = 0.25,
+    agent_timeout: Annotated[float, Opt(help="seconds to wait for an agent's answer")] = 2.0,
     process_stopped_seconds: Annotated[
         float, Opt(help="ranks without telemetry: a rank stopped this long is hung", min=0)
     ] = 2.0,
@@ -72,21 +73,42 @@ def supervisor(
     Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad configuration.
     """
     from rankguard.agent.config import AgentConfigError, load_tls, read_token
-    from rankguard.supervisor.agents import AgentsFile, trust_agents_signed_by
+    from rankguard.service.httpd import ServeError
+    from rankguard.supervisor.agents import AgentsFile, parse_agents, trust_agents_signed_by
     from rankguard.supervisor.daemon import run_supervisor
     from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
-    from rankguard.supervisor.store import IncidentStore
+    from rankguard.supervisor.store import IncidentStore, StoreError
     from rankguard.supervisor.tokens import AgentTokens
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s", stream=sys.stderr)  # fmt: skip
+
+    def refuse(message: str) -> typer.Exit:
+        typer.echo(f"rankguard supervisor: {message}", err=True)
+        return typer.Exit(2)
+
     if not agents and not agents_file:
-        typer.echo("rankguard supervisor: give --agents URL... or --agents-file FILE", err=True)
-        raise typer.Exit(2)
+        raise refuse("give --agents URL... or --agents-file FILE")
+    if agents and agents_file:
+        raise refuse("give --agents or --agents-file, not both")
+    if agents:
+        _, bad = parse_agents("\n".join(agents))
+        if bad:
+            raise refuse(f"--agents {bad[1]!r} is not an http(s) URL")
+    else:
+        try:
+            _, bad = parse_agents(agents_file.read_text())
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            raise refuse(f"--agents-file {agents_file}: {why}") from None
+        if bad:
+            raise refuse(f"--agents-file {agents_file} line {bad[0]}: not an http(s) URL: "
+                         f"{bad[1]!r}")  # fmt: skip
     host, _, port = bind.rpartition(":")
-    if not port.isdigit():
-        typer.echo(f"rankguard supervisor: --bind must be HOST:PORT, got {bind!r}", err=True)
-        raise typer.Exit(2)
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise refuse(f"--bind must be HOST:PORT, got {bind!r}")
+    if not (0.01 <= interval <= 3600) or not (0.05 <= agent_timeout <= 600):
+        raise refuse("--interval must be in [0.01, 3600] s and --agent-timeout in [0.05, 600] s")
     try:
         tokens = AgentTokens(
             shared=read_token(token_file) if token_file else None,
@@ -99,21 +121,24 @@ def supervisor(
             trust_agents_signed_by(str(ca_file))
         store = IncidentStore(db)
     except ssl.SSLError as exc:
-        typer.echo(f"rankguard supervisor: --ca-file {ca_file}: {exc}", err=True)
-        raise typer.Exit(2) from None
-    except (AgentConfigError, OSError, ValueError) as exc:
-        typer.echo(f"rankguard supervisor: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise refuse(f"--ca-file {ca_file}: {exc}") from None
+    except FileNotFoundError as exc:
+        raise refuse(f"{exc.filename}: no such file") from None
+    except (AgentConfigError, StoreError, OSError, ValueError) as exc:
+        raise refuse(str(exc)) from None
     source = AgentsFile(agents_file).urls if agents_file else (lambda: list(agents))
     from rankguard.supervisor.detectors import DetectorConfig
 
     detectors = DetectorConfig(
         process_stopped_seconds=process_stopped_seconds, process_idle_seconds=process_idle_seconds
     )
-    sup = Supervisor(
-        store, source, tokens, SupervisorConfig(interval=interval, detectors=detectors)
-    )
-    run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port), tls=tls)
+    cfg = SupervisorConfig(interval=interval, agent_timeout=agent_timeout, detectors=detectors)
+    sup = Supervisor(store, source, tokens, cfg)
+    try:
+        run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port), tls=tls)
+    except ServeError as exc:  # port in use, an address that does not resolve
+        store.close()
+        raise refuse(str(exc)) from None
 
 
 def fetch(url: str, path: str) -> dict:

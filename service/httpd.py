@@ -50,6 +50,10 @@ REFUSALS = ("connection_cap", "client_cap", "accept_failed", "tls_handshake", "u
 CLIENT_GONE = (ConnectionError, TimeoutError, ssl.SSLError)
 
 
+class ServeError(Exception):
+    """The server could not start: the address is in use, does not resolve, or is not ours."""
+
+
 class HttpError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
@@ -388,7 +392,11 @@ def serve(
     if ":" in host:
         attrs["address_family"] = socket.AF_INET6
     server_cls = type("_BoundServer", (_Server,), attrs)
-    server = server_cls((host, port), make_handler(service, domain_errors))
+    try:
+        server = server_cls((host, port), make_handler(service, domain_errors))
+    except OSError as exc:  # EADDRINUSE, EADDRNOTAVAIL, EACCES, an unresolvable name
+        why = exc.strerror or str(exc)
+        raise ServeError(f"cannot serve on {host}:{port}: {why}") from None
     threading.Thread(
         target=server.serve_forever, name=f"rankguard-{service.name}-http", daemon=True
     ).start()
