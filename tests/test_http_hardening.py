@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from harness import RANKGUARD, start_agent, wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rankguard.service.httpd import Raw, Service, serve
 
@@ -70,6 +72,46 @@ def test_a_refused_requests_body_is_never_parsed_as_the_next_request(server):
     counts = dict(server.service.stats.items())
     assert counts[("/v1/act", 401)] == 1 and counts[("/healthz", 200)] == 1
     assert not any(route == "other" for route, _ in counts)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "HEAD"]),
+    path=st.sampled_from(["/v1/act", "/healthz", "/nope", "/v1/act?x=1"]),
+    token=st.sampled_from([None, "wrong", TOKEN]),
+    body=st.binary(max_size=300),
+)
+def test_every_request_with_a_body_leaves_the_connection_in_step(server, method, path, token,
+                                                                  body):  # fmt: skip
+    """Whatever a request is and however it is refused, the next request on the same
+    keep-alive connection is answered as itself (or the connection is closed)."""
+    auth = b"" if token is None else b"Authorization: Bearer %s\r\n" % token.encode()
+    calls = len(server.calls)
+    with connect(server) as s:
+        s.sendall(b"%s %s HTTP/1.1\r\nHost: x\r\n%sContent-Length: %d\r\n\r\n%s"
+                  b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                  % (method.encode(), path.encode(), auth, len(body), body))  # fmt: skip
+        reader = s.makefile("rb")
+        first = _one_response(reader, head=method == "HEAD")
+        second = _one_response(reader)
+    assert first is not None
+    assert second is None or second == (200, b'{"api":"test/v1","ok":true}\n')
+    authorized = method == "POST" and path == "/v1/act" and token == TOKEN
+    assert len(server.calls) - calls <= authorized
+
+
+def _one_response(reader, head: bool = False) -> tuple[int, bytes] | None:
+    """(status, body) of the next response, or None when the server closed instead."""
+    line = reader.readline()
+    if not line:
+        return None
+    length = 0
+    while (header := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = header.decode().partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    return int(line.split()[1]), b"" if head else reader.read(length)
 
 
 @pytest.mark.parametrize(
