@@ -225,3 +225,25 @@ def test_the_units_limit_descriptors_tasks_and_memory():
     supervisor = (units / "rankguard-supervisor.service").read_text()
     assert "\nLimitNOFILE=" in agent and "\nTasksMax=" in agent
     assert "\nMemoryMax=" in supervisor
+
+
+def test_the_supervisors_refusals_are_on_its_metrics(tmp_path):
+    from prometheus_client.exposition import generate_latest
+
+    from rankguard.supervisor.daemon import supervisor_service
+    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+    from rankguard.supervisor.store import IncidentStore
+    from rankguard.supervisor.views import make_registry
+
+    store = IncidentStore(tmp_path / "db")
+    sup = Supervisor(store, list, None, SupervisorConfig())
+    try:
+        sup.service = supervisor_service(sup)
+        sup.service.refuse("client_cap")
+        sup.service.refuse("client_cap")
+        text = generate_latest(make_registry(sup)).decode()
+    finally:
+        sup.close()
+        store.close()
+    line = 'rankguard_supervisor_http_refused_connections_total{reason="client_cap"} 2.0'
+    assert line in text.splitlines()
