@@ -102,10 +102,14 @@ def inject(
 
     Exit codes: 0 injected; 2 could not inject (message says why).
     """
+    import ssl
+
     from rankguard.agent.config import AgentConfigError, read_token
-    from rankguard.supervisor.agents import AgentClient, AgentError
+    from rankguard.supervisor.agents import AgentClient, AgentError, trust_agents_signed_by
 
     try:
+        # an https agent is checked against the cluster's CA when given (docs/security.md)
+        trust_agents_signed_by(os.environ.get("RANKGUARD_CA_FILE") or None)
         if kind is Kind.corrupt_checkpoint:
             if ckpt_dir is None:
                 raise InjectError("corrupt-checkpoint needs --ckpt-dir")
@@ -127,7 +131,7 @@ def inject(
             with open(fault_file, "a") as f:
                 f.write(spec + "\n")
             result = {"fault_file": str(fault_file), "spec": spec}
-    except (InjectError, AgentError, AgentConfigError, OSError) as exc:
+    except (InjectError, AgentError, AgentConfigError, OSError, ssl.SSLError) as exc:
         typer.echo(f"rankguard inject: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(result) if as_json else f"injected {kind.value}: {result}")
