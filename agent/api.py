@@ -33,5 +33,5 @@ def agent_service(agent) -> Service:
     return service
 
 
-def start_http(agent, host: str, port: int):
-    return serve(agent.service, host, port, domain_errors=(ControlError, CursorError))
+def start_http(agent, host: str, port: int, tls=None):
+    return serve(agent.service, host, port, domain_errors=(ControlError, CursorError), tls=tls)

@@ -36,8 +36,13 @@ class AgentConfig:
     # auto (those naming this agent's socket; those naming none if it is the default
     # socket), all, off
     discover_workers: str = "auto"
+    # HTTPS with this certificate (PEM, the chain) and key; both or neither
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise AgentConfigError("tls_cert and tls_key go together: give both or neither")
         if not 0.05 <= self.interval <= 3600:
             raise AgentConfigError("interval must be between 0.05 and 3600 seconds")
         if self.discover_workers not in ("auto", "all", "off"):
@@ -72,7 +77,7 @@ def load_config(path: Path | None, overrides: dict) -> AgentConfig:
         if unknown:
             raise AgentConfigError(f"config file {path}: unknown keys {', '.join(unknown)}")
     values.update({k: v for k, v in overrides.items() if v is not None})
-    for key in ("token_file", "ckpt_dir", "data_dir", "nvml_double"):
+    for key in ("token_file", "ckpt_dir", "data_dir", "nvml_double", "tls_cert", "tls_key"):
         if values.get(key) is not None:
             values[key] = Path(values[key])
     try:
@@ -96,3 +101,20 @@ def read_token(path: Path) -> str:
     if len(token) < 16:
         raise AgentConfigError(f"token file {path}: token shorter than 16 characters")
     return token
+
+
+def load_tls(cert: Path | None, key: Path | None):
+    """The server's TLS context, or None without a certificate; AgentConfigError naming
+    the file for a missing or unreadable certificate or key, or a key that does not match."""
+    if cert is None or key is None:
+        return None
+    import ssl
+
+    from ..service.httpd import tls_context
+
+    try:
+        return tls_context(str(cert), str(key))
+    except FileNotFoundError as exc:
+        raise AgentConfigError(f"TLS: {exc.filename}: no such file") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise AgentConfigError(f"TLS certificate {cert} and key {key}: {exc}") from None

@@ -9,6 +9,7 @@ import time
 
 from ..contract.answers import CollectorStatus, HealthReason, NodeAnswer, TelemetryStats
 from ..service import sdnotify
+from ..service.httpd import REFUSALS, ServeError
 from ..service.version import VERSION
 from .api import agent_service, start_http
 from .collectors import (
@@ -21,7 +22,7 @@ from .collectors import (
     load_all,
     run_collector,
 )
-from .config import AgentConfig, read_token
+from .config import AgentConfig, AgentConfigError, load_tls, read_token
 from .control import dump_stacks, send_signal, stop_job
 from .discovery import WorkerScanner
 from .exposition import collector_meta, make_registry
@@ -37,6 +38,7 @@ class Agent:
     def __init__(self, cfg: AgentConfig, nvml=None):
         self.cfg = cfg
         self.token = read_token(cfg.token_file) if cfg.token_file else None
+        self.tls = load_tls(cfg.tls_cert, cfg.tls_key)
         self.started_at = time.time()
         self.control_actions: list[dict] = []  # an audit trail, newest last (bounded)
         self.table = RankTable()
@@ -132,7 +134,14 @@ class Agent:
             "rankguard_agent_auth_failures_total", "Control requests refused for their token."
         )
         auth.add((), self.service.auth_failures)
-        return [info, start, health, requests, auth]
+        refused = counter(
+            "rankguard_agent_http_refused_connections_total",
+            "HTTP connections refused or cut short, by reason (caps, TLS, unread bodies).",
+            ("reason",),
+        )
+        for reason in REFUSALS:
+            refused.add((reason,), self.service.refusals.get(reason, 0))
+        return [info, start, health, requests, auth, refused]
 
     # -- views --------------------------------------------------------------------
     def node_view(self) -> dict:
@@ -193,7 +202,10 @@ class Agent:
     # -- lifecycle ------------------------------------------------------------------
     def start_http(self):
         host, port = self.cfg.host_port()
-        self._server = start_http(self, host, port)
+        try:
+            self._server = start_http(self, host, port, self.tls)
+        except ServeError as exc:  # a configuration fault: the CLI says it in one line
+            raise AgentConfigError(str(exc)) from None
         return self._server.server_address
 
     def run(self) -> None:

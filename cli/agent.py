@@ -46,6 +46,10 @@ def agent(
             "this agent has the default socket; all = also those without one; off [auto]"
         ),
     ] = None,
+    tls_cert: Annotated[
+        Path, Opt(help="serve HTTPS with this certificate (PEM chain); needs --tls-key")
+    ] = None,
+    tls_key: Annotated[Path, Opt(help="the certificate's private key (owner-only)")] = None,
     config: Annotated[
         Path, Opt(help="TOML config file ([agent] table, same keys as the flags)")
     ] = None,
@@ -67,6 +71,7 @@ def agent(
         bind=bind, interval=interval, token_file=token_file, telemetry_socket=telemetry_socket,
         ckpt_dir=ckpt_dir, data_dir=data_dir, expected_gpus=expected_gpus,
         nvml_double=nvml_double, node=node, discover_workers=discover_workers,
+        tls_cert=tls_cert, tls_key=tls_key,
     )  # fmt: skip
     try:
         cfg = load_config(config, overrides)
@@ -76,4 +81,9 @@ def agent(
     except (AgentConfigError, OSError) as exc:
         typer.echo(f"rankguard agent: {exc}", err=True)
         raise typer.Exit(2) from None
-    daemon.run()
+    try:
+        daemon.run()
+    except AgentConfigError as exc:  # the address: in use, or not resolvable
+        daemon.close()
+        typer.echo(f"rankguard agent: {exc}", err=True)
+        raise typer.Exit(2) from None

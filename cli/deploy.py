@@ -65,3 +65,36 @@ def copy_cmd(
     for path in written:
         mode = stat.filemode(path.stat().st_mode)
         typer.echo(f"{mode} {path}")
+
+
+@app.command("agent-token")
+def agent_token_cmd(
+    hosts: Annotated[
+        list[str],
+        typer.Argument(
+            help="agent hosts exactly as the supervisor's agents file names them "
+            "(http://HOST:9407)",
+            show_default=False,
+        ),
+    ],
+    secret_file: Annotated[
+        Path, typer.Option(help="the supervisor's --agent-secret-file (owner-only)")
+    ],
+) -> None:
+    """Print each host's agent control token, derived from the supervisor's secret: put it
+    in that node's agent token file (owner-only). One host: the token alone; several:
+    `HOST TOKEN` lines.
+
+    Exit codes: 0 printed; 2 the secret file is missing, too short or readable by others.
+    """
+    from rankguard.agent.config import AgentConfigError, read_token
+    from rankguard.supervisor.tokens import AgentTokens, derive_agent_token
+
+    try:
+        tokens = AgentTokens(secret=read_token(secret_file))
+    except (AgentConfigError, ValueError) as exc:
+        typer.echo(f"rankguard deploy agent-token: {exc}", err=True)
+        raise typer.Exit(EXIT_ERROR) from None
+    for host in hosts:
+        token = derive_agent_token(tokens.secret, host.strip("[]"))
+        typer.echo(token if len(hosts) == 1 else f"{host} {token}")

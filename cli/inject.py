@@ -30,12 +30,22 @@ class InjectError(Exception):
 
 
 def _agent_rank(agent: str, job: str | None, rank: int) -> dict:
-    from rankguard.supervisor.agents import AgentClient, AgentError
+    """The one live rank `rank` (of `job`) on the agent, as its answer shows it; InjectError
+    for a URL that is not an agent's, or no such rank."""
+    from rankguard.contract.answers import RanksAnswer
+    from rankguard.contract.errors import ContractError
+    from rankguard.supervisor.agents import AgentClient, AgentError, parse_agents
 
+    if parse_agents(agent)[1] is not None:
+        raise InjectError(f"--agent {agent!r} is not an http(s) URL")
     try:
-        ranks = AgentClient(agent).get("/v1/ranks")["ranks"]
+        answer = AgentClient(agent).get("/v1/ranks")
+        RanksAnswer.from_json(answer)  # checked: a URL of another service is named as such
     except AgentError as exc:
         raise InjectError(str(exc)) from None
+    except ContractError as exc:
+        raise InjectError(f"{agent} is not a rankguard agent ({exc})") from None
+    ranks = answer["ranks"]
     live = [r for r in ranks if r["rank"] == rank and r["up"] and (job is None or r["job"] == job)]
     if len(live) != 1:
         jobs = sorted({r["job"] for r in ranks})
@@ -92,10 +102,14 @@ def inject(
 
     Exit codes: 0 injected; 2 could not inject (message says why).
     """
+    import ssl
+
     from rankguard.agent.config import AgentConfigError, read_token
-    from rankguard.supervisor.agents import AgentClient, AgentError
+    from rankguard.supervisor.agents import AgentClient, AgentError, trust_agents_signed_by
 
     try:
+        # an https agent is checked against the cluster's CA when given (docs/security.md)
+        trust_agents_signed_by(os.environ.get("RANKGUARD_CA_FILE") or None)
         if kind is Kind.corrupt_checkpoint:
             if ckpt_dir is None:
                 raise InjectError("corrupt-checkpoint needs --ckpt-dir")
@@ -117,7 +131,7 @@ def inject(
             with open(fault_file, "a") as f:
                 f.write(spec + "\n")
             result = {"fault_file": str(fault_file), "spec": spec}
-    except (InjectError, AgentError, AgentConfigError, OSError) as exc:
+    except (InjectError, AgentError, AgentConfigError, OSError, ssl.SSLError) as exc:
         typer.echo(f"rankguard inject: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(result) if as_json else f"injected {kind.value}: {result}")

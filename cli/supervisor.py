@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -32,9 +34,26 @@ def supervisor(
     db: Annotated[Path, Opt(help="SQLite file for incidents (kept across restarts)")] = Path(
         "rankguard.db"
     ),
-    token_file: Annotated[Path, Opt(help="bearer token for the agents' control endpoints")] = None,
+    token_file: Annotated[
+        Path, Opt(help="one bearer token for every agent's control endpoints")
+    ] = None,
+    agent_secret_file: Annotated[
+        Path,
+        Opt(
+            help="per-agent tokens: each agent's token is derived from this secret and the "
+            "host of its URL (`rankguard deploy agent-token`; docs/security.md)"
+        ),
+    ] = None,
     bind: Annotated[str, Opt(help="HOST:PORT for /metrics and /v1")] = "127.0.0.1:9408",
+    tls_cert: Annotated[
+        Path, Opt(help="serve HTTPS with this certificate (PEM chain); needs --tls-key")
+    ] = None,
+    tls_key: Annotated[Path, Opt(help="the certificate's private key (owner-only)")] = None,
+    ca_file: Annotated[
+        Path, Opt(help="CA bundle (PEM) that https agents' certificates are checked against")
+    ] = None,
     interval: Annotated[float, Opt(help="seconds between reconcile passes")] = 0.25,
+    agent_timeout: Annotated[float, Opt(help="seconds to wait for an agent's answer")] = 2.0,
     process_stopped_seconds: Annotated[
         float, Opt(help="ranks without telemetry: a rank stopped this long is hung", min=0)
     ] = 2.0,
@@ -53,46 +72,99 @@ def supervisor(
 
     Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad configuration.
     """
-    from rankguard.agent.config import AgentConfigError, read_token
-    from rankguard.supervisor.agents import AgentsFile
+    from rankguard.agent.config import AgentConfigError, load_tls, read_token
+    from rankguard.service.httpd import ServeError
+    from rankguard.supervisor.agents import AgentsFile, parse_agents, trust_agents_signed_by
     from rankguard.supervisor.daemon import run_supervisor
     from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
-    from rankguard.supervisor.store import IncidentStore
+    from rankguard.supervisor.store import IncidentStore, StoreError
+    from rankguard.supervisor.tokens import AgentTokens
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s", stream=sys.stderr)  # fmt: skip
+
+    def refuse(message: str) -> typer.Exit:
+        typer.echo(f"rankguard supervisor: {message}", err=True)
+        return typer.Exit(2)
+
     if not agents and not agents_file:
-        typer.echo("rankguard supervisor: give --agents URL... or --agents-file FILE", err=True)
-        raise typer.Exit(2)
+        raise refuse("give --agents URL... or --agents-file FILE")
+    if agents and agents_file:
+        raise refuse("give --agents or --agents-file, not both")
+    if agents:
+        _, bad = parse_agents("\n".join(agents))
+        if bad:
+            raise refuse(f"--agents {bad[1]!r} is not an http(s) URL")
+    else:
+        try:
+            _, bad = parse_agents(agents_file.read_text())
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            raise refuse(f"--agents-file {agents_file}: {why}") from None
+        if bad:
+            raise refuse(f"--agents-file {agents_file} line {bad[0]}: not an http(s) URL: "
+                         f"{bad[1]!r}")  # fmt: skip
     host, _, port = bind.rpartition(":")
-    if not port.isdigit():
-        typer.echo(f"rankguard supervisor: --bind must be HOST:PORT, got {bind!r}", err=True)
-        raise typer.Exit(2)
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise refuse(f"--bind must be HOST:PORT, got {bind!r}")
+    if not (0.01 <= interval <= 3600) or not (0.05 <= agent_timeout <= 600):
+        raise refuse("--interval must be in [0.01, 3600] s and --agent-timeout in [0.05, 600] s")
     try:
-        token = read_token(token_file) if token_file else None
+        tokens = AgentTokens(
+            shared=read_token(token_file) if token_file else None,
+            secret=read_token(agent_secret_file) if agent_secret_file else None,
+        )
+        if (tls_cert is None) != (tls_key is None):
+            raise AgentConfigError("--tls-cert and --tls-key go together")
+        tls = load_tls(tls_cert, tls_key)
+        if ca_file is not None:
+            trust_agents_signed_by(str(ca_file))
         store = IncidentStore(db)
-    except (AgentConfigError, OSError, ValueError) as exc:
-        typer.echo(f"rankguard supervisor: {exc}", err=True)
-        raise typer.Exit(2) from None
+    except ssl.SSLError as exc:
+        raise refuse(f"--ca-file {ca_file}: {exc}") from None
+    except FileNotFoundError as exc:
+        raise refuse(f"{exc.filename}: no such file") from None
+    except (AgentConfigError, StoreError, OSError, ValueError) as exc:
+        raise refuse(str(exc)) from None
     source = AgentsFile(agents_file).urls if agents_file else (lambda: list(agents))
     from rankguard.supervisor.detectors import DetectorConfig
 
     detectors = DetectorConfig(
         process_stopped_seconds=process_stopped_seconds, process_idle_seconds=process_idle_seconds
     )
-    sup = Supervisor(store, source, token, SupervisorConfig(interval=interval, detectors=detectors))
-    run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port))
+    cfg = SupervisorConfig(interval=interval, agent_timeout=agent_timeout, detectors=detectors)
+    sup = Supervisor(store, source, tokens, cfg)
+    try:
+        run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port), tls=tls)
+    except ServeError as exc:  # port in use, an address that does not resolve
+        store.close()
+        raise refuse(str(exc)) from None
 
 
 def fetch(url: str, path: str) -> dict:
+    """The supervisor's JSON answer at `path`, or one line on stderr and exit 2: unreachable,
+    not JSON, or not a rankguard supervisor. HTTPS is checked against $RANKGUARD_CA_FILE
+    when set (the cluster's CA, docs/security.md), else the system's CAs."""
+    from rankguard.supervisor.daemon import API_VERSION
+
+    def fail(why: str) -> typer.Exit:
+        typer.echo(f"rankguard: supervisor at {url}: {why}", err=True)
+        return typer.Exit(2)
+
+    ca_file = os.environ.get("RANKGUARD_CA_FILE")
     try:
-        with urllib.request.urlopen(url.rstrip("/") + path, timeout=5) as resp:
-            return json.loads(resp.read())
-    except (OSError, ValueError) as exc:
-        typer.echo(
-            f"rankguard: supervisor at {url} unreachable: {getattr(exc, 'reason', exc)}", err=True
-        )
-        raise typer.Exit(2) from None
+        context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=5, context=context) as resp:
+            data = json.loads(resp.read(64 * 1024 * 1024))
+    except ValueError as exc:  # a URL without a scheme, or an answer that is not JSON
+        raise fail(f"unusable: {exc}") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise fail(f"unreachable: {getattr(exc, 'reason', exc)}") from None
+    except RecursionError:
+        raise fail("unusable: answer nested too deeply") from None
+    if not isinstance(data, dict) or data.get("api") != API_VERSION:
+        raise fail(f"not a rankguard supervisor (no {API_VERSION!r} answer at {path})")
+    return data
 
 
 def _fmt(value, digits: int = 3) -> str:

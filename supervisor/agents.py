@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import ssl
 import threading
 import time
 import urllib.parse
@@ -26,6 +27,14 @@ from .windows import NodeWindows
 log = logging.getLogger("rankguard.supervisor")
 
 
+# An agent's answer larger than this is refused unread: a healthy node's /v1/ranks is
+# ~140 KB (8 ranks x 64 steps, docs/scaling.md), and one hostile 300 MB answer took the
+# supervisor from 48 MB to 927 MB of memory.
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+#: Why an agent's answer was refused for who sent it (a bounded label set for counters).
+REFUSED_ANSWERS = ("node_name_taken",)
+
+
 class AgentError(Exception):
     def __init__(self, url: str, message: str, status: int | None = None):
         super().__init__(f"{url}: {message}")
@@ -39,6 +48,7 @@ class _Connections:
 
     def __init__(self, idle_per_agent: int = 2):
         self.idle_per_agent = idle_per_agent
+        self.tls: ssl.SSLContext | None = None  # verifies https agents; None: system CAs
         self._idle: dict[tuple, list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
 
@@ -55,8 +65,9 @@ class _Connections:
                 conn.sock.settimeout(timeout)
             return conn, True
         scheme, host, port = key
-        cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-        return cls(host, port, timeout=timeout), False
+        if scheme == "https":
+            return http.client.HTTPSConnection(host, port, timeout=timeout, context=self.tls), False
+        return http.client.HTTPConnection(host, port, timeout=timeout), False
 
     def give(self, key: tuple, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -68,15 +79,62 @@ class _Connections:
 
 
 _CONNECTIONS = _Connections()
+
+
+def trust_agents_signed_by(ca_file: str | None) -> None:
+    """Verify https agents against this CA bundle (PEM) instead of the system's: the
+    cluster's own CA (docs/security.md). Host names are checked as always."""
+    _CONNECTIONS.tls = None if ca_file is None else ssl.create_default_context(cafile=ca_file)
+    with _CONNECTIONS._lock:  # connections made under the old trust are not reused
+        for idle in _CONNECTIONS._idle.values():
+            for conn in idle:
+                conn.close()
+        _CONNECTIONS._idle.clear()
+
+
 # The agent closed an idle connection before this request reached it: safe to send again.
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
+def _read_capped(resp: http.client.HTTPResponse, limit: int) -> bytes:
+    """The answer's body, or ContractError("too_large") past `limit` bytes: a declared
+    length over the limit is refused unread, an undeclared one (chunked) read to limit + 1."""
+    declared = resp.getheader("Content-Length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise ContractError("too_large", f"answer of {int(declared)} bytes (limit {limit})")
+    raw = resp.read(limit + 1)
+    if len(raw) > limit:
+        raise ContractError("too_large", f"answer larger than {limit} bytes")
+    return raw
+
+
+def decode_answer(raw: bytes) -> dict:
+    """JSON of an answer, or ContractError: bad UTF-8, not JSON, or nested deeper than the
+    parser's recursion limit (a 200k-deep answer raised RecursionError out of every pass)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ContractError("not_utf8", "answer is not UTF-8") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ContractError("not_json", "answer nested too deeply") from None
+    except ValueError:
+        raise ContractError("not_json", "answer is not JSON") from None
+
+
 class AgentClient:
-    def __init__(self, url: str, token: str | None = None, timeout: float = 2.0):
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 2.0,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+    ):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self.max_answer_bytes = max_answer_bytes
         parts = urllib.parse.urlsplit(self.url)
         self._key = (parts.scheme, parts.hostname, parts.port)
         self._prefix = parts.path  # e.g. a simulator's /agents/7
@@ -93,7 +151,7 @@ class AgentClient:
             try:
                 conn.request("GET" if body is None else "POST", self._prefix + path, data, headers)
                 resp = conn.getresponse()
-                raw = resp.read()
+                raw = _read_capped(resp, self.max_answer_bytes)
             except _STALE as exc:
                 conn.close()
                 if reused and attempt == 1:
@@ -102,6 +160,9 @@ class AgentClient:
             except (OSError, http.client.HTTPException) as exc:  # refused, timed out, garbage
                 conn.close()
                 raise AgentError(self.url, str(exc) or type(exc).__name__) from None
+            except ContractError:
+                conn.close()  # the rest of the answer is still on the wire
+                raise
             if resp.will_close:
                 conn.close()
             else:
@@ -109,27 +170,36 @@ class AgentClient:
             break
         if resp.status >= 400:
             try:
-                message = json.loads(raw)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
+                message = str(json.loads(raw)["error"]["message"])[:500]
+            except (ValueError, KeyError, TypeError, RecursionError):
                 message = resp.reason
             raise AgentError(self.url, f"HTTP {resp.status}: {message}", resp.status)
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise AgentError(self.url, "answer is not JSON") from None
+        return decode_answer(raw)
 
     def get(self, path: str) -> dict:
         return self._request(path)
 
     def post(self, path: str, body: dict, timeout: float | None = None) -> dict:
-        return self._request(path, body, timeout)["result"]
+        """The `result` of a control call; AgentError for any answer without one (an action
+        is then recorded as failed, never half-understood)."""
+        try:
+            answer = self._request(path, body, timeout)
+        except ContractError as exc:
+            raise AgentError(self.url, f"malformed answer: {exc}") from None
+        result = answer.get("result") if isinstance(answer, dict) else None
+        if not isinstance(result, dict):
+            raise AgentError(self.url, "malformed answer: no 'result' object")
+        return result
 
     # -- control --------------------------------------------------------------------
     def signal(self, job: str, rank: int, signal: str) -> dict:
         return self.post("/v1/control/signal", {"job": job, "rank": rank, "signal": signal})
 
     def stacks(self, job: str, rank: int) -> dict:
-        return self.post("/v1/control/stacks", {"job": job, "rank": rank}, timeout=30)
+        result = self.post("/v1/control/stacks", {"job": job, "rank": rank}, timeout=30)
+        if not isinstance(result.get("stacks"), str):
+            raise AgentError(self.url, "malformed answer: 'stacks' is not text")
+        return result
 
     def stop_job(self, job: str) -> dict:
         return self.post("/v1/control/stop-job", {"job": job})
@@ -168,6 +238,11 @@ def poll_node(
             on_malformed(exc)
         log.warning("%s: malformed answer (%s): %s", client.url, exc.reason, exc)
         return NodeObs.unreachable(client.url, f"malformed answer: {exc}", now), None
+    except Exception as exc:  # a bug reading one answer must not fail the pass
+        if windows is not None:
+            windows.reset()
+        log.exception("%s: answer could not be read", client.url)
+        return NodeObs.unreachable(client.url, f"answer could not be read: {exc!r}", now), None
 
 
 def _read_ranks(client: AgentClient, windows: NodeWindows) -> RanksAnswer:
@@ -218,6 +293,10 @@ class Poller:
         self._inflight: dict[str, tuple[Future, list[float]]] = {}  # url -> (poll, [started])
         self._last: dict[str, NodeObs] = {}  # url -> newest completed observation
         self._windows: dict[str, NodeWindows] = {}  # url -> samples kept between polls
+        # node name -> the agent URL that first reported it: a second agent claiming the
+        # name is refused, so every action on a node's ranks goes to that node's agent
+        self._owners: dict[str, str] = {}
+        self.refused: Counter[str] = Counter()  # answers refused for who sent them, by reason
 
     def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
         cached = self._node_cache.get(client.url)
@@ -271,12 +350,41 @@ class Poller:
             # else: never answered yet, nothing known (not "unreachable": it may be queued
             # behind a thousand others); a failed first request reports itself when done.
         urls = {c.url for c in clients}
+        nodes = self._one_agent_per_name(nodes, urls, now)
         for gone in [u for u in self._last if u not in urls]:  # removed from the agents file
             self._last.pop(gone)
             self._node_cache.pop(gone, None)
         for gone in [u for u in self._windows if u not in urls]:
             self._windows.pop(gone)  # a poll still in flight merges into its own copy
         return ClusterObs(time=now, nodes=tuple(nodes))
+
+    def _one_agent_per_name(self, nodes: list[NodeObs], urls: set[str], now: float) -> list:
+        """Bind each node name to the first agent URL that reports it, for as long as that
+        URL is listed; an answer from another URL under a taken name makes that agent unseen
+        (counted): a hostile agent cannot pose as a node to steer actions at its ranks."""
+        for name, owner in list(self._owners.items()):
+            if owner not in urls:
+                del self._owners[name]
+        for n in nodes:  # an agent that renamed itself gives its old name up
+            if n.reachable:
+                for name in [k for k, v in self._owners.items() if v == n.url and k != n.node]:
+                    del self._owners[name]
+        out = []
+        for n in nodes:
+            owner = self._owners.setdefault(n.node, n.url) if n.reachable else None
+            owner = self._owners.get(n.node) if owner is None else owner
+            if owner is None or owner == n.url:
+                out.append(n)
+                continue
+            if not n.reachable:  # unseen under a name it may not use: shown by its URL
+                out.append(replace(n, node=n.url))
+                continue
+            self.refused["node_name_taken"] += 1
+            log.warning("%s claims node name %r, which %s reports: ignored", n.url, n.node, owner)
+            out.append(NodeObs.unreachable(
+                n.url, f"claims node name {n.node!r} of agent {owner}", now
+            ))  # fmt: skip
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

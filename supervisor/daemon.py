@@ -44,11 +44,15 @@ def _watchdog(sup: Supervisor, every: float, done: threading.Event) -> None:
             sdnotify.notify(f"WATCHDOG=1\nSTATUS={passes} passes, last {loop:.3f}s")
 
 
-def run_supervisor(sup: Supervisor, host: str, port: int, install_signals: bool = True) -> None:
+def run_supervisor(
+    sup: Supervisor, host: str, port: int, install_signals: bool = True, tls=None
+) -> None:
     """Serve and reconcile until SIGTERM/SIGINT (or `sup.stop()`); under systemd, report
     READY=1 once serving and feed the watchdog (Type=notify, WatchdogSec)."""
-    server = serve(supervisor_service(sup), host, port)
-    log.info("supervisor on http://%s:%s", *server.server_address[:2])
+    sup.service = supervisor_service(sup)
+    server = serve(sup.service, host, port, tls=tls)
+    scheme = "https" if tls is not None else "http"
+    log.info("supervisor on %s://%s:%s", scheme, *server.server_address[:2])
     if install_signals and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: sup.stop())

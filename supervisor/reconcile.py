@@ -30,12 +30,12 @@ from .model import (
     History,
 )
 from .policy import PolicyConfig, decide
+from .stacks import StackBudget
 from .state import LIVE_STATES, ClusterObs, RankObs
 from .store import ActionExists, IncidentStore, build_view
+from .tokens import AgentTokens
 
 log = logging.getLogger("rankguard.supervisor")
-
-STACKS_RETRY_SECONDS = 2.0
 
 
 def _unnamed_process_hang(f: Finding) -> bool:
@@ -74,10 +74,13 @@ class SupervisorConfig:
 
 
 class Supervisor:
-    def __init__(self, store: IncidentStore, urls, token: str | None, cfg: SupervisorConfig):
+    def __init__(
+        self, store: IncidentStore, urls, token: str | AgentTokens | None, cfg: SupervisorConfig
+    ):
+        """`token`: one token for every agent, or AgentTokens (per-agent tokens)."""
         self.store = store
         self._urls = urls  # a callable returning the current agent URLs
-        self.token = token
+        self.tokens = token if isinstance(token, AgentTokens) else AgentTokens(shared=token)
         self.cfg = cfg
         self.poller = Poller()
         self.history = History()
@@ -88,19 +91,22 @@ class Supervisor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.clock = time.time
-        self._stacks_tried: dict[str, float] = {}
+        self.monotonic = time.monotonic  # paces stack captures (a test may drive it)
+        self.stack_budget = StackBudget()  # py-spy dumps: bounded per pass, per rank backoff
+        self.service = None  # its HTTP service once serving (supervisor/daemon.py)
 
     def clients(self) -> list[AgentClient]:
-        return [AgentClient(u, self.token, self.cfg.agent_timeout) for u in self._urls()]
+        return [self.client_for(u) for u in self._urls()]
 
     def client_for(self, node_url: str) -> AgentClient:
-        return AgentClient(node_url, self.token, self.cfg.agent_timeout)
+        return AgentClient(node_url, self.tokens.for_url(node_url), self.cfg.agent_timeout)
 
     # -- one pass -----------------------------------------------------------------
     def reconcile_once(self, now: float | None = None) -> list[Decision]:
         start = time.perf_counter()
         obs = self.poller.poll(self.clients(), now)
         now = obs.time  # after the poll: nothing is detected before it is seen
+        self.stack_budget.new_pass(self.monotonic())
         self.history = advance_history(self.history, obs, self.cfg.detectors)
         refined = [self._refine(f, obs) for f in run_all(obs, self.history, self.cfg.detectors)]
         findings = [f for f in refined if not _unnamed_process_hang(f)]
@@ -129,19 +135,22 @@ class Supervisor:
         existing = self.store.by_key(finding.key)
         if existing is not None and existing.rank is not None:
             return dataclasses.replace(finding, rank=existing.rank, node=existing.node)
-        last = self._stacks_tried.get(finding.key)
-        if last is not None and time.monotonic() - last < STACKS_RETRY_SECONDS:
-            return finding  # py-spy costs ~0.1 s per rank: not on every pass
-        self._stacks_tried[finding.key] = time.monotonic()
         stacks, nodes = {}, {}
-        for r in obs.current_ranks(finding.job):
-            try:
-                stacks[r.rank] = self.client_for(self._url_of(obs, r)).stacks(r.job, r.rank)[
-                    "stacks"
-                ]
-                nodes[r.rank] = r.node
-            except AgentError as exc:
-                log.warning("stacks of rank %s: %s", r.rank, exc)
+        budget, ranks = self.stack_budget, obs.current_ranks(finding.job)
+        for r in ranks:
+            key = (r.job, r.rank, r.pid)
+            if budget.may_capture(key, self.monotonic()):
+                dump = None
+                try:
+                    dump = self.client_for(self._url_of(obs, r)).stacks(r.job, r.rank)["stacks"]
+                except AgentError as exc:
+                    log.warning("stacks of rank %s: %s", r.rank, exc)
+                budget.record(key, self.monotonic(), dump)
+            if (dump := budget.dump(key)) is not None:
+                stacks[r.rank], nodes[r.rank] = dump, r.node
+        if not all(budget.tried((r.job, r.rank, r.pid)) for r in ranks):
+            # some ranks wait for a later pass's budget: blame no rank on part of the picture
+            return dataclasses.replace(finding, evidence={**finding.evidence, "stacks": stacks})
         culprit = pick_culprit_from_stacks(stacks)
         evidence = {**finding.evidence, "stacks": stacks}
         if culprit is None:

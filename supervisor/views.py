@@ -10,8 +10,11 @@ from prometheus_client.registry import CollectorRegistry
 
 from ..contract.errors import REASONS as CONTRACT_REASONS
 from ..contract.metrics import JOB_LABEL
+from ..service.httpd import REFUSALS
 from ..service.version import VERSION
+from .agents import REFUSED_ANSWERS
 from .model import KINDS
+from .stacks import SKIPS as STACK_SKIPS
 
 VERDICTS = ("healthy", "degraded", "unhealthy")
 JOB_STATES = ("running", "recovering", "finished", "stopped")
@@ -144,6 +147,35 @@ class SupervisorCollector:
         for reason in CONTRACT_REASONS:
             malformed.add_metric([reason], sup.poller.malformed.get(reason, 0))
         yield malformed
+        refused_answers = CounterMetricFamily(
+            "rankguard_supervisor_refused_answers",
+            "Agent answers refused for who sent them (the agent was left unseen), by reason.",
+            labels=["reason"],
+        )
+        for reason in REFUSED_ANSWERS:
+            refused_answers.add_metric([reason], sup.poller.refused.get(reason, 0))
+        yield refused_answers
+        captures = CounterMetricFamily(
+            "rankguard_supervisor_stack_captures", "Stack dumps asked of agents (py-spy)."
+        )
+        captures.add_metric([], sup.stack_budget.captured)
+        skipped = CounterMetricFamily(
+            "rankguard_supervisor_stack_captures_skipped",
+            "Stack dumps not asked for now: the pass's budget was spent, or the rank backs off.",
+            labels=["reason"],
+        )
+        for reason in STACK_SKIPS:
+            skipped.add_metric([reason], sup.stack_budget.skipped.get(reason, 0))
+        yield from (captures, skipped)
+        refused = CounterMetricFamily(
+            "rankguard_supervisor_http_refused_connections",
+            "HTTP connections refused or cut short, by reason (caps, TLS, unread bodies).",
+            labels=["reason"],
+        )
+        service = sup.service  # None until the supervisor serves HTTP
+        for reason in REFUSALS:
+            refused.add_metric([reason], service.refusals.get(reason, 0) if service else 0)
+        yield refused
         # The open incidents by who they name, so alerts can say which rank and node
         # (a count: two incarnations' deaths of one rank can both be open).
         named = GaugeMetricFamily(
