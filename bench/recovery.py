@@ -35,12 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from harness import http_json, start_agent, start_supervisor  # noqa: E402
-from telemetry_sink import TelemetrySink  # noqa: E402
-
-from rankguard.trainer.warm import start_server  # noqa: E402
+from rankguard.cli.local_stack import TelemetrySink, http_json, start_agent, start_supervisor
+from rankguard.trainer.warm import start_server
 
 FAULT_STEP = 150
 

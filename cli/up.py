@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from .keeper import KeptDaemon
+from .local_stack import free_port
 
 Opt = typer.Option
 
@@ -36,14 +37,6 @@ def parse_inject(spec: str) -> dict:
             raise typer.BadParameter(f"{spec!r}: unknown key {key!r}")
         out[key] = int(value) if key == "rank" else float(value.rstrip("s"))
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> dict | None:
@@ -241,7 +234,7 @@ def up(
     token.chmod(0o600)
     fault_file = run_dir / "faults"
     fault_file.touch()
-    agent_port, sup_port = _free_port(), _free_port()
+    agent_port, sup_port = free_port(), free_port()
     agent_url, sup_url = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{sup_port}"
     env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str((run_dir / "telemetry.sock").absolute()),
            "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url}  # fmt: skip
@@ -273,7 +266,7 @@ def up(
             # a named rendezvous, so the workers' TORCHELASTIC_RUN_ID (the job's name in the
             # agent, discovery.py) is this run's name; --standalone would draw a random one
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                    f"--rdzv-id={job}", f"--nproc-per-node={nproc}",
                    f"--max-restarts={max_restarts}", *script]  # fmt: skip
         else:

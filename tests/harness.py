@@ -8,6 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rankguard.cli.local_stack import (  # noqa: F401  (the tests take them from here)
+    RANKGUARD,
+    TOKEN,
+    Daemon,
+    free_port,
+    http_json,
+    start_agent,
+    start_supervisor,
+    wait_until,
+)
+
 
 def trainer_command(
     args: list[str],
@@ -48,112 +59,6 @@ def run_ok(args: list[str], **kw) -> subprocess.CompletedProcess:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_json(
-    url: str, timeout: float = 5, body: dict | None = None, token: str | None = None
-) -> dict:
-    import urllib.request
-
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode())
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except OSError:
-            pass
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-RANKGUARD = [sys.executable, "-m", "rankguard.cli.main"]
-
-
-class Daemon:
-    """A `rankguard` daemon as a real subprocess, its log kept for failure messages."""
-
-    def __init__(
-        self,
-        args: list[str],
-        log: Path,
-        url: str,
-        env: dict | None = None,
-        command: list[str] | None = None,
-        cwd: Path | None = None,
-    ):
-        """`command`: how to run `rankguard` (default: this interpreter's module; an
-        installed console script in tests/test_packaging.py); `env` adds to os.environ."""
-        self.url, self.log = url, log
-        with open(log, "w") as out:  # the child keeps its own copy of the fd
-            self.proc = subprocess.Popen(
-                [*(command or RANKGUARD), *args], cwd=cwd,
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-            )  # fmt: skip
-        wait_until(lambda: self.proc.poll() is None and http_json(url + "/healthz")["ok"], 60,
-                   f"{args[0]} to serve ({log})")  # fmt: skip
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-TOKEN = "test-token-0123456789abcdef"
-
-
-def start_agent(
-    tmp: Path, name: str = "node-a", extra: list[str] | None = None, **daemon_kw
-) -> Daemon:
-    token = tmp / "token"
-    if not token.exists():
-        token.write_text(TOKEN)
-        token.chmod(0o600)
-    port = free_port()
-    d = Daemon(
-        ["agent", "--bind", f"127.0.0.1:{port}", "--interval", "1", "--token-file", str(token),
-         "--telemetry-socket", str(tmp / f"{name}.sock"), "--node", name, *(extra or [])],
-        tmp / f"agent-{name}.log", f"http://127.0.0.1:{port}", **daemon_kw,
-    )  # fmt: skip
-    d.socket = tmp / f"{name}.sock"
-    return d
-
-
-def start_supervisor(
-    tmp: Path, agent_urls: list[str], db: Path | None = None, **daemon_kw
-) -> Daemon:
-    port = free_port()
-    args = ["supervisor", "--bind", f"127.0.0.1:{port}", "--interval", "0.25",
-            "--db", str(db or tmp / "rankguard.db"), "--token-file", str(tmp / "token")]  # fmt: skip
-    for url in agent_urls:
-        args += ["--agents", url]
-    return Daemon(args, tmp / f"supervisor-{port}.log", f"http://127.0.0.1:{port}", **daemon_kw)
 
 
 def check_sd_notify_lifecycle(

@@ -21,8 +21,8 @@ import pytest
 from harness import run_ok
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from telemetry_sink import TelemetrySink
 
+from rankguard.cli.local_stack import TelemetrySink
 from rankguard.client import (
     ERROR_REASONS,
     STEP_PHASES,

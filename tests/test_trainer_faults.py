@@ -11,7 +11,8 @@ import time
 
 import pytest
 from harness import read_json, run_ok, torchrun
-from telemetry_sink import TelemetrySink
+
+from rankguard.cli.local_stack import TelemetrySink
 
 pytestmark = pytest.mark.slow
 

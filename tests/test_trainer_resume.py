@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from harness import read_json, run_ok, torchrun
-from telemetry_sink import TelemetrySink
 
+from rankguard.cli.local_stack import TelemetrySink
 from rankguard.client import checkpoint_store as store
 
 pytestmark = pytest.mark.slow
