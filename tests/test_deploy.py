@@ -113,9 +113,9 @@ def test_supervisor_unit_command_restarted_after_sigkill_keeps_port_and_incident
     service = service_section("rankguard-supervisor.service")
     (exec_start,) = service["ExecStart"]
     port = free_port()
-    token = tmp_path / "supervisor.token"
-    token.write_text("a-token-for-the-unit-test-0123456")
-    token.chmod(0o600)
+    secret = tmp_path / "agent.secret"  # per-agent tokens are derived from it
+    secret.write_text("a-secret-for-the-unit-test-0123456789abcdef")
+    secret.chmod(0o600)
     (tmp_path / "agents").write_text("http://127.0.0.1:9\n")  # nobody there: unreachable
     db = tmp_path / "supervisor.db"
     store = IncidentStore(db)
@@ -124,8 +124,8 @@ def test_supervisor_unit_command_restarted_after_sigkill_keeps_port_and_incident
     store.close()
     args = shlex.split(exec_start)
     assert args[0] == "/opt/rankguard/.venv/bin/rankguard"
-    swap = {"/etc/rankguard/agents": str(tmp_path / "agents"), "/etc/rankguard/supervisor.token":
-            str(token), "/var/lib/rankguard/supervisor.db": str(db),
+    swap = {"/etc/rankguard/agents": str(tmp_path / "agents"), "/etc/rankguard/agent.secret":
+            str(secret), "/var/lib/rankguard/supervisor.db": str(db),
             "0.0.0.0:9408": f"127.0.0.1:{port}"}  # fmt: skip
     cmd = [sys.executable, "-m", "rankguard.cli.main", *(swap.get(a, a) for a in args[1:])]
     url = f"http://127.0.0.1:{port}"

@@ -316,6 +316,14 @@ def test_no_cpu_progress_all_but_one_names_the_busy_rank_all_idle_needs_stacks()
         cluster(robs(0, cpu_active_at=idle), robs(1, cpu_active_at=idle)), History(), CFG
     )
     assert g.rank is None and g.evidence["stacks_needed"]
+    # the last rank went idle just after the others (it blocked in their collective): it is
+    # not blamed for CPU it no longer uses; "all idle" and the stacks decide a moment later
+    assert (
+        process_hang.detect(
+            cluster(robs(0, cpu_active_at=idle), robs(1, cpu_active_at=idle + 1.5)), History(), CFG
+        )
+        == []
+    )
     # one idle rank of three is not a hang; nor is a lone idle rank; nor a dead job
     assert process_hang.detect(cluster(robs(0, cpu_active_at=idle), robs(1), robs(2)),
                                History(), CFG) == []  # fmt: skip

@@ -31,6 +31,8 @@ from .common import incarnation, node_url
 if TYPE_CHECKING:
     from . import DetectorConfig
 
+BUSY_RECENT_SECONDS = 5.0  # "still using CPU": active within this long (or half the budget)
+
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
     out = []
@@ -87,6 +89,13 @@ def _no_progress(
     blocked = [r for r in live if idle.get(r.rank, -1.0) >= cfg.process_idle_seconds]
     busy = [r for r in live if r not in blocked]
     if len(busy) > 1 or len(blocked) < len(live) - 1:
+        return None
+    # The one rank left must still be using CPU to be blamed for it: a rank that went idle
+    # a moment after the others (it blocked in the collective they wait in, seen on a
+    # loaded machine) is on its way to "all idle", which the stacks decide.
+    if busy and idle.get(busy[0].rank, 0.0) >= min(
+        BUSY_RECENT_SECONDS, cfg.process_idle_seconds / 2
+    ):
         return None
     quiet = min(idle[r.rank] for r in blocked)
     if busy:
