@@ -139,43 +139,32 @@ class SupervisorCollector:
                 [kind], sum(1 for i in mine if i.state not in ("resolved", "stopped", "failed"))
             )
         yield from (total, restarts, open_)
-        malformed = CounterMetricFamily(
+        service = sup.service  # None until the supervisor serves HTTP
+        yield _by_reason(
             "rankguard_supervisor_malformed_answers",
             "Agent answers that broke the contract (the node was left unseen), by reason.",
-            labels=["reason"],
-        )
-        for reason in CONTRACT_REASONS:
-            malformed.add_metric([reason], sup.poller.malformed.get(reason, 0))
-        yield malformed
-        refused_answers = CounterMetricFamily(
+            CONTRACT_REASONS, sup.poller.malformed,
+        )  # fmt: skip
+        yield _by_reason(
             "rankguard_supervisor_refused_answers",
             "Agent answers refused for who sent them (the agent was left unseen), by reason.",
-            labels=["reason"],
-        )
-        for reason in REFUSED_ANSWERS:
-            refused_answers.add_metric([reason], sup.poller.refused.get(reason, 0))
-        yield refused_answers
+            REFUSED_ANSWERS, sup.poller.refused,
+        )  # fmt: skip
         captures = CounterMetricFamily(
             "rankguard_supervisor_stack_captures", "Stack dumps asked of agents (py-spy)."
         )
         captures.add_metric([], sup.stack_budget.captured)
-        skipped = CounterMetricFamily(
+        yield captures
+        yield _by_reason(
             "rankguard_supervisor_stack_captures_skipped",
             "Stack dumps not asked for now: the pass's budget was spent, or the rank backs off.",
-            labels=["reason"],
-        )
-        for reason in STACK_SKIPS:
-            skipped.add_metric([reason], sup.stack_budget.skipped.get(reason, 0))
-        yield from (captures, skipped)
-        refused = CounterMetricFamily(
+            STACK_SKIPS, sup.stack_budget.skipped,
+        )  # fmt: skip
+        yield _by_reason(
             "rankguard_supervisor_http_refused_connections",
             "HTTP connections refused or cut short, by reason (caps, TLS, unread bodies).",
-            labels=["reason"],
-        )
-        service = sup.service  # None until the supervisor serves HTTP
-        for reason in REFUSALS:
-            refused.add_metric([reason], service.refusals.get(reason, 0) if service else 0)
-        yield refused
+            REFUSALS, service.refusals if service else {},
+        )  # fmt: skip
         # The open incidents by who they name, so alerts can say which rank and node
         # (a count: two incarnations' deaths of one rank can both be open).
         named = GaugeMetricFamily(
@@ -258,3 +247,11 @@ def make_registry(sup) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SupervisorCollector(sup))
     return registry
+
+
+def _by_reason(name: str, help_text: str, reasons, counts) -> CounterMetricFamily:
+    """A counter family with one sample per known reason (0 where none was counted)."""
+    family = CounterMetricFamily(name, help_text, labels=["reason"])
+    for reason in reasons:
+        family.add_metric([reason], counts.get(reason, 0))
+    return family
