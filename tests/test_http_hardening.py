@@ -200,13 +200,17 @@ def test_1100_slow_connections_at_1024_descriptors_do_not_starve_metrics(tmp_pat
             s = socket.create_connection((host, int(port)), timeout=5)
             s.sendall(b"GET /metr")
             slow.append(s)
+        # a connection counts as made once the kernel queues it, before the agent accepts
+        # (and refuses) it: wait for the agent to have seen them all
+        refused_line = 'rankguard_agent_http_refused_connections_total{reason="client_cap"}'
+        wait_until(lambda: _metric(agent.url, "127.0.0.2", refused_line) >= 1100 - 64, 20,
+                   "the agent to refuse the connections over its per-client cap")  # fmt: skip
         cpu_before, t0 = _cpu_seconds(agent.proc.pid), time.monotonic()
         time.sleep(2)
         busy = (_cpu_seconds(agent.proc.pid) - cpu_before) / (time.monotonic() - t0)
         # Prometheus scrapes from another address: served at once
         t0 = time.monotonic()
-        refused = _metric(agent.url, "127.0.0.2",
-                          'rankguard_agent_http_refused_connections_total{reason="client_cap"}')  # fmt: skip
+        refused = _metric(agent.url, "127.0.0.2", refused_line)
         scrape = time.monotonic() - t0
         fds = len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
     finally:

@@ -10,6 +10,7 @@ from the same checkpoint (taken from the clean 3-node run: it is the same checkp
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -222,7 +223,9 @@ def test_partitioned_node_job_continues_without_it(rig, resumed_reference):
     assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
     assert_shrunk_exactly(rig, resumed_reference)
     # the hang was explained by the partition and ended through a reachable rank
-    (hang,) = rig.incidents("rank_hung")
+    hangs = rig.incidents("rank_hung")
+    assert len(hangs) == 1, json.dumps(hangs, indent=1)
+    (hang,) = hangs
     assert hang["evidence"]["missing_ranks"] == 1, hang
     (act,) = hang["actions"]
     assert act["kind"] == "kill_rank" and act["target"]["node"] != victim.name, act
