@@ -28,6 +28,8 @@ a CUDA clock, the DDP hook and the FSDP wrappers touch torch.
 
 from __future__ import annotations
 
+import atexit
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -127,10 +129,13 @@ class StepTimer:
         self._pending: deque[_PendingStep] = deque()
         self._current: _PendingStep | None = None
         self.comm_delay_seconds = 0.0  # fault hook: extra latency per all-reduce
+        # the futures `then` made this step: their last reference stays on this thread
+        self._chained: list = []
 
     # -- hot path ---------------------------------------------------------------
     def begin(self, step: int) -> None:
         self._current = _PendingStep(step, time.perf_counter())
+        self._chained = []
 
     def mark(self, name: str) -> None:
         self._current.marks[name] = self.clock.mark()
@@ -215,7 +220,7 @@ def timed_allreduce_hook(timer: StepTimer, bucket):
         timer.comm_done(launched)
         return f.value()[0]
 
-    return fut.then(done)
+    return _chain(timer, fut, done)
 
 
 def _timed_work(timer: StepTimer, launched, work):
@@ -225,10 +230,72 @@ def _timed_work(timer: StepTimer, launched, work):
         timer.comm_done(launched)
         return work
     try:
-        work.get_future().then(lambda _f: timer.comm_done(launched))
+        _chain(timer, work.get_future(), lambda _f: timer.comm_done(launched))
     except Exception:  # a backend without futures: count it as done at launch return
         timer.comm_done(launched)
     return work
+
+
+# -- Python callbacks on collective futures, and interpreter exit ------------------------
+#
+# A backend thread (gloo's worker, NCCL's watchdog) that completes a future runs its
+# `then` callback and afterwards drops the callback and, if it holds the last reference,
+# the chained future with the callback's Python result: both need the GIL. If the main
+# thread has begun finalizing by then (the script returned right after its last step),
+# CPython 3.11 ends the backend thread inside that C++ destructor, and the rank aborts
+# with SIGABRT, "terminate called without an active exception" (seen with gloo on two
+# loaded cores: about 1 run in 10). So: the step's chained futures are also referenced
+# here (their last reference goes on the training thread), every callback is counted
+# until it is released, and at exit the interpreter waits, briefly, for the count to
+# reach zero.
+
+_released = threading.Condition(threading.RLock())
+_held = 0
+_exit_wait_registered = False
+EXIT_WAIT_SECONDS = 5.0  # bounded: a collective that never completes must not hang exit
+
+
+class _CountedCallback:
+    """A future callback that counts itself held from creation until it is released."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        global _held, _exit_wait_registered
+        with _released:
+            _held += 1
+            if not _exit_wait_registered:
+                _exit_wait_registered = True
+                atexit.register(wait_for_released_callbacks)
+        self.fn = fn
+
+    def __call__(self, fut):
+        return self.fn(fut)
+
+    def __del__(self):
+        global _held
+        with _released:
+            _held -= 1
+            _released.notify_all()
+
+
+def _chain(timer: StepTimer, fut, fn):
+    chained = fut.then(_CountedCallback(fn))
+    timer._chained.append(chained)
+    return chained
+
+
+def held_callbacks() -> int:
+    return _held
+
+
+def wait_for_released_callbacks(timeout: float = EXIT_WAIT_SECONDS) -> bool:
+    """Wait until no backend thread holds one of our callbacks; True if none does."""
+    with _released:
+        done = _released.wait_for(lambda: _held <= 0, timeout)
+    # the releasing thread may still be leaving the GIL-holding destructor: let it
+    time.sleep(0.01)
+    return done
 
 
 def _fsdp_comms(timer: StepTimer):
