@@ -99,19 +99,24 @@ def recording_rules() -> list[Record]:
     ]  # fmt: skip
 
 
+def incident(kind: str, by: str = "training_job, node, rank") -> str:
+    """An open supervisor incident of `kind`, one series per what it names."""
+    return f'max by ({by}) (rankguard_supervisor_incident_open{{kind="{kind}"}}) > 0'
+
+
 def alerting_rules(t: Targets | None = None) -> list[Alert]:
     t = t or Targets()
     xids = "|".join(str(x) for x in CRITICAL_XIDS)
     pct = lambda x: f"{x * 100:g}%"  # noqa: E731
     return [
         Alert("RankDead",
-              'max by (training_job, node, rank) (rankguard_supervisor_incident_open{kind="rank_dead"}) > 0',
+              incident("rank_dead"),
               "critical", "Rank {{ $labels.rank }} of job {{ $labels.training_job }} died on node {{ $labels.node }}",
               "A training rank's process exited. torchrun restarts the worker group from the "
               "newest validated checkpoint; the incident closes at the first step after the "
               "restart. Details: `rankguard incidents`."),
         Alert("RankHung",
-              'max by (training_job, node, rank) (rankguard_supervisor_incident_open{kind="rank_hung"}) > 0',
+              incident("rank_hung"),
               "critical", "Job {{ $labels.training_job }} hung; culprit rank {{ $labels.rank }} on node {{ $labels.node }}",
               "Every live rank is past its phase budget. The supervisor captures the culprit's "
               "stacks and ends it so the job restarts; see `rankguard incidents` for the stacks."),
@@ -144,11 +149,35 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               f"Data wait over {pct(t.data_wait_ratio_max)} of step time (target: near zero): the "
               "loader or its storage cannot keep up.", "10m"),
         Alert("RankStraggler",
-              'max by (training_job, node, rank) (rankguard_supervisor_incident_open{kind="straggler"}) > 0',
+              incident("straggler"),
               "warning", "Rank {{ $labels.rank }} of job {{ $labels.training_job }} on node {{ $labels.node }} "
                          "is a straggler",
               "Its compute time stands out from its peers' and they wait for it in communication. "
               "Look at its GPU (clocks, temperature) and node."),
+        Alert("BadNumerics",
+              incident("bad_numerics"),
+              "critical", "Job {{ $labels.training_job }}: non-finite or spiking loss on rank {{ $labels.rank }}",
+              "A NaN, an infinity or a loss spike. The supervisor restarts the job from the newest "
+              "checkpoint validated before the anomaly; `rankguard incidents` names the step, the "
+              "value and the checkpoint chosen. A recurrence at the same step points at the data."),
+        Alert("NodeFault",
+              incident("node_fault", by="training_job, node"),
+              "critical", "Node {{ $labels.node }} has a hardware fault; job {{ $labels.training_job }} goes on without it",
+              "An XID, a lost GPU, double-bit ECC errors or missing GPUs made the agent call the node "
+              "unhealthy. The supervisor stops the job's processes there (elastic jobs go on with "
+              "the rest); repair the node before it rejoins."),
+        Alert("CheckpointsNotProgressing",
+              incident("checkpoint_stale", by="training_job"),
+              "warning", "Job {{ $labels.training_job }} trains far past its newest validated checkpoint",
+              "The job's steps advanced several checkpoint intervals beyond its newest validated "
+              "checkpoint: saves fail or do not validate. A crash now loses all of that work. "
+              "`rankguard checkpoints verify` and the trainer's log say why."),
+        Alert("SupervisorLostAgent",
+              incident("agent_unreachable", by="node"),
+              "warning", "The supervisor cannot reach the agent of node {{ $labels.node }}",
+              "A monitoring fault, not a training fault: the supervisor cannot see or act on "
+              "that node's ranks (training there goes on). Check the agent and the network "
+              "between the control node and the node."),
         Alert("JobCrashLooping",
               f"max by (training_job) (max_over_time(rankguard_rank_restarts[{t.crash_loop_window}]) "
               f"- min_over_time(rankguard_rank_restarts[{t.crash_loop_window}])) >= {t.crash_loop_restarts}",
@@ -209,6 +238,24 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               f"Under {pct(t.filesystem_free_critical)} free: checkpoint saves are failing or about to "
               "(training goes on; the failed saves stay .partial and are quarantined later). Free "
               "space on this filesystem: saves validate again by themselves.", "1m"),
+        Alert("NvmlDown",
+              named_node("rankguard_gpu_nvml_up == 0"),
+              "critical", "NVML does not answer on node {{ $labels.node }}: its GPUs are not watched",
+              "The agent cannot read the GPUs (driver not loaded, NVML library missing or a "
+              "driver/library mismatch). It retries by itself; `rankguard health` gives the reason. "
+              "On a node without GPUs, turn the gpu collector off in the agent's config.", "5m"),
+        Alert("GpusMissing",
+              named_node("rankguard_gpus_expected - on (instance) count by (instance) (rankguard_gpu_info) > 0 "
+                         "or on (instance) (rankguard_gpus_expected > 0 unless on (instance) rankguard_gpu_info)"),
+              "critical", "Node {{ $labels.node }} shows {{ $value }} fewer GPUs than expected",
+              "Fewer GPUs answer than the agent's `expected_gpus`: a GPU fell off the bus or "
+              "the driver lost it. The agent calls the node unhealthy.", "2m"),
+        Alert("CollectorFailing",
+              named_node("rankguard_collector_success == 0"),
+              "warning", "The {{ $labels.collector }} collector fails on node {{ $labels.node }}",
+              "One of the agent's collectors has failed for 10 minutes: its figures are missing "
+              "from the dashboards and the node verdict. The agent's log (journalctl -u "
+              "rankguard-agent -p warning) says why.", "10m"),
         Alert("AgentDown",
               f'(up{{job="{AGENT_JOB}"}} == 0) * on (instance) group_left (node) '
               f"topk by (instance) (1, last_over_time({NODE_INFO}[1d])) "

@@ -126,6 +126,16 @@ def test_every_alert_has_a_firing_and_a_silent_promtool_case():
     assert set(covered) <= {a.name for a in rules.alerting_rules()}
 
 
+def test_every_incident_kind_the_supervisor_opens_has_an_alert():
+    from rankguard.supervisor import model
+
+    exprs = " ".join(a.expr for a in rules.alerting_rules())
+    # a crash loop ends in the supervisor's stop verdict, which has its own alert
+    stopped = 'rankguard_supervisor_job_state{state="stopped"}'
+    for kind in model.KINDS:
+        assert f'kind="{kind}"' in exprs or (kind == model.CRASH_LOOP and stopped in exprs), kind
+
+
 def test_operating_targets_are_the_default_thresholds():
     by_name = {a.name: a.expr for a in rules.alerting_rules()}
     assert "< 0.9" in by_name["GpuUnderutilized"]
