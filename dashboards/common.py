@@ -45,6 +45,9 @@ JOB = f'{JOB_LABEL}=~"${JOB_LABEL}"'
 NODE_INFO = f'rankguard:agent_node:info{{{NODE_LABEL}=~"${NODE_LABEL}"}}'
 
 
+TOKENS_PER_SECOND = "suffix: tok/s"  # Grafana's custom-unit syntax: no built-in unit fits
+
+
 def with_node(expr: str) -> str:
     """Attach `node` to per-instance agent series and filter by the $node variable."""
     return f"({expr}) * on (instance) group_left (node) {NODE_INFO}"

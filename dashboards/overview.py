@@ -8,6 +8,7 @@ from .common import (
     JOB,
     NODE_INFO,
     SUPERVISOR_JOB,
+    TOKENS_PER_SECOND,
     Query,
     dashboard,
     live,
@@ -21,9 +22,21 @@ UID = "rankguard-overview"
 
 
 def _mean_time(name: str) -> str:
-    """Mean of a supervisor time histogram per incident kind (kinds never seen are dropped,
-    not shown as NaN)."""
-    return f"sum by (kind) ({name}_sum) / (sum by (kind) ({name}_count) > 0)"
+    """Mean of a supervisor time histogram per incident kind over the last hour (kinds with
+    no incident in it are dropped, not shown as NaN): a recent regression shows, where a
+    mean since the supervisor started would bury it."""
+    return (f"sum by (kind) (increase({name}_sum[1h])) "
+            f"/ (sum by (kind) (increase({name}_count[1h])) > 0)")  # fmt: skip
+
+
+def _agents(up: str) -> str:
+    """Agent targets on the nodes $node selects, each named by its last known node (an
+    agent down now still counts under the node it last reported)."""
+    return (f'{up} * on (instance) group_left (node) '
+            f"topk by (instance) (1, last_over_time({NODE_INFO}[1d]))")  # fmt: skip
+
+
+AGENTS_UP = f'up{{job="{AGENT_JOB}"}}'
 
 
 def build():
@@ -40,7 +53,7 @@ def build():
                          "the job (replayed steps after a restart do not count)."),
         stat("Tokens/s per GPU", [Query(f"rankguard:job_tokens_per_second_per_gpu:avg{{{JOB}}}",
                                         "{{training_job}}")],
-             "short", width=5, description="Mean over live ranks (one rank per GPU)."),
+             TOKENS_PER_SECOND, width=5, description="Mean over live ranks (one rank per GPU)."),
         stat("MFU", [Query(f"rankguard:job_mfu:avg{{{JOB}}}", "{{training_job}}")],
              "percentunit", width=4, decimals=1,
              description="Model FLOPs utilization against the device's peak, mean over live ranks."),
@@ -57,8 +70,9 @@ def build():
         stat("Nodes healthy", [Query(f"sum(rankguard_node_health{{status=\"healthy\"}} * on (instance) group_left {NODE_INFO})",
                                      "healthy")],
              "none", width=4, description="Agents whose node verdict is healthy."),
-        stat("Nodes expected", [Query(f'count(up{{job="{AGENT_JOB}"}})', "agents")],
-             "none", width=4, description="Agent targets Prometheus discovers (file_sd)."),
+        stat("Nodes expected", [Query(f"count({_agents(AGENTS_UP)})", "agents")],
+             "none", width=4,
+             description="Agent targets Prometheus discovers (file_sd) on the selected nodes."),
         stat("GPUs healthy", [Query(f"count({with_node('rankguard_gpu_lost == 0')})", "healthy")],
              "none", width=4, description="GPUs NVML reports and that answer (not lost)."),
         stat("GPUs expected", [Query(f"sum({with_node('rankguard_gpus_expected')}) or sum({with_node('rankguard_gpus')})",
@@ -66,14 +80,14 @@ def build():
              "none", width=4,
              description="Sum of the agents' --expected-gpus; where no agent sets it, the GPUs "
                          "NVML reports."),
-        stat("Agents up", [Query(f'sum(up{{job="{AGENT_JOB}"}})', "up")], "none", width=4,
+        stat("Agents up", [Query(f"sum({_agents(AGENTS_UP)})", "up")], "none", width=4,
              thresholds=(("red", None), ("green", 1))),
         stat("Supervisor up", [Query(f'sum(up{{job="{SUPERVISOR_JOB}"}})', "up")], "none",
              width=4, thresholds=(("red", None), ("green", 1))),
     ]  # fmt: skip
     perf_rows = [
         timeseries("Tokens/s per GPU", [Query(f"rankguard:job_tokens_per_second_per_gpu:avg{{{JOB}}}",
-                                              "{{training_job}}")], "short",
+                                              "{{training_job}}")], TOKENS_PER_SECOND,
                    description="Mean over live ranks."),
         timeseries("MFU", [Query(f"rankguard:job_mfu:avg{{{JOB}}}", "{{training_job}}")],
                    "percentunit", max_value=1),
@@ -91,14 +105,14 @@ def build():
         timeseries("Restarts", [Query("sum by (kind) (increase(rankguard_supervisor_restarts_total[5m]))",
                                       "after {{kind}}")], "short", bars=True, width=8,
                    description="Job restarts in the last 5 minutes, by the incident that caused them."),
-        table("Open incidents", [Query("sum by (kind, training_job, node, rank) (rankguard_supervisor_incident_open) > 0",
+        table("Open incidents", [Query(f"sum by (kind, training_job, node, rank) (rankguard_supervisor_incident_open{{{JOB}}}) > 0",
                                        instant=True, table=True)],
               "none", width=8, hide_columns=("Time", "Value"),
               description="Open and under recovery; details with `rankguard incidents`."),
-        timeseries("Time to detect (mean)", [Query(_mean_time("rankguard_supervisor_time_to_detect_seconds"),
+        timeseries("Time to detect (mean, last hour)", [Query(_mean_time("rankguard_supervisor_time_to_detect_seconds"),
                                                    "{{kind}}")], "s",
                    description="From the fault (exit, last heartbeat) to the supervisor's finding."),
-        timeseries("Time to recover (mean)", [Query(_mean_time("rankguard_supervisor_time_to_recover_seconds"),
+        timeseries("Time to recover (mean, last hour)", [Query(_mean_time("rankguard_supervisor_time_to_recover_seconds"),
                                                     "{{kind}}")], "s",
                    description="From the fault to the first training step after the restart."),
     ]  # fmt: skip

@@ -3,7 +3,17 @@ data wait, optimizer, checkpoint blocking), stragglers, throughput and memory pe
 
 from __future__ import annotations
 
-from .common import JOB, Query, dashboard, live, stat, table, timeseries, with_node
+from .common import (
+    JOB,
+    TOKENS_PER_SECOND,
+    Query,
+    dashboard,
+    live,
+    stat,
+    table,
+    timeseries,
+    with_node,
+)
 
 UID = "rankguard-ranks"
 RANK = "{{node}} rank {{rank}}"
@@ -65,7 +75,7 @@ def build():
                      instant=True, table=True)],
               "s", hide_columns=("Time", "instance", "job", "__name__"),
               description="One row per rank and phase: compare a rank with its peers."),
-        timeseries("Tokens/s per rank", [Query(_per_rank("rankguard_rank_tokens_per_second"), RANK)], "short"),
+        timeseries("Tokens/s per rank", [Query(_per_rank("rankguard_rank_tokens_per_second"), RANK)], TOKENS_PER_SECOND),
         timeseries("MFU per rank", [Query(_per_rank("rankguard_rank_mfu_ratio"), RANK)], "percentunit",
                    max_value=1),
     ]  # fmt: skip
