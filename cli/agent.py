@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -61,12 +59,13 @@ def agent(
     Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad configuration.
     """
     from rankguard.agent.config import AgentConfigError, load_config
+    from rankguard.service.logs import LogConfigError, setup_logging
 
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO),
-        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        setup_logging(log_level)
+    except LogConfigError as e:
+        typer.echo(f"rankguard agent: {e}", err=True)
+        raise typer.Exit(2) from None
     overrides = dict(
         bind=bind, interval=interval, token_file=token_file, telemetry_socket=telemetry_socket,
         ckpt_dir=ckpt_dir, data_dir=data_dir, expected_gpus=expected_gpus,

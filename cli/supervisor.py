@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import ssl
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -74,18 +72,21 @@ def supervisor(
     """
     from rankguard.agent.config import AgentConfigError, load_tls, read_token
     from rankguard.service.httpd import ServeError
+    from rankguard.service.logs import LogConfigError, setup_logging
     from rankguard.supervisor.agents import AgentsFile, parse_agents, trust_agents_signed_by
     from rankguard.supervisor.daemon import run_supervisor
     from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
     from rankguard.supervisor.store import IncidentStore, StoreError
     from rankguard.supervisor.tokens import AgentTokens
 
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s: %(message)s", stream=sys.stderr)  # fmt: skip
-
     def refuse(message: str) -> typer.Exit:
         typer.echo(f"rankguard supervisor: {message}", err=True)
         return typer.Exit(2)
+
+    try:
+        setup_logging(log_level)
+    except LogConfigError as e:
+        raise refuse(str(e)) from None
 
     if not agents and not agents_file:
         raise refuse("give --agents URL... or --agents-file FILE")

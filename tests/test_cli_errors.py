@@ -54,9 +54,10 @@ def supervisor(tmp_path, *args: str) -> list[str]:
         (("--interval", "0"), ("--interval",)),
         (("--tls-cert", "/nonexistent.crt"), ("--tls-key",)),
         (("--token-file", "/nonexistent/token"), ("token file",)),
+        (("--log-level", "bogus"), ("--log-level", "bogus")),
     ],
     ids=["agents-not-url", "agents-file-missing", "host-unresolvable", "port-range",
-         "interval", "tls-half", "token-missing"],
+         "interval", "tls-half", "token-missing", "log-level"],
 )  # fmt: skip
 def test_supervisor_refuses_bad_input_in_one_line(tmp_path, args, words):
     assert_one_line_exit_2(run(*supervisor(tmp_path, *args)), *words)
@@ -84,6 +85,8 @@ def test_the_agent_refuses_a_port_in_use_and_an_unresolvable_host(tmp_path, busy
     assert_one_line_exit_2(proc, "rankguard agent:", "in use")
     proc = run(*common, "--bind", "no-such-host.invalid:0")
     assert_one_line_exit_2(proc, "rankguard agent:", "no-such-host.invalid")
+    proc = run(*common, "--bind", "127.0.0.1:0", "--log-level", "bogus")
+    assert_one_line_exit_2(proc, "rankguard agent:", "--log-level")
 
 
 def test_query_commands_name_a_url_of_another_service():
