@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
@@ -72,4 +73,5 @@ class SnapshotCollector:
 def make_registry(snapshot: Callable[[], list[Metric]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
+    ProcessCollector(registry=registry)  # process_*: CPU, memory, open fds, as exporters have
     return registry

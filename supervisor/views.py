@@ -5,6 +5,7 @@ Pure functions of the last observation, the job bookkeeping and the incident sto
 
 from __future__ import annotations
 
+from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
@@ -246,6 +247,7 @@ class SupervisorCollector:
 def make_registry(sup) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SupervisorCollector(sup))
+    ProcessCollector(registry=registry)  # process_*: CPU, memory, open fds, as exporters have
     return registry
 
 

@@ -304,3 +304,15 @@ def _wait_state(pid: int, state: str, timeout: float = 5) -> None:
     while time.monotonic() < deadline and _proc_state(pid) != state:
         time.sleep(0.01)
     assert _proc_state(pid) == state
+
+
+def test_the_agent_exports_process_metrics():
+    """CPU, memory and open descriptors of the daemon itself, as every exporter has (the
+    supervisor's: tests/test_http_hardening.py)."""
+    from prometheus_client import generate_latest
+
+    from rankguard.agent.exposition import make_registry
+
+    text = generate_latest(make_registry(lambda: [])).decode()
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds"):
+        assert f"\n{name} " in text, name

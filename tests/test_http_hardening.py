@@ -253,3 +253,4 @@ def test_the_supervisors_refusals_are_on_its_metrics(tmp_path):
         store.close()
     line = 'rankguard_supervisor_http_refused_connections_total{reason="client_cap"} 2.0'
     assert line in text.splitlines()
+    assert "\nprocess_cpu_seconds_total " in text and "\nprocess_open_fds " in text
