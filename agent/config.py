@@ -55,7 +55,8 @@ class AgentConfig:
         host, sep, port = self.bind.rpartition(":")
         if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
             raise AgentConfigError(f"bind must be HOST:PORT, got {self.bind!r}")
-        return host.strip("[]") or "127.0.0.1", int(port)
+        # ":9407" is every interface, as for exporters (the default names loopback)
+        return host.strip("[]"), int(port)
 
     @property
     def watch_dirs(self) -> dict[str, Path]:

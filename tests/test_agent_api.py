@@ -284,6 +284,9 @@ def test_config_file_and_flags(tmp_path):
         load_config(cfg_file, {})
     with pytest.raises(AgentConfigError, match="HOST:PORT"):
         load_config(None, {"bind": "localhost"})
+    # an exporter's ":PORT" means every interface; the default stays on loopback
+    assert load_config(None, {"bind": ":9407"}).host_port() == ("", 9407)
+    assert load_config(None, {}).host_port() == ("127.0.0.1", 9407)
 
 
 def test_cli_refuses_bad_config_with_exit_2(tmp_path):
