@@ -275,6 +275,10 @@ def up(
                    "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(ckpt_every), "--job", job,
                    "--summary", str(run_dir / "summary.json"), "--log-every", "50", *(trainer_arg or [])]  # fmt: skip
         typer.echo(f"rankguard up: run {run_dir} | agent {agent_url} | supervisor {sup_url}")
+        # a second shell: `rankguard health`, `ranks`, `incidents`, `inject` find this run
+        typer.echo(f"rankguard up: in another shell: export RANKGUARD_SUPERVISOR={sup_url} "
+                   f"RANKGUARD_AGENT={agent_url} RANKGUARD_TOKEN_FILE={token} "
+                   f"RANKGUARD_FAULT_FILE={fault_file}")  # fmt: skip
         with open(run_dir / "trainer.log", "w") as log:
             trainer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         procs.append(trainer)

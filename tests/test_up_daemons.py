@@ -82,9 +82,10 @@ def test_up_restarts_a_killed_daemon_and_a_later_rank_death_is_recorded(tmp_path
     )  # fmt: skip
     out = Output(proc)
     try:
+        # up prints what a second shell exports to reach this run
         sup_url = wait_until(
-            lambda: (m := re.search(r"supervisor (http://\S+)", out.text)) and m.group(1),
-            60, "up's first line",
+            lambda: (m := re.search(r"export RANKGUARD_SUPERVISOR=(http://\S+)", out.text))
+            and m.group(1), 60, "up's export line",
         )  # fmt: skip
         wait_until(lambda: min((r.get("step") or 0 for r in ranks(sup_url)), default=0) >= 20,
                    120, "training under way")  # fmt: skip
