@@ -6,6 +6,7 @@ tests/test_multinode.py; here the store's own restart, on one machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -176,7 +177,7 @@ def test_job_survives_a_store_restart_and_reforms_through_the_new_store(store, t
     """The store is SIGKILLed mid-run and started again on its port: training goes on, and
     a later rank failure re-forms the group through the new (empty) store, from the newest
     checkpoint, to the last step."""
-    steps = 160
+    steps = 1500  # about 25 ms a step here: the store's restart falls mid-run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}  # fmt: skip
     cmd = [
@@ -185,14 +186,14 @@ def test_job_survives_a_store_restart_and_reforms_through_the_new_store(store, t
         "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "storejob",
         "--rdzv-conf", "keep_alive_interval=1", "--monitor-interval", "0.2",
         "-m", "rankguard.trainer", "--preset", "tiny", "--log-every", "0", "--deterministic",
-        "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "10",
+        "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "50",
         "--summary", str(tmp_path / "summary.json"), "--job", "storejob",
-        # about 0.25 s a step until the restart, so the store's restart falls mid-run
-        "--fault", "slow:step=1:rank=0:factor=10",
     ]  # fmt: skip
     log = tmp_path / "torchrun.log"
     with open(log, "w") as out:
-        tr = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        tr = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def running(pred):
         assert tr.poll() is None, log.read_text()[-6000:]
@@ -212,12 +213,12 @@ def test_job_survives_a_store_restart_and_reforms_through_the_new_store(store, t
         assert _workers(tr.pid) == first_workers
         os.kill(first_workers[1], signal.SIGKILL)  # now a restart needs a new round
         assert tr.wait(timeout=240) == 0, log.read_text()[-6000:]
-    finally:
-        if tr.poll() is None:
-            tr.kill()
-            tr.wait()
+    finally:  # torchrun and its workers: a SIGKILLed torchrun leaves its workers behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(tr.pid, signal.SIGKILL)
+        tr.wait()
     text = log.read_text()
     assert "reconnected" in text, text[-4000:]
     s = read_json(tmp_path / "summary.json")
     assert (s["final_step"], s["world_size"]) == (steps, 2), s
-    assert s["resumed_from"] is not None and s["resumed_from"] >= 20, s
+    assert s["resumed_from"] is not None and s["resumed_from"] >= 100, s
