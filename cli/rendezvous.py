@@ -75,7 +75,7 @@ def rendezvous(
             "127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=False,
             timeout=timedelta(seconds=30),
         )  # fmt: skip
-    except (RuntimeError, ValueError) as exc:  # in use, or an address this host lacks
+    except (RuntimeError, ValueError) as exc:  # the port is in use (or not ours to take)
         typer.echo(f"rankguard rendezvous: cannot listen on port {port}: {exc}", err=True)
         raise typer.Exit(2) from None
     log.info("rendezvous store listening on port %d (every address)", store.port)

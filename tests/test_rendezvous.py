@@ -219,6 +219,10 @@ def test_job_survives_a_store_restart_and_reforms_through_the_new_store(store, t
         tr.wait()
     text = log.read_text()
     assert "reconnected" in text, text[-4000:]
+    # the new store holds torchrun's own state now (the re-formed round, then its close),
+    # not only the empty marker the reconnect wrote
+    state = client(store.port).get("torch.rendezvous.storejob")
+    assert state and state != b"Y2FuaW1hZGFt", state
     s = read_json(tmp_path / "summary.json")
     assert (s["final_step"], s["world_size"]) == (steps, 2), s
     assert s["resumed_from"] is not None and s["resumed_from"] >= 100, s
