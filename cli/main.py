@@ -9,6 +9,7 @@ from .checkpoints import app as checkpoints_app
 from .dashboards import app as dashboards_app
 from .deploy import app as deploy_app
 from .inject import inject
+from .rendezvous import rendezvous
 from .supervisor import health, incidents, ranks, supervisor
 from .trainer import app as trainer_app
 from .up import up
@@ -26,6 +27,7 @@ app.command("health")(health)
 app.command("ranks")(ranks)
 app.command("incidents")(incidents)
 app.command("inject")(inject)
+app.command("rendezvous")(rendezvous)
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(dashboards_app, name="dashboards")
 app.add_typer(deploy_app, name="deploy")

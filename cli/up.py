@@ -95,6 +95,37 @@ def _keep(name: str, args: list[str], run_dir: Path, health: str, env: dict) -> 
     )
 
 
+def _keep_rendezvous(port: int, run_dir: Path, env: dict) -> KeptDaemon:
+    """`rankguard rendezvous` on a loopback port, kept running like the agent: its health is
+    that it accepts connections (a TCPStore speaks no HTTP)."""
+    from .rendezvous import reachable
+
+    args, log = ["rendezvous", "--port", str(port)], run_dir / "rendezvous.log"
+    proc = _spawn(args, log, env)
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise typer.Exit(_fail(f"rendezvous exited at start; see {log}"))
+        if reachable("127.0.0.1", port):
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        raise typer.Exit(_fail(f"rendezvous did not start; see {log}"))
+    return KeptDaemon(
+        "rendezvous",
+        spawn=lambda: _spawn(args, log, env, append=True),
+        healthy=lambda: reachable("127.0.0.1", port),
+        proc=proc,
+    )
+
+
+def _check_endpoint(endpoint: str) -> str:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise typer.BadParameter(f"{endpoint!r}: expected HOST:PORT of `rankguard rendezvous`")
+    return endpoint
+
+
 def _status_line(supervisor: str, kept: list[KeptDaemon] = ()) -> str:
     notes = "".join(f" | {n}" for n in (d.note() for d in kept) if n)
     cluster = _get(supervisor + "/v1/cluster")
@@ -181,6 +212,13 @@ def up(
             min=1,
         ),
     ] = 120.0,
+    rendezvous: Annotated[
+        str,
+        Opt(
+            help="HOST:PORT of a running `rankguard rendezvous` (the control node's); default: "
+            "up starts one on a free loopback port and keeps it running"
+        ),
+    ] = None,
     warm_start: Annotated[
         bool,
         Opt(
@@ -220,6 +258,8 @@ def up(
                 "arguments after `--`"
             )
     preset, steps, ckpt_every = preset or "tiny", steps or 300, ckpt_every or 20
+    if rendezvous is not None:
+        _check_endpoint(rendezvous)
     faults = [parse_inject(s) for s in inject or []]
     if script and any(f["kind"] not in SCRIPT_INJECT for f in faults):
         raise typer.BadParameter(
@@ -251,12 +291,19 @@ def up(
                                          "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
                                          "--process-idle-seconds", str(process_idle_seconds)],
                           run_dir, sup_url + "/healthz", daemon_env))  # fmt: skip
+        # torchrun's rendezvous store in its own process, not inside torchrun: the job
+        # survives its restart (trainer/rendezvous.py), as on a cluster's control node
+        job = run_dir.name
+        if rendezvous is None:
+            rdzv_port = free_port()
+            kept.append(_keep_rendezvous(rdzv_port, run_dir, daemon_env))
+            rendezvous = f"127.0.0.1:{rdzv_port}"
+        rdzv = ["--rdzv-backend=rankguard", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job}"]
         entry = ["rankguard.trainer"]
         if warm_start:
             procs.append(_start_warm_server(run_dir, env))
             env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
             entry = ["rankguard.trainer.warm", "run"]
-        job = run_dir.name
         if script:
             # torchrun's c10d rendezvous shares one store across restarts, and a plain
             # script's init_process_group (env://) writes its gloo addresses under the same
@@ -265,16 +312,16 @@ def up(
             env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
             # a named rendezvous, so the workers' TORCHELASTIC_RUN_ID (the job's name in the
             # agent, discovery.py) is this run's name; --standalone would draw a random one
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                   f"--rdzv-id={job}", f"--nproc-per-node={nproc}",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", *rdzv,
+                   f"--nproc-per-node={nproc}",
                    f"--max-restarts={max_restarts}", *script]  # fmt: skip
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", *rdzv, f"--nproc-per-node={nproc}",
                    f"--max-restarts={max_restarts}", "-m", *entry, "--preset", preset, "--steps", str(steps),
                    "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(ckpt_every), "--job", job,
                    "--summary", str(run_dir / "summary.json"), "--log-every", "50", *(trainer_arg or [])]  # fmt: skip
-        typer.echo(f"rankguard up: run {run_dir} | agent {agent_url} | supervisor {sup_url}")
+        typer.echo(f"rankguard up: run {run_dir} | agent {agent_url} | supervisor {sup_url} "
+                   f"| rendezvous {rendezvous}")  # fmt: skip
         # a second shell: `rankguard health`, `ranks`, `incidents`, `inject` find this run
         typer.echo(f"rankguard up: in another shell: export RANKGUARD_SUPERVISOR={sup_url} "
                    f"RANKGUARD_AGENT={agent_url} RANKGUARD_TOKEN_FILE={token} "

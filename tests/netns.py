@@ -124,11 +124,12 @@ def clean_leftovers() -> list[str]:
 class NodeProc:
     """A process started inside a node's namespace, its output kept in a log file."""
 
-    def __init__(self, ns: str, argv: list[str], log: Path, env: dict | None = None):
+    def __init__(self, ns: str | None, argv: list[str], log: Path, env: dict | None = None):
         self.log, self.argv = log, argv
-        with open(log, "w") as out:
+        with open(log, "w") as out:  # ns None: the root namespace (the control node)
             self.proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, *argv], stdout=out, stderr=subprocess.STDOUT,
+                ["ip", "netns", "exec", ns, *argv] if ns else argv,
+                stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})}, start_new_session=True,
             )  # fmt: skip
 
@@ -190,6 +191,7 @@ class Cluster:
         self.head_addr = f"{self.subnet}.{HEAD}"
         self.bridge = f"{self.prefix}br"
         self.nodes = [Node(self, i) for i in range(n)]
+        self.rendezvous: NodeProc | None = None  # `rankguard rendezvous` on the control node
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / f"{self.prefix}.pid").write_text(str(os.getpid()))
         self.token_file = tmp / "token"
@@ -216,8 +218,10 @@ class Cluster:
             node.exec("ip", "link", "set", "lo", "up")
 
     # -- processes ------------------------------------------------------------------------
-    def spawn(self, node: Node, argv: list[str], log: str, env: dict | None = None) -> NodeProc:
-        proc = NodeProc(node.ns, argv, self.tmp / log, env)
+    def spawn(
+        self, node: Node | None, argv: list[str], log: str, env: dict | None = None
+    ) -> NodeProc:
+        proc = NodeProc(node.ns if node else None, argv, self.tmp / log, env)
         self.procs.append(proc)
         return proc
 
@@ -239,6 +243,19 @@ class Cluster:
                 60, f"agent of {node.name} ({node.agent.tail()})",
             )  # fmt: skip
 
+    def start_rendezvous(self) -> NodeProc:
+        """`rankguard rendezvous` in the root namespace, reached by every node at the head
+        address: torchrun then uses `--rdzv-backend rankguard` and no node hosts the store.
+        Call again after `rendezvous.stop()` to restart it on the same port."""
+        self.rendezvous = self.spawn(None, [
+            sys.executable, "-m", "rankguard.cli.main", "rendezvous", "--port", str(RDZV_PORT),
+        ], f"rendezvous-{len(self.procs)}.log")  # fmt: skip
+        wait_until(
+            lambda: "listening" in self.rendezvous.tail(), 60,
+            f"the rendezvous service ({self.rendezvous.tail()})",
+        )  # fmt: skip
+        return self.rendezvous
+
     def torchrun(
         self,
         node: Node,
@@ -251,13 +268,18 @@ class Cluster:
         rdzv_conf: str = "",
         log: str | None = None,
     ) -> NodeProc:
-        """torchrun of the trainer on `node`, rendezvous (c10d) hosted on node 0."""
+        """torchrun of the trainer on `node`: rendezvous through `rankguard rendezvous` on
+        the control node once `start_rendezvous` ran, else c10d hosted on node 0."""
         host = self.nodes[0]
-        conf = f"is_host={int(node is host)}" + (f",{rdzv_conf}" if rdzv_conf else "")
+        if self.rendezvous is not None:
+            backend, endpoint, conf = "rankguard", f"{self.head_addr}:{RDZV_PORT}", rdzv_conf
+        else:
+            backend, endpoint = "c10d", f"{host.addr}:{RDZV_PORT}"
+            conf = f"is_host={int(node is host)}" + (f",{rdzv_conf}" if rdzv_conf else "")
         argv = [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", nnodes, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host.addr}:{RDZV_PORT}",
+            "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
             "--rdzv-id", job, "--rdzv-conf", conf, "--local-addr", node.addr,
             "--monitor-interval", "0.1",
             "-m", "rankguard.trainer", "--preset", "tiny", "--log-every", "0", "--job", job,

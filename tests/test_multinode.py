@@ -36,12 +36,16 @@ RUN_TIMEOUT = 150
 class Rig:
     """A netns cluster, optionally with agents and a supervisor, and one job on it."""
 
-    def __init__(self, tmp: Path, n: int = 3, supervised: bool = True):
+    def __init__(
+        self, tmp: Path, n: int = 3, supervised: bool = True, control_rendezvous: bool = False
+    ):
         self.tmp = tmp
         self.cluster = Cluster(tmp, n)
         self.supervisor = None
         self.procs: dict[str, object] = {}
         try:
+            if control_rendezvous:  # the store beside the supervisor, on no training node
+                self.cluster.start_rendezvous()
             if supervised:
                 self.cluster.start_agents()
                 self.supervisor = start_supervisor(tmp, [n.agent_url for n in self.nodes])
@@ -265,3 +269,29 @@ def test_node_with_hardware_fault_is_excluded(rig, resumed_reference):
     assert (act["kind"], act["ok"]) == ("exclude_node", True), act
     assert victim.name in "".join(act["result"] or {}), act  # stop-job ran on that node only
     assert len(act["result"]) == 1, act
+
+
+def test_lost_rank0_node_job_continues_with_rendezvous_on_the_control_node(
+    tmp_path, resumed_reference
+):
+    """The rendezvous store runs in the root namespace (`rankguard rendezvous`, the control
+    node): losing the node that hosts rank 0 leaves the job running on the other two, from
+    the newest validated checkpoint, with the global batch kept."""
+    rig = Rig(tmp_path, control_rendezvous=True)
+    try:
+        rig.train()
+        rig.when(rig.nodes[0], lambda r: (r["checkpoint_step"] or 0) >= 30, "checkpoint 30")
+        # the rendezvous orders nodes by its own rule: find the node that holds rank 0
+        (victim,) = [n for n in rig.nodes if any(r["rank"] == 0 for r in rig.ranks(n))]
+        rig.cluster.kill_node(victim)
+        rcs = rig.wait(lost(rig, victim))
+        assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
+        s = assert_shrunk_exactly(rig, resumed_reference)
+        assert s["resumed_from"] >= 30, s
+        # the store never left the control node: it outlived the job
+        assert rig.cluster.rendezvous.poll() is None, rig.cluster.rendezvous.tail()
+        wait_until(lambda: rig.incidents("agent_unreachable"), 10, "the lost node's incident")
+        (gone,) = rig.incidents("agent_unreachable")
+        assert victim.agent_url in gone["summary"], gone
+    finally:
+        rig.close()

@@ -66,8 +66,8 @@ def test_concurrent_prologs_lose_no_node(tmp_path):
 
 @pytest.mark.slow
 def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
-    """One node: the script's srun calls run here (stub), torchrun rendezvous through c10d
-    on the "first node", the trainer's telemetry reaches the node's agent, and the job's
+    """One node: the script's srun calls run here (stub), torchrun rendezvous through
+    `rankguard rendezvous` started as a step on the "first node", the trainer's telemetry reaches the node's agent, and the job's
     supervisor is started on its agents file and stopped at the end."""
     agent = start_agent(tmp_path, "localhost")
     bin_dir = tmp_path / "bin"
@@ -107,7 +107,7 @@ def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         assert (
-            "--nnodes 1:1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:"
+            "--nnodes 1:1 --nproc-per-node 2 --rdzv-backend rankguard --rdzv-endpoint localhost:"
             in proc.stdout
         )
         ranks = http_json(agent.url + "/v1/ranks")["ranks"]
@@ -121,5 +121,8 @@ def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
         assert f"supervisor on http://0.0.0.0:{sup_port}" in log
         assert "agents file" in log and "1 agents" in log
         assert (job / "rankguard.db").exists()
+        # the rendezvous store ran as its own step, and was stopped with the job
+        assert "rendezvous store listening on port" in (job / "rendezvous.log").read_text()
+        assert "rendezvous store on localhost:" in proc.stdout
     finally:
         agent.stop()

@@ -1,0 +1,100 @@
+"""`rankguard rendezvous`: the job's rendezvous store, on the control node.
+
+A torch c10d TCPStore server and nothing else. Every training node's torchrun reaches it
+with `--rdzv-backend rankguard --rdzv-endpoint HOST:PORT` (trainer/rendezvous.py), so the
+store does not live on, and is not lost with, any training node. It holds only
+rendezvous state (membership, rounds, the round's rank-0 address): a restart loses it,
+and the nodes fill it in again (see docs/architecture.md, "Rendezvous off the training
+nodes").
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+from datetime import timedelta
+from typing import Annotated
+
+import typer
+
+Opt = typer.Option
+DEFAULT_PORT = 29400
+
+
+def reachable(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Something accepts connections at host:port (the health check `rankguard up` uses)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def rendezvous(
+    port: Annotated[
+        int,
+        Opt(
+            help="TCP port; the store listens on every address of this host (a TCPStore "
+            "server cannot bind one), so firewall it to the training nodes",
+            min=1,
+            max=65535,
+        ),
+    ] = DEFAULT_PORT,
+    log_level: Annotated[str, Opt(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+) -> None:
+    """Run the job's rendezvous store (a torch c10d TCPStore) until SIGTERM or SIGINT.
+
+    Start it on the control node, beside the supervisor, and point every node's torchrun
+    at it: `torchrun --rdzv-backend rankguard --rdzv-endpoint HOST:PORT --rdzv-id JOB ...`.
+    Then losing any training node, the one with rank 0 included, leaves the job running on
+    the rest. If this service restarts, the nodes reconnect and the job goes on.
+
+    Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad option or the address is not usable.
+    """
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("rankguard.rendezvous")
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        typer.echo("rankguard rendezvous: needs torch (pip install 'rankguard[trainer]')", err=True)
+        raise typer.Exit(2) from None
+    from rankguard.service.sdnotify import notify, watchdog_interval
+
+    # Block the stop signals before the store's threads start, so they all inherit the
+    # mask and this thread alone takes the signal in sigwait.
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=False,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as exc:  # the port is in use (or not ours to take)
+        typer.echo(f"rankguard rendezvous: cannot listen on port {port}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    log.info("rendezvous store listening on port %d (every address)", store.port)
+    notify(f"READY=1\nSTATUS=rendezvous store on port {store.port}")
+    ping = watchdog_interval()
+    while True:
+        if ping is None:
+            sig = signal.sigwait(stop)
+            break
+        info = signal.sigtimedwait(stop, ping)
+        if info is not None:
+            sig = info.si_signo
+            break
+        try:  # a round trip through the server: pinged only while it answers
+            store.check(["rankguard.watchdog"])
+        except RuntimeError as exc:
+            log.error("the store does not answer: %s", exc)
+            continue
+        notify("WATCHDOG=1")
+    notify("STOPPING=1")
+    log.info("%s: stopping", signal.Signals(sig).name)
+    del store

@@ -1,0 +1,228 @@
+"""`rankguard rendezvous` (the job's store on the control node) and torchrun's
+`--rdzv-backend rankguard` against it: real processes, a real TCPStore, real torchrun.
+
+The multi-node case (node 0 lost, the store outside every training node) is in
+tests/test_multinode.py; here the store's own restart, on one machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from harness import check_sd_notify_lifecycle, free_port, read_json, wait_until
+
+pytestmark = pytest.mark.slow
+
+RANKGUARD = [sys.executable, "-m", "rankguard.cli.main"]
+
+
+class Rendezvous:
+    """`rankguard rendezvous --port PORT`, restartable on the same port."""
+
+    def __init__(self, tmp: Path, port: int | None = None):
+        self.tmp, self.port, self.proc, self.starts = tmp, port or free_port(), None, 0
+
+    def start(self, env: dict | None = None) -> Rendezvous:
+        self.starts += 1
+        self.log = self.tmp / f"rendezvous-{self.starts}.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [*RANKGUARD, "rendezvous", "--port", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            )  # fmt: skip
+        wait_until(lambda: self._listening(), 60, f"the rendezvous store ({self.log.read_text()})")
+        return self
+
+    def _listening(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@pytest.fixture
+def store(tmp_path):
+    r = Rendezvous(tmp_path).start()
+    yield r
+    r.stop()
+
+
+def client(port: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+
+
+# ------------------------------------------------------------------------- the service
+
+
+def test_serves_a_store_and_stops_cleanly_on_sigterm(store):
+    c = client(store.port)
+    c.set("k", "v")
+    assert client(store.port).get("k") == b"v"  # a second client sees the first one's write
+    assert store.stop() == 0
+    assert "rendezvous store listening on port" in store.log.read_text()
+
+
+def test_tells_systemd_ready_watchdog_and_stopping(tmp_path):
+    # WatchdogSec=1s: a ping every half second, each after a round trip through the store
+    check_sd_notify_lifecycle(
+        tmp_path, ["rendezvous", "--port", str(free_port())], env={"WATCHDOG_USEC": "1000000"}
+    )
+
+
+def test_port_in_use_is_a_clear_error(store):
+    out = subprocess.run([*RANKGUARD, "rendezvous", "--port", str(store.port)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2, out
+    assert f"cannot listen on port {store.port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "http"])
+def test_bad_port_is_refused(port):
+    out = subprocess.run([*RANKGUARD, "rendezvous", "--port", port],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "--port" in out.stderr and "Traceback" not in out.stderr, out
+
+
+# ------------------------------------------------------------ the reconnecting client
+
+
+def test_client_reconnects_to_a_restarted_store_and_reseeds(store):
+    from rankguard.trainer.rendezvous import ReconnectingStore
+
+    rs = ReconnectingStore("127.0.0.1", store.port, timedelta(seconds=30))
+    rs.on_reconnect.append(lambda c: c.set("seeded", "yes"))
+    rs.set("before", "1")
+    assert rs.get("before") == b"1"
+    store.kill()
+    time.sleep(1)
+    store.start()
+    # the call that finds the connection broken reconnects, seeds, and is retried
+    assert rs.add("counter", 5) == 5
+    assert rs.reconnects == 1
+    assert rs.get("seeded") == b"yes"
+    assert not rs.check(["before"])  # a restarted store starts empty: only the link is kept
+
+
+def test_client_waits_for_a_store_that_comes_up_late(tmp_path):
+    from rankguard.trainer.rendezvous import ReconnectingStore
+
+    late = Rendezvous(tmp_path)
+    try:
+        timer = __import__("threading").Timer(3, late.start)
+        timer.start()
+        t0 = time.monotonic()
+        rs = ReconnectingStore("127.0.0.1", late.port, timedelta(seconds=60))
+        assert time.monotonic() - t0 >= 2.5
+        rs.set("k", "v")
+        timer.join()
+    finally:
+        late.stop()
+
+
+def test_client_gives_up_after_the_read_timeout(tmp_path):
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from rankguard.trainer.rendezvous import ReconnectingStore
+
+    with pytest.raises(RendezvousConnectionError, match="is `rankguard rendezvous` running"):
+        ReconnectingStore("127.0.0.1", free_port(), timedelta(seconds=2))
+
+
+def test_backend_refuses_is_host():
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rankguard.trainer.rendezvous import create_rankguard_handler
+
+    params = RendezvousParameters("rankguard", "127.0.0.1:1", "j", 1, 1, is_host="1")
+    with pytest.raises(ValueError, match="never a training node"):
+        create_rankguard_handler(params)
+
+
+# --------------------------------------------------------- torchrun across a restart
+
+
+def _workers(torchrun_pid: int) -> list[int]:
+    """The trainer processes under torchrun (its children: torchrun forks them)."""
+    tasks = Path(f"/proc/{torchrun_pid}/task").glob("*/children")
+    return sorted(int(p) for t in tasks for p in t.read_text().split())
+
+
+def test_job_survives_a_store_restart_and_reforms_through_the_new_store(store, tmp_path):
+    """The store is SIGKILLed mid-run and started again on its port: training goes on, and
+    a later rank failure re-forms the group through the new (empty) store, from the newest
+    checkpoint, to the last step."""
+    steps = 1500  # about 25 ms a step here: the store's restart falls mid-run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+        "--max-restarts", "2", "--rdzv-backend", "rankguard",
+        "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "storejob",
+        "--rdzv-conf", "keep_alive_interval=1", "--monitor-interval", "0.2",
+        "-m", "rankguard.trainer", "--preset", "tiny", "--log-every", "0", "--deterministic",
+        "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "50",
+        "--summary", str(tmp_path / "summary.json"), "--job", "storejob",
+    ]  # fmt: skip
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        tr = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def running(pred):
+        assert tr.poll() is None, log.read_text()[-6000:]
+        return pred()
+
+    try:
+        ckpts = lambda: sorted((tmp_path / "ckpt").glob("step-*"))  # noqa: E731
+        wait_until(lambda: running(lambda: len(ckpts()) >= 2), 120, "two checkpoints")
+        first_workers = _workers(tr.pid)
+        store.kill()
+        time.sleep(3)  # down for at least one keep-alive: torchrun notices
+        assert tr.poll() is None, log.read_text()[-4000:]
+        store.start()
+        # the running group was not disturbed, and torchrun came back to the new store
+        back = lambda: client(store.port).check(["torch.rendezvous.storejob"])  # noqa: E731
+        wait_until(lambda: running(back), 30, "torchrun back in the new store")
+        assert _workers(tr.pid) == first_workers
+        os.kill(first_workers[1], signal.SIGKILL)  # now a restart needs a new round
+        assert tr.wait(timeout=240) == 0, log.read_text()[-6000:]
+    finally:  # torchrun and its workers: a SIGKILLed torchrun leaves its workers behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(tr.pid, signal.SIGKILL)
+        tr.wait()
+    text = log.read_text()
+    assert "reconnected" in text, text[-4000:]
+    # the new store holds torchrun's own state now (the re-formed round, then its close),
+    # not only the empty marker the reconnect wrote
+    state = client(store.port).get("torch.rendezvous.storejob")
+    assert state and state != b"Y2FuaW1hZGFt", state
+    s = read_json(tmp_path / "summary.json")
+    assert (s["final_step"], s["world_size"]) == (steps, 2), s
+    assert s["resumed_from"] is not None and s["resumed_from"] >= 100, s

@@ -1,0 +1,165 @@
+"""torchrun's c10d rendezvous against an external store that may restart: `--rdzv-backend
+rankguard` (registered through the `torchrun.handlers` entry point).
+
+The store is `rankguard rendezvous` on the control node (cli/rendezvous.py), so no
+training node hosts it. torch's own c10d backend holds one TCPStore client for the whole
+run, and a TCPStore client never reconnects: when the store restarts, the next keep-alive
+or membership check fails and every torchrun exits, taking its workers with it. Here the
+client reconnects instead (retrying until the read timeout), re-seeds the rendezvous key
+the restarted, empty store lacks, and retries the call once. torchrun then reads an empty
+rendezvous state: the running group does not notice (no node is waiting), the keep-alives
+fill it in again, and the next membership change forms a new round in the new store.
+Everything else is torch's dynamic rendezvous, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+log = logging.getLogger("rankguard.rendezvous")
+
+DEFAULT_PORT = 29400
+CONNECT_TIMEOUT = timedelta(seconds=2)
+# errors of a lost connection (DistNetworkError is a RuntimeError); a missing key in
+# get/wait is a DistStoreError timeout and is not retried here
+_LOST = (dist.DistNetworkError, ConnectionError)
+
+
+class ReconnectingStore(dist.Store):
+    """A TCPStore client that opens a new connection when the server went away.
+
+    Only the connection is restored: a restarted server starts empty. `on_reconnect`
+    callbacks run after each new connection, before the failed call is retried."""
+
+    def __init__(self, host: str, port: int, timeout: timedelta, connect=None):
+        super().__init__()
+        self.host, self.port, self.read_timeout = host, port, timeout
+        self._connect_once = connect or self._tcp_client
+        self._lock = threading.Lock()
+        self.on_reconnect: list[Callable[[dist.Store], None]] = []
+        self.reconnects = 0
+        self._client = self._connect()
+
+    def _tcp_client(self) -> dist.Store:
+        # a short connect timeout: TCPStore's own retries back off to 20 s and more, which
+        # would keep a node away long after the store is back
+        client = dist.TCPStore(
+            self.host, self.port, is_master=False, timeout=CONNECT_TIMEOUT, multi_tenant=True
+        )
+        client.set_timeout(self.read_timeout)
+        return client
+
+    def _connect(self) -> dist.Store:
+        """Connect, retrying every half second until the read timeout has passed."""
+        deadline = time.monotonic() + self.read_timeout.total_seconds()
+        while True:
+            try:
+                return self._connect_once()
+            except (RuntimeError, ConnectionError) as exc:  # not there (yet, or again)
+                if time.monotonic() > deadline:
+                    raise RendezvousConnectionError(
+                        f"no rendezvous store at {self.host}:{self.port} for "
+                        f"{self.read_timeout.total_seconds():.0f}s (is `rankguard rendezvous` "
+                        f"running?): {exc}"
+                    ) from exc
+                time.sleep(0.5)
+
+    def _reconnect(self, broken) -> dist.Store:
+        with self._lock:
+            if self._client is not broken:  # another thread already did it
+                return self._client
+            client = self._connect()
+            for hook in self.on_reconnect:
+                hook(client)
+            self._client = client
+            self.reconnects += 1
+            log.warning("rendezvous store %s:%d: reconnected", self.host, self.port)
+            return client
+
+    def _call(self, op: str, *args):
+        client = self._client
+        try:
+            return getattr(client, op)(*args)
+        except _LOST as exc:
+            log.warning("rendezvous store %s:%d lost (%s); reconnecting", self.host, self.port, exc)
+            return getattr(self._reconnect(client), op)(*args)
+
+    # the Store methods torch's rendezvous, torchrun's agent and PrefixStore call
+    def set(self, key, value):
+        return self._call("set", key, value)
+
+    def get(self, key):
+        return self._call("get", key)
+
+    def add(self, key, value):
+        return self._call("add", key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._call("compare_set", key, expected, desired)
+
+    def delete_key(self, key):
+        return self._call("delete_key", key)
+
+    def num_keys(self):
+        return self._call("num_keys")
+
+    def check(self, keys):
+        return self._call("check", keys)
+
+    def wait(self, keys, timeout=None):
+        return self._call("wait", keys) if timeout is None else self._call("wait", keys, timeout)
+
+    def multi_get(self, keys):
+        return self._call("multi_get", keys)
+
+    def multi_set(self, keys, values):
+        return self._call("multi_set", keys, values)
+
+    def append(self, key, value):
+        return self._call("append", key, value)
+
+
+class RankguardBackend(C10dRendezvousBackend):
+    """torch's c10d backend under the name torchrun was given (it checks the two agree)."""
+
+    @property
+    def name(self) -> str:
+        return "rankguard"
+
+
+def _seed(key: str, sentinel: str) -> Callable[[dist.Store], None]:
+    # what C10dRendezvousBackend.__init__ writes: without it a restarted store has no
+    # state key and every get_state() would block until the read timeout
+    return lambda client: client.compare_set(key, "", sentinel)
+
+
+def create_rankguard_handler(params: RendezvousParameters):
+    if params.get_as_bool("is_host", False):
+        raise ValueError(
+            "--rdzv-backend rankguard: the store is `rankguard rendezvous`, never a training "
+            "node (drop is_host from --rdzv-conf)"
+        )
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    read_timeout = params.get_as_int("read_timeout", 60)
+    if read_timeout <= 0:
+        raise ValueError("The read timeout must be a positive integer.")
+    store = ReconnectingStore(host, port, timedelta(seconds=read_timeout))
+    backend = RankguardBackend(store, params.run_id)
+    store.on_reconnect.append(_seed(backend._key, backend._NULL_SENTINEL))
+    return create_handler(store, backend, params)
+
+
+def handler():
+    """The `torchrun.handlers` entry point: torch calls it and registers what it returns."""
+    return create_rankguard_handler
