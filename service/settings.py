@@ -159,6 +159,8 @@ def to_toml(obj: Any, table: str) -> str:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             nested.append(to_toml(value, f"{table}.{f.name}"))
+        elif isinstance(value, Mapping):
+            continue  # tables by name are written by their owner (agent/config.py)
         elif value is None:
             scalars.append(f"# {f.name} = (unset)")
         else:
