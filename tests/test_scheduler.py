@@ -175,6 +175,7 @@ def test_supervisor_drains_a_node_with_a_hardware_fault_and_resumes_it_when_heal
     store = IncidentStore(tmp_path / "rankguard.db")
     cfg = SupervisorConfig(scheduler=SchedulerConfig(resume_after_healthy_passes=3))
     sup = Supervisor(store, lambda: [agent.url], "t" * 16, cfg)
+    sup.poller.node_interval = 0  # read the verdict on every pass (it is cached 1 s)
     try:
         decisions = sup.reconcile_once()
         assert [d.action for d in decisions] == ["exclude_node"]
