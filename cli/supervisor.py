@@ -160,7 +160,11 @@ def supervisor(
     except (AgentConfigError, StoreError, OSError, ValueError) as exc:
         raise refuse(str(exc)) from None
     source = AgentsFile(agents_file).urls if agents_file else (lambda: list(agents))
-    sup = Supervisor(store, source, tokens, settings.runtime())
+    try:
+        sup = Supervisor(store, source, tokens, settings.runtime())
+    except ValueError as exc:  # SchedulerError: the drained-node table
+        store.close()
+        raise refuse(str(exc)) from None
     try:
         run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port), tls=tls)
     except ServeError as exc:  # port in use, an address that does not resolve

@@ -33,6 +33,10 @@ PLACEHOLDERS = ("node", "reason")
 REASON_MAX_CHARS = 200  # a reason is for people reading `sinfo -R`, not the whole evidence
 
 
+class SchedulerError(ValueError):
+    """The drained-node table cannot be used (one line)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """[scheduler]: keep nodes excluded for a hardware fault out of the scheduler."""
@@ -108,21 +112,20 @@ class Scheduler:
         self.cfg = cfg
         self.clock = clock or time.time
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(
-            str(db) if db is not None else ":memory:", isolation_level=None,
-            check_same_thread=False,
-        )  # fmt: skip
-        self._conn.execute("PRAGMA busy_timeout = 5000")
-        self._conn.execute(
-            "CREATE TABLE IF NOT EXISTS scheduler_exclusions ("
-            " node TEXT PRIMARY KEY, reason TEXT NOT NULL, drained_at REAL NOT NULL)"
-        )
-        self.drained: dict[str, Drained] = {
-            n: Drained(n, r, t)
-            for n, r, t in self._conn.execute(
-                "SELECT node, reason, drained_at FROM scheduler_exclusions"
+        try:
+            self._conn = sqlite3.connect(
+                str(db) if db is not None else ":memory:", isolation_level=None,
+                check_same_thread=False,
+            )  # fmt: skip
+            self._conn.execute("PRAGMA busy_timeout = 5000")
+            self._conn.execute(
+                "CREATE TABLE IF NOT EXISTS scheduler_exclusions ("
+                " node TEXT PRIMARY KEY, reason TEXT NOT NULL, drained_at REAL NOT NULL)"
             )
-        }
+            rows = self._conn.execute("SELECT node, reason, drained_at FROM scheduler_exclusions")
+            self.drained: dict[str, Drained] = {n: Drained(n, r, t) for n, r, t in rows}
+        except sqlite3.Error as exc:
+            raise SchedulerError(f"{db}: cannot keep the drained nodes there: {exc}") from None
 
     def _run(self, argv: list[str]) -> dict:
         """The command's outcome as JSON-able facts for the action's result."""

@@ -19,6 +19,7 @@ from rankguard.supervisor.scheduler import (
     Drained,
     Scheduler,
     SchedulerConfig,
+    SchedulerError,
     command,
     readmit,
 )
@@ -197,3 +198,10 @@ def test_supervisor_drains_a_node_with_a_hardware_fault_and_resumes_it_when_heal
         sup.close()
         store.close()
         agent.close()
+
+
+def test_an_unusable_database_is_one_clear_error(tmp_path):
+    bad = tmp_path / "not.db"
+    bad.write_bytes(b"\x00garbage" * 512)
+    with pytest.raises(SchedulerError, match="not.db: cannot keep the drained nodes there"):
+        Scheduler(SchedulerConfig(), bad)
