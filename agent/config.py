@@ -96,7 +96,8 @@ def config_toml(cfg: AgentConfig) -> str:
     from ..service.settings import to_toml
     from .collectors import settings_for
 
-    parts = [to_toml(cfg, "agent")]
+    mode = f"socket_mode = {cfg.socket_mode}"  # a file mode reads better in octal (TOML 0o)
+    parts = [to_toml(cfg, "agent").replace(mode, f"socket_mode = 0o{cfg.socket_mode:o}", 1)]
     for name, settings in sorted((cfg.collectors or settings_for(None)).items()):
         parts.append(to_toml(settings, f"collectors.{name}"))
     return "\n\n".join(parts) + "\n"
