@@ -5,15 +5,10 @@ from __future__ import annotations
 import os
 import socket
 import stat
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..contract.telemetry import DEFAULT_SOCKET_PATH
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 
 class AgentConfigError(ValueError):
@@ -39,6 +34,9 @@ class AgentConfig:
     # HTTPS with this certificate (PEM, the chain) and key; both or neither
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # [collectors.<name>]: each collector's settings by name, built by the collector's own
+    # Config (collectors/__init__.py settings_for); empty: every collector with defaults
+    collectors: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -65,26 +63,45 @@ class AgentConfig:
 
 
 def load_config(path: Path | None, overrides: dict) -> AgentConfig:
-    """The file's [agent] table, then every override that is not None."""
-    values: dict = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise AgentConfigError(f"config file {path}: {exc}") from None
-        values = dict(data.get("agent", data))
-        known = {f.name for f in fields(AgentConfig)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise AgentConfigError(f"config file {path}: unknown keys {', '.join(unknown)}")
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    for key in ("token_file", "ckpt_dir", "data_dir", "nvml_double", "tls_cert", "tls_key"):
-        if values.get(key) is not None:
-            values[key] = Path(values[key])
+    """The file's [agent] and [collectors.<name>] tables, then every override that is not
+    None (the flags, each named as `--flag` in an error). AgentConfigError, one line naming
+    the key and the expected type, for anything wrong."""
+    from ..service.settings import SettingsError, build, read_toml
+    from .collectors import settings_for
+
+    where = f"config file {path}: " if path is not None else ""
     try:
-        return replace(AgentConfig(), **values)
-    except TypeError as exc:
-        raise AgentConfigError(str(exc)) from None
+        data = dict(read_toml(path)) if path is not None else {}
+        collector_tables = data.pop("collectors", None)
+        agent_table = data.pop("agent", None) if "agent" in data else data
+        if agent_table is not data and data:
+            raise SettingsError(f"{sorted(data)[0]}: unknown table (known: agent, collectors)")
+        cfg = build(AgentConfig, agent_table, "agent")
+        cfg = replace(cfg, collectors=settings_for(collector_tables))
+    except SettingsError as exc:
+        raise AgentConfigError(f"{where}{exc}") from None
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        value = str(value) if isinstance(value, Path) else value
+        try:  # one flag at a time, so an error names the flag
+            cfg = build(AgentConfig, {key: value}, "agent", cfg)
+        except SettingsError as exc:
+            flag = "--" + key.replace("_", "-")
+            raise AgentConfigError(f"{flag} {value!r}: {exc}") from None
+    return cfg
+
+
+def config_toml(cfg: AgentConfig) -> str:
+    """The effective configuration as TOML (`rankguard agent --print-config`)."""
+    from ..service.settings import to_toml
+    from .collectors import settings_for
+
+    mode = f"socket_mode = {cfg.socket_mode}"  # a file mode reads better in octal (TOML 0o)
+    parts = [to_toml(cfg, "agent").replace(mode, f"socket_mode = 0o{cfg.socket_mode:o}", 1)]
+    for name, settings in sorted((cfg.collectors or settings_for(None)).items()):
+        parts.append(to_toml(settings, f"collectors.{name}"))
+    return "\n\n".join(parts) + "\n"
 
 
 def read_token(path: Path) -> str:

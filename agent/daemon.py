@@ -21,6 +21,7 @@ from .collectors import (
     gauge,
     load_all,
     run_collector,
+    settings_for,
 )
 from .config import AgentConfig, AgentConfigError, load_tls, read_token
 from .control import dump_stacks, send_signal, stop_job
@@ -54,14 +55,16 @@ class Agent:
             nvml=nvml if nvml is not None else load_nvml(cfg.nvml_double and str(cfg.nvml_double)),
             expected_gpus=cfg.expected_gpus,
             node=cfg.node,
+            rank_table=self.table,
+            receiver=self.receiver,
         )
         load_all()
-        self.collectors = []
-        for name, cls in sorted(REGISTRY.items()):
-            if name == "ranks":
-                self.collectors.append(cls(ctx, table=self.table, receiver=self.receiver))
-            else:
-                self.collectors.append(cls(ctx))
+        settings = cfg.collectors or settings_for(None)
+        self.collectors = [  # [collectors.<name>] enabled = false: not run at all
+            cls(ctx, settings[name])
+            for name, cls in sorted(REGISTRY.items())
+            if settings[name].enabled
+        ]
         self._lock = threading.Lock()
         self._runs: list[CollectorRun] = []
         self.registry = make_registry(self.metrics_snapshot)

@@ -146,8 +146,11 @@ def collector_reasons(runs) -> list[Reason]:
 
 
 def node_verdict(facts: dict, runs, expected_gpus: int | None) -> Verdict:
+    # no GPU verdict when the gpu collector is turned off ([collectors.gpu] enabled = false):
+    # runs name every collector that runs, and are empty only before the first collection
+    gpu_on = not runs or any(r.name == "gpu" for r in runs)
     reasons = (
-        gpu_reasons(facts.get("gpu"), expected_gpus)
+        (gpu_reasons(facts.get("gpu"), expected_gpus) if gpu_on else [])
         + disk_reasons((facts.get("storage") or {}).get("filesystems"))
         + collector_reasons(runs)
     )

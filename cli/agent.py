@@ -49,8 +49,15 @@ def agent(
     ] = None,
     tls_key: Annotated[Path, Opt(help="the certificate's private key (owner-only)")] = None,
     config: Annotated[
-        Path, Opt(help="TOML config file ([agent] table, same keys as the flags)")
+        Path,
+        Opt(
+            help="TOML config file: [agent] (same keys as the flags) and [collectors.<name>] "
+            "(docs/configuration.md); flags override it"
+        ),
     ] = None,
+    print_config: Annotated[
+        bool, Opt("--print-config", help="print the effective configuration as TOML and exit")
+    ] = False,
     log_level: Annotated[str, Opt(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Run the node agent: GPU, host, storage, network and rank telemetry collection,
@@ -58,7 +65,7 @@ def agent(
 
     Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad configuration.
     """
-    from rankguard.agent.config import AgentConfigError, load_config
+    from rankguard.agent.config import AgentConfigError, config_toml, load_config
     from rankguard.service.logs import LogConfigError, setup_logging
 
     try:
@@ -74,6 +81,9 @@ def agent(
     )  # fmt: skip
     try:
         cfg = load_config(config, overrides)
+        if print_config:
+            typer.echo(config_toml(cfg), nl=False)
+            return
         from rankguard.agent.daemon import Agent
 
         daemon = Agent(cfg)

@@ -50,18 +50,38 @@ def supervisor(
     ca_file: Annotated[
         Path, Opt(help="CA bundle (PEM) that https agents' certificates are checked against")
     ] = None,
-    interval: Annotated[float, Opt(help="seconds between reconcile passes")] = 0.25,
-    agent_timeout: Annotated[float, Opt(help="seconds to wait for an agent's answer")] = 2.0,
+    interval: Annotated[
+        float, Opt(help="seconds between reconcile passes [0.25; [supervisor] interval]")
+    ] = None,
+    agent_timeout: Annotated[
+        float, Opt(help="seconds to wait for an agent's answer [2.0; [supervisor] agent_timeout]")
+    ] = None,
     process_stopped_seconds: Annotated[
-        float, Opt(help="ranks without telemetry: a rank stopped this long is hung", min=0)
-    ] = 2.0,
+        float,
+        Opt(
+            help="ranks without telemetry: a rank stopped this long is hung "
+            "[2.0; [detectors.process_hang] stopped_seconds]",
+            min=0,
+        ),
+    ] = None,
     process_idle_seconds: Annotated[
         float,
         Opt(
-            help="ranks without telemetry: hung when all but one made no CPU progress this long",
+            help="ranks without telemetry: hung when all but one made no CPU progress this long "
+            "[120.0; [detectors.process_hang] idle_seconds]",
             min=0,
         ),
-    ] = 120.0,
+    ] = None,
+    config: Annotated[
+        Path,
+        Opt(
+            help="TOML file: [supervisor], [detectors.<name>], [policy], [scheduler] "
+            "(docs/configuration.md); flags override it"
+        ),
+    ] = None,
+    print_config: Annotated[
+        bool, Opt("--print-config", help="print the effective configuration as TOML and exit")
+    ] = False,
     log_level: Annotated[str, Opt(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Watch every agent, detect dead, hung and straggling ranks, bad numerics and node
@@ -73,9 +93,11 @@ def supervisor(
     from rankguard.agent.config import AgentConfigError, load_tls, read_token
     from rankguard.service.httpd import ServeError
     from rankguard.service.logs import LogConfigError, setup_logging
+    from rankguard.service.settings import SettingsError
     from rankguard.supervisor.agents import AgentsFile, parse_agents, trust_agents_signed_by
+    from rankguard.supervisor.config import load as load_settings
     from rankguard.supervisor.daemon import run_supervisor
-    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+    from rankguard.supervisor.reconcile import Supervisor
     from rankguard.supervisor.store import IncidentStore, StoreError
     from rankguard.supervisor.tokens import AgentTokens
 
@@ -88,6 +110,19 @@ def supervisor(
     except LogConfigError as e:
         raise refuse(str(e)) from None
 
+    try:  # the settings first: --print-config needs no agents
+        settings = load_settings(config, {
+            "supervisor.interval": ("--interval", interval),
+            "supervisor.agent_timeout": ("--agent-timeout", agent_timeout),
+            "detectors.process_hang.stopped_seconds": (
+                "--process-stopped-seconds", process_stopped_seconds),
+            "detectors.process_hang.idle_seconds": ("--process-idle-seconds", process_idle_seconds),
+        })  # fmt: skip
+    except SettingsError as exc:
+        raise refuse(str(exc)) from None
+    if print_config:
+        typer.echo(settings.to_toml(), nl=False)
+        return
     if not agents and not agents_file:
         raise refuse("give --agents URL... or --agents-file FILE")
     if agents and agents_file:
@@ -108,8 +143,6 @@ def supervisor(
     host, _, port = bind.rpartition(":")
     if not port.isdigit() or not 0 <= int(port) < 65536:
         raise refuse(f"--bind must be HOST:PORT, got {bind!r}")
-    if not (0.01 <= interval <= 3600) or not (0.05 <= agent_timeout <= 600):
-        raise refuse("--interval must be in [0.01, 3600] s and --agent-timeout in [0.05, 600] s")
     try:
         tokens = AgentTokens(
             shared=read_token(token_file) if token_file else None,
@@ -128,13 +161,11 @@ def supervisor(
     except (AgentConfigError, StoreError, OSError, ValueError) as exc:
         raise refuse(str(exc)) from None
     source = AgentsFile(agents_file).urls if agents_file else (lambda: list(agents))
-    from rankguard.supervisor.detectors import DetectorConfig
-
-    detectors = DetectorConfig(
-        process_stopped_seconds=process_stopped_seconds, process_idle_seconds=process_idle_seconds
-    )
-    cfg = SupervisorConfig(interval=interval, agent_timeout=agent_timeout, detectors=detectors)
-    sup = Supervisor(store, source, tokens, cfg)
+    try:
+        sup = Supervisor(store, source, tokens, settings.runtime())
+    except ValueError as exc:  # SchedulerError: the drained-node table
+        store.close()
+        raise refuse(str(exc)) from None
     try:
         run_supervisor(sup, host.strip("[]") or "127.0.0.1", int(port), tls=tls)
     except ServeError as exc:  # port in use, an address that does not resolve

@@ -23,6 +23,7 @@ from .model import (
     ACT_STOP_JOB,
     BAD_NUMERICS,
     CRASH_LOOP,
+    NODE_FAULT,
     RANK_DEAD,
     RANK_HUNG,
     Decision,
@@ -30,6 +31,7 @@ from .model import (
     History,
 )
 from .policy import PolicyConfig, decide
+from .scheduler import Scheduler, SchedulerConfig
 from .stacks import StackBudget
 from .state import LIVE_STATES, ClusterObs, RankObs
 from .store import ActionExists, IncidentStore, build_view
@@ -71,6 +73,7 @@ class SupervisorConfig:
     agent_timeout: float = 2.0
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
 class Supervisor:
@@ -94,6 +97,7 @@ class Supervisor:
         self.monotonic = time.monotonic  # paces stack captures (a test may drive it)
         self.stack_budget = StackBudget()  # py-spy dumps: bounded per pass, per rank backoff
         self.service = None  # its HTTP service once serving (supervisor/daemon.py)
+        self.scheduler = Scheduler(cfg.scheduler, store.path)  # drains, resumes nodes
 
     def clients(self) -> list[AgentClient]:
         return [self.client_for(u) for u in self._urls()]
@@ -120,6 +124,7 @@ class Supervisor:
         self._track_recoveries(obs, now)
         self._resolve_gone({f.key for f in findings}, now)
         self._track_progress(obs, now)
+        self.scheduler.observe(obs)
         with self._lock:
             self.last_obs = obs
             self.loop_seconds = time.perf_counter() - start
@@ -253,6 +258,8 @@ class Supervisor:
         for node, job in sorted(targets):
             url = next(n.url for n in obs.nodes if n.node == node)
             results[f"{node}/{job}"] = self.client_for(url).stop_job(job)
+        if decision.action == ACT_EXCLUDE_NODE and f.kind == NODE_FAULT:
+            results["scheduler"] = self.scheduler.exclude(t["node"], f.summary)
         return results
 
     # -- recovery and progress ------------------------------------------------------------
@@ -318,3 +325,4 @@ class Supervisor:
     def close(self) -> None:
         self.stop()
         self.poller.close()
+        self.scheduler.close()

@@ -280,7 +280,7 @@ def test_config_file_and_flags(tmp_path):
     cfg = load_config(cfg_file, {"interval": 0.5, "bind": None})
     assert (cfg.bind, cfg.interval, cfg.expected_gpus) == ("0.0.0.0:9500", 0.5, 8)
     cfg_file.write_text('[agent]\nbnd = "x"\n')
-    with pytest.raises(AgentConfigError, match="unknown keys bnd"):
+    with pytest.raises(AgentConfigError, match="agent.bnd: unknown key"):
         load_config(cfg_file, {})
     with pytest.raises(AgentConfigError, match="HOST:PORT"):
         load_config(None, {"bind": "localhost"})

@@ -98,22 +98,30 @@ def kinds(findings):
 
 
 def test_config_defaults_and_validation():
-    assert CFG.hang_floor_seconds == 1.0 and CFG.straggler_window == 12
-    assert CFG.spike_min_samples == 20 and CFG.unreachable_grace_seconds == 3.0
-    for bad in (
-        {"hang_quantile": 0.0},
-        {"hang_quantile": 1.5},
-        {"hang_floor_seconds": -1.0},
-        {"straggler_window": 1},
-        {"straggler_window": 2.5},
-        {"spike_min_ratio": 0.5},
-        {"checkpoint_stale_factor": 0},
-        {"hang_warmup_seconds": math.nan},
-        {"hang_idle_cpu_cores": 0.6},
-        {"unreachable_grace_seconds": "3"},
+    assert CFG.hang.floor_seconds == 1.0 and CFG.straggler.window == 12
+    assert CFG.numerics.spike_min_samples == 20 and CFG.unreachable.grace_seconds == 3.0
+    for section, bad in (
+        (hang.HangConfig, {"quantile": 0.0}),
+        (hang.HangConfig, {"quantile": 1.5}),
+        (hang.HangConfig, {"floor_seconds": -1.0}),
+        (straggler.StragglerConfig, {"window": 1}),
+        (straggler.StragglerConfig, {"window": 2.5}),
+        (numerics.NumericsConfig, {"spike_min_ratio": 0.5}),
+        (checkpoint.CheckpointConfig, {"stale_factor": 0}),
+        (hang.HangConfig, {"warmup_seconds": math.nan}),
+        (hang.HangConfig, {"idle_cpu_cores": 0.6}),
+        (unreachable.UnreachableConfig, {"grace_seconds": "3"}),
     ):
         with pytest.raises(ValueError):
-            DetectorConfig(**bad)
+            section(**bad)
+
+
+def test_a_detector_turned_off_reports_nothing():
+    lost = {"code": "gpu_lost", "severity": "unhealthy", "message": "GPU 1 is lost"}
+    obs = ClusterObs(T0, (nodeobs(name="gpu7", reasons=[lost], status="unhealthy"),))
+    off = DetectorConfig(node=node.NodeConfig(enabled=False))
+    assert run_all(obs, History(), CFG) != []
+    assert run_all(obs, History(), off) == []
 
 
 def test_run_all_clean_cluster_is_quiet():
@@ -450,7 +458,7 @@ def _steps_for(n, *, compute=0.07, comm=0.02, restart=0):
     return tuple(sample(s, compute=compute, comm=comm, restart=restart) for s in range(1, n + 1))
 
 
-NO_WARMUP = dataclasses.replace(CFG, straggler_warmup_steps=0)
+NO_WARMUP = dataclasses.replace(CFG, straggler=dataclasses.replace(CFG.straggler, warmup_steps=0))
 
 
 def _stragglers(ranks, cfg=NO_WARMUP):

@@ -307,7 +307,7 @@ def test_a_stopped_rank_is_the_culprit_after_the_stop_budget():
 
 
 def test_no_cpu_progress_all_but_one_names_the_busy_rank_all_idle_needs_stacks():
-    idle = 1000.0 - CFG.process_idle_seconds - 1
+    idle = 1000.0 - CFG.process_hang.idle_seconds - 1
     (f,) = process_hang.detect(
         cluster(robs(0, cpu_active_at=idle), robs(1, cpu_utilization=1.0)), History(), CFG
     )

@@ -19,6 +19,7 @@ from rankguard.agent.stand_ins import StandIn, stand_in_state
 from rankguard.contract import ContractError, RankAnswer
 from rankguard.contract.telemetry import TelemetryRecord
 from rankguard.supervisor.detectors import DetectorConfig, stand_in
+from rankguard.supervisor.detectors.process_hang import ProcessHangConfig
 from rankguard.supervisor.model import RANK_HUNG, History
 from rankguard.supervisor.state import ClusterObs, NodeObs, RankObs
 
@@ -180,7 +181,7 @@ def stub(state: str, since: float) -> dict:
 
 
 def test_a_stopped_stand_in_makes_its_rank_the_culprit_after_the_stop_budget():
-    cfg = DetectorConfig(process_stopped_seconds=2.0)
+    cfg = DetectorConfig(process_hang=ProcessHangConfig(stopped_seconds=2.0))
     obs = cluster(robs(0, **stub("alive", 900.0)), robs(1, **stub("stopped", 997.5)))
     (f,) = stand_in.detect(obs, History(), cfg)
     assert (f.kind, f.rank, f.node, f.key) == (RANK_HUNG, 1, "n", "rank_hung:job:3:stand_in:1")

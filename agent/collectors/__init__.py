@@ -7,7 +7,8 @@ agent's exposition code) and JSON-able facts for `/v1/node` and the health verdi
 `rankguard_collector_duration_seconds{collector}` and
 `rankguard_collector_success{collector}` for all of them, as node_exporter does.
 Adding a collector is a one-file change: subclass `Collector`, decorate with `@register`,
-import the module in `load_all()`.
+import the module in `load_all()`. Its settings are its own `Config` dataclass (at least
+`enabled`), read from the agent's `[collectors.<name>]` table by `settings_for`.
 """
 
 from __future__ import annotations
@@ -91,13 +92,25 @@ class CollectorContext:
     expected_gpus: int | None = None
     node: str = ""
     clock: Callable[[], float] = time.monotonic
+    # The agent's rank table and telemetry receiver (the ranks collector reports them).
+    rank_table: Any = None
+    receiver: Any = None
+
+
+@dataclass(frozen=True)
+class CollectorSettings:
+    """[collectors.<name>] of a collector without settings of its own."""
+
+    enabled: bool = True  # false: not run, no metrics, no facts, not in the node verdict
 
 
 class Collector(ABC):
     name: ClassVar[str]
+    Config: ClassVar[type] = CollectorSettings  # a subclass of it when it has settings
 
-    def __init__(self, ctx: CollectorContext):
+    def __init__(self, ctx: CollectorContext, config: Any = None):
         self.ctx = ctx
+        self.config = config if config is not None else self.Config()
 
     @abstractmethod
     def collect(self) -> CollectorResult:
@@ -144,3 +157,25 @@ def load_all() -> dict[str, type[Collector]]:
     from . import gpu, host, network, ranks, storage  # noqa: F401
 
     return REGISTRY
+
+
+def settings_for(tables: Any) -> dict[str, Any]:
+    """Every registered collector's settings, from the `[collectors]` table (None: all
+    defaults), each built by the collector's own `Config`. SettingsError, one line naming
+    the key, for an unknown collector, key or a value of the wrong type."""
+    from ...service.settings import SettingsError, build
+
+    registry = load_all()
+    if tables is None:
+        tables = {}
+    if not isinstance(tables, dict):
+        raise SettingsError("collectors: expected a table of [collectors.<name>] tables")
+    unknown = sorted(set(tables) - set(registry))
+    if unknown:
+        raise SettingsError(
+            f"collectors.{unknown[0]}: no such collector (known: {', '.join(sorted(registry))})"
+        )
+    return {
+        name: build(cls.Config, tables.get(name), f"collectors.{name}")
+        for name, cls in sorted(registry.items())
+    }

@@ -137,6 +137,9 @@ def handle_key(handle: Any) -> int | None:
 
 @dataclass(frozen=True)
 class GpuConfig:
+    """[collectors.gpu]"""
+
+    enabled: bool = True
     gpm_interval: float = 1.0  # seconds between GPM samples (values cached meanwhile)
     pcie_interval: float = 10.0  # seconds between PCIe throughput reads
     init_retry_interval: float = 60.0  # seconds between nvmlInit attempts while down
@@ -292,14 +295,13 @@ class XidWatcher:
 
 @register
 class GpuCollector(Collector):
-    """NVML GPU metrics. Cadences come from `config`, else from `ctx.gpu_config` when
-    the agent's context carries one, else `GpuConfig()` defaults."""
+    """NVML GPU metrics. Cadences come from `config` ([collectors.gpu]), else defaults."""
 
     name = "gpu"
+    Config = GpuConfig
 
     def __init__(self, ctx: CollectorContext, config: GpuConfig | None = None):
-        super().__init__(ctx)
-        self.config = config or getattr(ctx, "gpu_config", None) or GpuConfig()
+        super().__init__(ctx, config)
         self.nvml: Any = ctx.nvml
         self.up = False
         self.reason: str | None = "not initialised yet"

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from .. import procfs
-from . import Collector, CollectorContext, CollectorResult, counter, gauge, register
+from . import (
+    Collector,
+    CollectorContext,
+    CollectorResult,
+    CollectorSettings,
+    counter,
+    gauge,
+    register,
+)
 
 # The modes of rankguard_host_cpu_seconds_total. guest/guest_nice are left out: the
 # kernel already counts them inside user/nice, so sum(by mode) stays the real total.
@@ -14,8 +22,8 @@ EXPORTED_CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softir
 class HostCollector(Collector):
     name = "host"
 
-    def __init__(self, ctx: CollectorContext):
-        super().__init__(ctx)
+    def __init__(self, ctx: CollectorContext, config: CollectorSettings | None = None):
+        super().__init__(ctx, config)
         self._prev_cpu: procfs.CpuStat | None = None
 
     def collect(self) -> CollectorResult:

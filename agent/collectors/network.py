@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from .. import procfs
-from . import Collector, CollectorContext, CollectorResult, Metric, counter, gauge, register
+from . import (
+    Collector,
+    CollectorContext,
+    CollectorResult,
+    CollectorSettings,
+    Metric,
+    counter,
+    gauge,
+    register,
+)
 
 # NetDevStats field -> metric stem (rankguard_network_<stem>_total, also the facts key), help.
 NET_COUNTERS = (
@@ -54,8 +63,8 @@ def read_ib_port(port_dir: Path) -> dict[str, Any]:
 class NetworkCollector(Collector):
     name = "network"
 
-    def __init__(self, ctx: CollectorContext):
-        super().__init__(ctx)
+    def __init__(self, ctx: CollectorContext, config: CollectorSettings | None = None):
+        super().__init__(ctx, config)
         self._prev: tuple[float, dict[Any, Any]] | None = None
 
     def collect(self) -> CollectorResult:

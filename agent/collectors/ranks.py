@@ -22,6 +22,7 @@ from . import (
     Collector,
     CollectorContext,
     CollectorResult,
+    CollectorSettings,
     Metric,
     counter,
     gauge,
@@ -57,13 +58,15 @@ class RanksCollector(Collector):
     def __init__(
         self,
         ctx: CollectorContext,
+        config: CollectorSettings | None = None,
         *,
         table: RankTable | None = None,
         receiver: TelemetryReceiver | None = None,
     ) -> None:
-        super().__init__(ctx)
-        self.table = table
-        self.receiver = receiver
+        super().__init__(ctx, config)
+        # the agent's, from the context; a test may hand its own
+        self.table = table if table is not None else ctx.rank_table
+        self.receiver = receiver if receiver is not None else ctx.receiver
 
     def collect(self) -> CollectorResult:
         ranks: list[RankAnswer] = []

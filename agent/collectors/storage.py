@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,28 @@ def whole_disks(devices: list[str], sys_block: Path) -> list[str]:
     return sorted(names)
 
 
+@dataclass(frozen=True)
+class StorageConfig:
+    """[collectors.storage]"""
+
+    enabled: bool = True
+    # a statvfs on a hung network filesystem blocks; give up on it after this long
+    statvfs_timeout_seconds: float = STATVFS_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not self.statvfs_timeout_seconds > 0:
+            raise ValueError("statvfs_timeout_seconds must be > 0")
+
+
 @register
 class StorageCollector(Collector):
     name = "storage"
+    Config = StorageConfig
     statvfs = staticmethod(os.statvfs)  # replaceable in tests (a hanging filesystem)
-    statvfs_timeout_s = STATVFS_TIMEOUT_S
 
-    def __init__(self, ctx: CollectorContext):
-        super().__init__(ctx)
+    def __init__(self, ctx: CollectorContext, config: StorageConfig | None = None):
+        super().__init__(ctx, config)
+        self.statvfs_timeout_s = self.config.statvfs_timeout_seconds
         self._prev_disks: tuple[float, dict[str, procfs.DiskStats]] | None = None
         self._prev_ranks: tuple[float, dict[tuple[str, int, int], procfs.PidIO]] | None = None
         self._stuck: dict[str, threading.Thread] = {}  # path -> statvfs call still blocked

@@ -14,14 +14,27 @@ which `History` does not keep (the finding says how the gap was estimated).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import CHECKPOINT_STALE, Finding, History
 from ..state import LIVE_STATES, ClusterObs, RankObs
-from .common import incarnation
+from .common import check_settings, incarnation, positive
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """[detectors.checkpoint]: the newest validated checkpoint falls behind."""
+
+    enabled: bool = True
+    stale_factor: float = 3.0  # behind by more than this many checkpoint intervals
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        positive(self, "stale_factor")
 
 
 def _newest_checkpoint(ranks: list[RankObs]) -> int | None:
@@ -49,7 +62,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
             continue
         gap = max(ckpt, 1)
         behind = top - ckpt
-        if behind <= cfg.checkpoint_stale_factor * gap:
+        if behind <= cfg.checkpoint.stale_factor * gap:
             continue
         out.append(
             Finding(
@@ -57,7 +70,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
                 key=f"checkpoint_stale:{job}:{ckpt}",
                 severity="warning",
                 summary=f"job {job} is at step {top}, {behind} steps past its newest validated "
-                f"checkpoint (step {ckpt}); more than {cfg.checkpoint_stale_factor:g}x the "
+                f"checkpoint (step {ckpt}); more than {cfg.checkpoint.stale_factor:g}x the "
                 f"estimated interval of {gap} steps",
                 job=job,
                 occurred_at=obs.time,
@@ -68,7 +81,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
                     "steps_since_checkpoint": behind,
                     "gap_estimate_steps": gap,
                     "gap_estimated_from": "newest checkpoint step (a multiple of the interval)",
-                    "factor": cfg.checkpoint_stale_factor,
+                    "factor": cfg.checkpoint.stale_factor,
                     "last_advanced_at_step": progress[1] if progress else None,
                     "last_advanced_at": progress[2] if progress else None,
                 },

@@ -63,3 +63,31 @@ def mad(values: Sequence[float], center: float) -> float:
 
 def finite(values: Iterable[float | None]) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def check_settings(cfg: object) -> None:
+    """Every number of a detector's settings is >= 0 and not NaN (the TOML loader has
+    checked the types; a dataclass built in code gets the same check here)."""
+    import dataclasses
+
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if isinstance(value, bool):
+            continue
+        if not isinstance(value, int | float):
+            raise ValueError(f"{f.name} must be a number, not {value!r}")
+        if value != value or value < 0:  # NaN or negative
+            raise ValueError(f"{f.name} must be >= 0, not {value!r}")
+
+
+def at_least(cfg: object, **least: int) -> None:
+    for name, low in least.items():
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, not {value!r}")
+
+
+def positive(cfg: object, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{name} must be > 0, not {getattr(cfg, name)!r}")

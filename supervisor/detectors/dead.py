@@ -11,6 +11,7 @@ faults of their own (they are listed in the evidence).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import RANK_DEAD, Finding, History
@@ -19,6 +20,13 @@ from .common import incarnation, node_url
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class DeadConfig:
+    """[detectors.dead]: a rank process that died (zombie or exited)."""
+
+    enabled: bool = True
 
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:

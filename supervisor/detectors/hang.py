@@ -13,14 +13,52 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import RANK_HUNG, Finding, History
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
-from .common import incarnation, node_url, quantile, samples_of
+from .common import (
+    at_least,
+    check_settings,
+    incarnation,
+    node_url,
+    positive,
+    quantile,
+    samples_of,
+)
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class HangConfig:
+    """[detectors.hang]: per-phase budgets learned from this job's own step times."""
+
+    enabled: bool = True
+    # 1 s: below it a scheduler hiccup on a loaded host looks like a hang; above it, the
+    # job's own 10 x p99 step time decides (no hand-set timeout for real step times).
+    floor_seconds: float = 1.0
+    quantile: float = 0.99
+    quantile_factor: float = 10.0
+    min_samples: int = 5
+    warmup_seconds: float = 60.0  # before enough samples: first-step compilation, data
+    startup_seconds: float = 120.0  # phases init and checkpoint_load
+    checkpoint_floor_seconds: float = 30.0
+    eval_seconds: float = 300.0
+    spin_cpu_cores: float = 0.5  # a culprit stuck busy in Python uses at least this
+    idle_cpu_cores: float = 0.2  # ... while the others, asleep in the collective, stay below
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        at_least(self, min_samples=1)
+        positive(self, "floor_seconds", "quantile_factor")
+        if not 0 < self.quantile <= 1:
+            raise ValueError(f"quantile must be in (0, 1], not {self.quantile}")
+        if self.idle_cpu_cores >= self.spin_cpu_cores:
+            raise ValueError("idle_cpu_cores must be below spin_cpu_cores")
+
 
 # Frames of a rank that waits in (or on its way into) a collective, matched against
 # function names of the main thread's frames in a py-spy dump.
@@ -48,21 +86,21 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
 def train_budget(step_seconds: list[float], cfg: DetectorConfig) -> tuple[float, float | None]:
     """(budget of a training step, the quantile it came from). Until the job has shown
     a few steps, a generous warm-up budget covers compilation and first data loads."""
-    if len(step_seconds) < cfg.hang_min_samples:
-        return cfg.hang_warmup_seconds, None
-    q = quantile(step_seconds, cfg.hang_quantile)
-    return max(cfg.hang_floor_seconds, cfg.hang_quantile_factor * q), q
+    if len(step_seconds) < cfg.hang.min_samples:
+        return cfg.hang.warmup_seconds, None
+    q = quantile(step_seconds, cfg.hang.quantile)
+    return max(cfg.hang.floor_seconds, cfg.hang.quantile_factor * q), q
 
 
 def phase_budget(phase: str | None, train: float, cfg: DetectorConfig) -> float:
     if phase == "done":
         return math.inf  # the job is ending; an exit will tell the rest
     if phase in ("init", "checkpoint_load"):
-        return cfg.hang_startup_seconds
+        return cfg.hang.startup_seconds
     if phase == "checkpoint_save":
-        return max(cfg.hang_checkpoint_floor_seconds, train)
+        return max(cfg.hang.checkpoint_floor_seconds, train)
     if phase == "eval":
-        return cfg.hang_eval_seconds
+        return cfg.hang.eval_seconds
     return train
 
 
@@ -113,7 +151,7 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
             "phase": phase,
             "budgets": {str(p): phase_budget(p, train, cfg) for p in sorted(set(map(str, phases)))},
             "train_budget_seconds": train,
-            "step_seconds_quantile": cfg.hang_quantile,
+            "step_seconds_quantile": cfg.hang.quantile,
             "p99_step_seconds": q,
             "sample_count": len(step_seconds),
             "heartbeat_ages": {str(r.rank): r.heartbeat_age_seconds for r in live},
@@ -190,8 +228,8 @@ def _cpu_outlier(live: list[RankObs], cfg: DetectorConfig) -> RankObs | None:
     if any(r.cpu_utilization is None for r in live):
         return None  # without every rank's figure, "stands out" means nothing
     top = max(live, key=lambda r: r.cpu_utilization)
-    others_idle = all(r.cpu_utilization < cfg.hang_idle_cpu_cores for r in live if r is not top)
-    return top if top.cpu_utilization >= cfg.hang_spin_cpu_cores and others_idle else None
+    others_idle = all(r.cpu_utilization < cfg.hang.idle_cpu_cores for r in live if r is not top)
+    return top if top.cpu_utilization >= cfg.hang.spin_cpu_cores and others_idle else None
 
 
 # -- stacks -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ codes are not (the operator frees space, the node stays).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import NODE_FAULT, Finding, History
@@ -15,6 +16,14 @@ from ..state import ClusterObs, NodeObs
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """[detectors.node]: the agent's node verdict (hardware, disk, memory faults)."""
+
+    enabled: bool = True
+
 
 HARDWARE_CODES = frozenset({"gpu_lost", "gpus_missing", "nvml_unavailable", "ecc_uncorrected"})
 DISK_CODES = frozenset({"checkpoint_disk_low", "data_disk_low"})

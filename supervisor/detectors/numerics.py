@@ -8,15 +8,44 @@ newest validated checkpoint step for the policy to compare.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...contract.numbers import json_safe
 from ..model import BAD_NUMERICS, Finding, History
 from ..state import ClusterObs, RankObs
-from .common import finite, incarnation, mad, median, node_url, samples_of
+from .common import (
+    at_least,
+    check_settings,
+    finite,
+    incarnation,
+    mad,
+    median,
+    node_url,
+    positive,
+    samples_of,
+)
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class NumericsConfig:
+    """[detectors.numerics]: NaN/Inf losses always; a finite loss spike above
+    max(median + spike_mads * MAD, spike_min_ratio * median) of the incarnation's losses."""
+
+    enabled: bool = True
+    spike_mads: float = 10.0
+    spike_min_ratio: float = 2.0
+    spike_min_samples: int = 20
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        at_least(self, spike_min_samples=3)
+        positive(self, "spike_mads")
+        if self.spike_min_ratio < 1:
+            raise ValueError(f"spike_min_ratio must be >= 1, not {self.spike_min_ratio!r}")
 
 
 def _bad(x: float | None) -> bool:
@@ -59,11 +88,11 @@ def _spike(ranks: list[RankObs], restart: int, cfg: DetectorConfig) -> Hit | Non
     median (robust to a few outliers) and a multiple of it (a tiny MAD once the loss
     flattens must not turn noise into a spike)."""
     losses = finite(s.loss for r in ranks for s in samples_of(r, restart))
-    if len(losses) < cfg.spike_min_samples:
+    if len(losses) < cfg.numerics.spike_min_samples:
         return None
     center = median(losses)
     spread = mad(losses, center)
-    limit = max(center + cfg.spike_mads * spread, cfg.spike_min_ratio * center)
+    limit = max(center + cfg.numerics.spike_mads * spread, cfg.numerics.spike_min_ratio * center)
     spiking = [r for r in ranks if r.loss is not None and math.isfinite(r.loss) and r.loss > limit]
     if not spiking:
         return None

@@ -22,14 +22,29 @@ One finding per incarnation (torchrun's restart count), like the dead detector.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import RANK_HUNG, Finding, History
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
-from .common import incarnation, node_url
+from .common import check_settings, incarnation, node_url
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class ProcessHangConfig:
+    """[detectors.process_hang]: hangs of ranks without telemetry (zero-code: process state
+    and CPU time only). stopped_seconds also applies to stand-ins (detectors/stand_in.py)."""
+
+    enabled: bool = True
+    stopped_seconds: float = 2.0  # a rank (or its stand-in) stopped this long is hung
+    idle_seconds: float = 120.0  # all but one rank without CPU progress this long
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
 
 BUSY_RECENT_SECONDS = 5.0  # "still using CPU": active within this long (or half the budget)
 
@@ -71,7 +86,7 @@ def _stopped(
     stopped = [
         (s, r)
         for r in live
-        if (s := _stopped_for(obs, r)) is not None and s >= cfg.process_stopped_seconds
+        if (s := _stopped_for(obs, r)) is not None and s >= cfg.process_hang.stopped_seconds
     ]
     if not stopped:
         return None
@@ -86,7 +101,7 @@ def _no_progress(
     if len(live) < 2:
         return None  # a lone rank waits for nobody: idle may be I/O
     idle = {r.rank: s for r in live if (s := _idle_for(obs, r)) is not None}
-    blocked = [r for r in live if idle.get(r.rank, -1.0) >= cfg.process_idle_seconds]
+    blocked = [r for r in live if idle.get(r.rank, -1.0) >= cfg.process_hang.idle_seconds]
     busy = [r for r in live if r not in blocked]
     if len(busy) > 1 or len(blocked) < len(live) - 1:
         return None
@@ -94,7 +109,7 @@ def _no_progress(
     # a moment after the others (it blocked in the collective they wait in, seen on a
     # loaded machine) is on its way to "all idle", which the stacks decide.
     if busy and idle.get(busy[0].rank, 0.0) >= min(
-        BUSY_RECENT_SECONDS, cfg.process_idle_seconds / 2
+        BUSY_RECENT_SECONDS, cfg.process_hang.idle_seconds / 2
     ):
         return None
     quiet = min(idle[r.rank] for r in blocked)

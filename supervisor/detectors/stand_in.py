@@ -16,6 +16,7 @@ detector reports that death. One finding per rank and incarnation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import RANK_HUNG, Finding, History
@@ -26,13 +27,21 @@ if TYPE_CHECKING:
     from . import DetectorConfig
 
 
+@dataclass(frozen=True)
+class StandInConfig:
+    """[detectors.stand_in]: a warm-started rank's stand-in stopped longer than
+    [detectors.process_hang] stopped_seconds is hung (one threshold for both)."""
+
+    enabled: bool = True
+
+
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
     out = []
     for job in obs.jobs():
         restart, ranks = incarnation(obs, job)
         for r in ranks:
             stopped_for = _stand_in_stopped_for(obs, r)
-            if stopped_for is not None and stopped_for >= cfg.process_stopped_seconds:
+            if stopped_for is not None and stopped_for >= cfg.process_hang.stopped_seconds:
                 out.append(_finding(obs, r, restart, stopped_for))
     return out
 

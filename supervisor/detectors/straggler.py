@@ -22,10 +22,39 @@ from typing import TYPE_CHECKING
 
 from ..model import STRAGGLER, Finding, History
 from ..state import LIVE_STATES, ClusterObs, RankObs
-from .common import incarnation, median, node_url, samples_of
+from .common import (
+    at_least,
+    check_settings,
+    incarnation,
+    median,
+    node_url,
+    positive,
+    samples_of,
+)
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    """[detectors.straggler]: a rank consistently slower than its peers."""
+
+    enabled: bool = True
+    window: int = 12  # steps compared
+    threshold: float = 0.10  # slower by this share of the peers' median
+    consistency: float = 0.75  # share of window steps on which it must be slower
+    wait_share: float = 0.5  # peers' extra comm wait, as a share of the compute gap
+    warmup_steps: int = 20  # first steps of an incarnation are not judged
+    persist_steps: int = 8  # a suspect must stay slow this many steps...
+    persist_seconds: float = 2.5  # ... and this long (host noise comes in bursts)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        at_least(self, window=3, warmup_steps=0, persist_steps=0)
+        positive(self, "threshold")
+        if not 0 < self.consistency <= 1:
+            raise ValueError(f"consistency must be in (0, 1], not {self.consistency}")
 
 
 @dataclass(frozen=True)
@@ -81,8 +110,8 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
         since = history.straggler_since.get(f.key)
         if (
             since is not None
-            and f.evidence["step"] - since[1] >= cfg.straggler_persist_steps
-            and obs.time - since[0] >= cfg.straggler_persist_seconds
+            and f.evidence["step"] - since[1] >= cfg.straggler.persist_steps
+            and obs.time - since[0] >= cfg.straggler.persist_seconds
         ):
             out.append(f)
     return out
@@ -112,9 +141,9 @@ def _window(r: RankObs, restart: int, start: int, cfg: DetectorConfig) -> _Windo
     samples = [
         s
         for s in samples_of(r, restart, phase="train")
-        if s.step >= start + cfg.straggler_warmup_steps
-    ][-cfg.straggler_window :]
-    if len(samples) < cfg.straggler_window:
+        if s.step >= start + cfg.straggler.warmup_steps
+    ][-cfg.straggler.window :]
+    if len(samples) < cfg.straggler.window:
         return None
     return _Window(
         r,
@@ -138,13 +167,13 @@ def _judge(
     if peers_compute <= 0:
         return None
     ratio = suspect.compute / peers_compute
-    slower = ratio >= 1 + cfg.straggler_threshold
-    consistency = _slower_steps_fraction(suspect, peers, 1 + cfg.straggler_threshold)
+    slower = ratio >= 1 + cfg.straggler.threshold
+    consistency = _slower_steps_fraction(suspect, peers, 1 + cfg.straggler.threshold)
     # the peers sit in the all-reduce for it, for a good part of the gap
-    waited_for = peers_comm - suspect.comm >= cfg.straggler_wait_share * (
+    waited_for = peers_comm - suspect.comm >= cfg.straggler.wait_share * (
         suspect.compute - peers_compute
     )
-    if not (slower and consistency >= cfg.straggler_consistency and waited_for):
+    if not (slower and consistency >= cfg.straggler.consistency and waited_for):
         return None
     r = suspect.rank
     return Finding(
@@ -165,8 +194,8 @@ def _judge(
             "node_url": node_url(obs, r.node),
             "ratio": ratio,
             "slower_steps_fraction": consistency,
-            "threshold": 1 + cfg.straggler_threshold,
-            "window": cfg.straggler_window,
+            "threshold": 1 + cfg.straggler.threshold,
+            "window": cfg.straggler.window,
             "median_compute_seconds": suspect.compute,
             "peers_median_compute_seconds": peers_compute,
             "median_comm_seconds": suspect.comm,

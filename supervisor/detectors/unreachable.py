@@ -6,13 +6,26 @@ by itself a reason to touch training.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import AGENT_UNREACHABLE, Finding, History
 from ..state import ClusterObs
+from .common import check_settings
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+@dataclass(frozen=True)
+class UnreachableConfig:
+    """[detectors.unreachable]: an agent that does not answer."""
+
+    enabled: bool = True
+    grace_seconds: float = 3.0  # unanswered this long before it is an incident
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
@@ -23,7 +36,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
         # history is advanced after the poll: a first failure is not in it yet
         since = history.unreachable_since.get(n.url, n.observed_at)
         down = obs.time - since
-        if down <= cfg.unreachable_grace_seconds:
+        if down <= cfg.unreachable.grace_seconds:
             continue
         out.append(
             Finding(
