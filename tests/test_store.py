@@ -18,13 +18,13 @@ from rankguard.supervisor.model import (
     Finding,
 )
 from rankguard.supervisor.policy import PolicyConfig
+from rankguard.supervisor.reconcile import build_policy_view as build_view
 from rankguard.supervisor.store import (
     SCHEMA_VERSION,
     ActionExists,
     IncidentStore,
     InvalidTransition,
     StoreError,
-    build_view,
 )
 
 
@@ -186,7 +186,9 @@ def test_newer_schema_is_refused(tmp_path):
     with raw:
         raw.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION + 1,))
     raw.close()
-    with pytest.raises(StoreError, match=r"schema version 2 is newer.*upgrade rankguard"):
+    with pytest.raises(
+        StoreError, match=rf"schema version {SCHEMA_VERSION + 1} is newer.*upgrade rankguard"
+    ):
         IncidentStore(path)
 
 
