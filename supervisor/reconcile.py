@@ -141,9 +141,9 @@ class Supervisor:
         outcomes += [o for d in decisions if (o := self._act(d, obs, now)) is not None]  # act
         moves = transitions(self.store.open_incidents(), decisions, outcomes, findings, obs)
         for t in moves:  # record what it meant
-            self.store.apply(t, now)
             if "restarted_at" in t.values:
-                fault_point("during_restart")
+                fault_point("during_restart")  # the group restarted; not yet recorded
+            self.store.apply(t, now)
         self._track_progress(obs, now)
         with self._lock:
             self.last_obs = obs
@@ -323,7 +323,9 @@ class Supervisor:
     # -- the job: state and goodput, kept in the store --------------------------------------
     def _track_progress(self, obs: ClusterObs, now: float) -> None:
         incidents = self.store.open_incidents() + self.store.stopped_incidents()
-        for job in sorted(set(obs.jobs()) | set(self.jobs)):
+        # a job out of view keeps its state (finished stays finished), unless it was stopped
+        stopped = {i.job for i in incidents if i.state == "stopped"} & set(self.jobs)
+        for job in sorted(set(obs.jobs()) | stopped):
             old = self.jobs.get(job) or JobProgress(job, first_seen=now)
             p = advance_progress(old, obs)
             state, verdict = job_state(p, incidents, obs)
