@@ -247,3 +247,23 @@ def test_verdict_follows_the_node_verdict():
     warn = [{"severity": "degraded", "code": "disk", "message": "90% full"}]
     v = cluster_verdict(cluster(rank(0), status="degraded", reasons=warn), {}, [], T0)
     assert v["status"] == "degraded"
+
+
+# -- the intent log: what a restarted supervisor does with an unfinished action -------------
+
+
+def test_a_pending_kill_is_carried_out_only_while_its_process_is_the_same():
+    from rankguard.supervisor.reconcile import _still_waiting
+    from rankguard.supervisor.store import Action
+
+    inc = incident(state="acting", action="kill_rank", restart_before=0)
+    target = {"job": "j", "rank": 1, "pid": rank(1).pid, "restart": 0}
+    kill = Action(1, 1, "kill_rank", target, T0, None, None, None, None)
+    assert _still_waiting(kill, inc, cluster(rank(0), rank(1))) is True  # not done: do it
+    assert _still_waiting(kill, inc, cluster(rank(0), rank(1, state="exited"))) is False
+    restarted = cluster(rank(0, restart=1), rank(1, restart=1))
+    assert _still_waiting(kill, inc, restarted) is False  # done before the crash: not again
+    assert _still_waiting(kill, inc, cluster(rank(0))) is None  # out of view: wait
+    stop = Action(2, 1, "stop_job", {"job": "j"}, T0, None, None, None, None)
+    assert _still_waiting(stop, inc, cluster(rank(0), rank(1))) is True
+    assert _still_waiting(stop, inc, cluster(rank(0, state="exited"))) is False
