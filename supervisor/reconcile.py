@@ -63,6 +63,20 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# An answer older than this is the last one of an agent that stopped answering (a cut
+# link shows a node's last answer, aged, until the request times out): never kill a rank
+# seen only there. In a partition that answer holds the cut-off rank at a lower step, and
+# acting on it failed (unreachable) and left the hang to a second incident.
+STALE_ANSWER_SECONDS = 2.0
+
+
+def _seen_only_stale(target: Mapping, obs: ClusterObs) -> bool:
+    node = next((n for n in obs.nodes if n.node == target.get("node")), None)
+    if node is None:
+        return False  # resolved when carried out (and failed there if it is gone)
+    return not node.reachable or obs.time - node.observed_at > STALE_ANSWER_SECONDS
+
+
 def _finding_of(inc) -> Finding:
     """The finding an incident was recorded from (to replay its action)."""
     return Finding(inc.kind, inc.key, inc.severity, inc.summary, inc.job, inc.node, inc.rank,
@@ -236,6 +250,10 @@ class Supervisor:
                 f, now, checkpoint_step=f.evidence.get("checkpoint_step")
             )
         target = self._pin(decision, obs)
+        if decision.action == ACT_KILL_RANK and _seen_only_stale(target, obs):
+            log.info("incident %s: %s waits for a fresh answer from %s",
+                     incident.id, decision.action, target.get("node"))  # fmt: skip
+            return None  # decided again next pass; the incident stays open
         try:
             action_id = self.store.begin_action(
                 incident.id, decision.action, target, now, reason=decision.reason

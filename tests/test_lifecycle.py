@@ -267,3 +267,13 @@ def test_a_pending_kill_is_carried_out_only_while_its_process_is_the_same():
     stop = Action(2, 1, "stop_job", {"job": "j"}, T0, None, None, None, None)
     assert _still_waiting(stop, inc, cluster(rank(0), rank(1))) is True
     assert _still_waiting(stop, inc, cluster(rank(0, state="exited"))) is False
+
+
+def test_a_rank_seen_only_in_a_stale_answer_is_not_killed():
+    from rankguard.supervisor.reconcile import STALE_ANSWER_SECONDS, _seen_only_stale
+
+    fresh = cluster(rank(1), time=T0)
+    assert not _seen_only_stale({"node": "n0", "rank": 1}, fresh)
+    late = dataclasses.replace(fresh, time=T0 + STALE_ANSWER_SECONDS + 0.5)
+    assert _seen_only_stale({"node": "n0", "rank": 1}, late)  # its agent stopped answering
+    assert _seen_only_stale({"node": "n0"}, cluster(rank(1), reachable=False))
