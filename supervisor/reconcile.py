@@ -41,7 +41,7 @@ from .model import (
 from .policy import IncidentInfo, JobView, PolicyConfig, PolicyView, decide
 from .stacks import StackBudget
 from .state import LIVE_STATES, ClusterObs, RankObs
-from .store import ActionExists, IncidentStore
+from .store import ActionExists, IncidentStore, InvalidTransition
 from .tokens import AgentTokens
 
 log = logging.getLogger("rankguard.supervisor")
@@ -157,7 +157,10 @@ class Supervisor:
         for t in moves:  # record what it meant
             if "restarted_at" in t.values:
                 fault_point("during_restart")  # the group restarted; not yet recorded
-            self.store.apply(t, now)
+            try:
+                self.store.apply(t, now)
+            except InvalidTransition as exc:  # a rule's bug must not cost the other moves
+                log.error("lifecycle: %s", exc)
         self._track_progress(obs, now)
         with self._lock:
             self.last_obs = obs
