@@ -22,6 +22,7 @@ from .detectors import DetectorConfig, pick_culprit_from_stacks, run_all
 from .history import History, advance
 from .lifecycle import (
     EV_CAUSED_DEATH,
+    RECOVERING_KINDS,
     JobProgress,
     Outcome,
     advance_progress,
@@ -148,7 +149,8 @@ class Supervisor:
         findings = self._detect(obs)  # detect
         findings, steps = attribute(findings, self.store.open_incidents())
         self._record(findings, steps, obs, now)  # record what was seen
-        fault_point("mid_pass")
+        if any(f.kind in RECOVERING_KINDS for f in findings):
+            fault_point("mid_pass")  # a fault seen and recorded, not yet decided
         checkpoints = {j: self._checkpoint_step(obs, j) for j in obs.jobs()}
         view = build_policy_view(self.store, findings, self.cfg.policy, now, checkpoints)
         decisions = decide(findings, view, self.cfg.policy, now)  # decide

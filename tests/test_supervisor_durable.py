@@ -31,7 +31,7 @@ def db_rows(db: Path, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         return c.execute(sql, args).fetchall()
 
 
-@pytest.mark.parametrize("point", ["before_action", "after_action", "during_restart"])
+@pytest.mark.parametrize("point", ["mid_pass", "before_action", "after_action", "during_restart"])
 def test_supervisor_killed_mid_recovery_finishes_it_once(tmp_path, point):
     agent = start_agent(tmp_path)
     db = tmp_path / "rankguard.db"
@@ -47,11 +47,15 @@ def test_supervisor_killed_mid_recovery_finishes_it_once(tmp_path, point):
         assert sup.proc.returncode == -signal.SIGKILL, sup.log.read_text()[-2000:]
         # what the dead supervisor left behind
         (hang,) = db_rows(db, "SELECT * FROM incidents WHERE kind = 'rank_hung'")
-        (kill,) = db_rows(db, "SELECT * FROM actions WHERE incident_id = ?", (hang["id"],))
+        kills = db_rows(db, "SELECT * FROM actions WHERE incident_id = ?", (hang["id"],))
         (job_before,) = db_rows(db, "SELECT * FROM jobs WHERE job = 'job'")
-        if point == "during_restart":
+        if point == "mid_pass":  # recorded, nothing decided yet
+            assert kills == [] and hang["state"] == "open", dict(hang)
+        elif point == "during_restart":
+            (kill,) = kills
             assert kill["ok"] == 1 and hang["state"] == "recovering", dict(hang)
         else:  # the intent is there, its outcome is not
+            (kill,) = kills
             assert kill["completed_at"] is None and hang["state"] == "acting", dict(hang)
 
         sup = start_supervisor(tmp_path, [agent.url], db=db)  # no fault point this time
