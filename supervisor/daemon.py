@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import signal
 import threading
+from pathlib import Path
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ..service import sdnotify
-from ..service.httpd import Raw, Service, serve
+from ..service.httpd import Raw, ServeError, Service, serve
 from .reconcile import Supervisor
 from .views import cluster_view, incidents_view, make_registry, ranks_view
 
@@ -17,6 +20,30 @@ log = logging.getLogger("rankguard.supervisor")
 
 API_VERSION = "rankguard.supervisor/v1"
 DEFAULT_BIND = "127.0.0.1:9408"
+
+
+class DatabaseInUse(ServeError):
+    """Another supervisor runs on the same database: two would both act on every fault."""
+
+
+def lock_database(db: str | Path) -> int:
+    """Hold an exclusive flock on `<db>.lock` for this process's life (the kernel drops it
+    when the process dies, however it dies, so a crashed supervisor never blocks its
+    restart). Raises DatabaseInUse naming the holder's pid when another supervisor has it."""
+    path = Path(f"{db}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DatabaseInUse(
+            f"another supervisor (pid {holder}) is already running on {db}; stop it first "
+            f"(two supervisors would both act on every fault)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def supervisor_service(sup: Supervisor) -> Service:
@@ -48,9 +75,15 @@ def run_supervisor(
     sup: Supervisor, host: str, port: int, install_signals: bool = True, tls=None
 ) -> None:
     """Serve and reconcile until SIGTERM/SIGINT (or `sup.stop()`); under systemd, report
-    READY=1 once serving and feed the watchdog (Type=notify, WatchdogSec)."""
+    READY=1 once serving and feed the watchdog (Type=notify, WatchdogSec). Refuses
+    (DatabaseInUse, a ServeError) while another supervisor holds the database."""
+    lock = lock_database(sup.store.path)
     sup.service = supervisor_service(sup)
-    server = serve(sup.service, host, port, tls=tls)
+    try:
+        server = serve(sup.service, host, port, tls=tls)
+    except BaseException:
+        os.close(lock)
+        raise
     scheme = "https" if tls is not None else "http"
     log.info("supervisor on %s://%s:%s", scheme, *server.server_address[:2])
     if install_signals and threading.current_thread() is threading.main_thread():
@@ -71,3 +104,4 @@ def run_supervisor(
         server.shutdown()
         server.server_close()
         sup.close()
+        os.close(lock)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .history import History  # noqa: F401  (its own module now; the old import path)
+
 # Finding kinds, one per detector file (supervisor/detectors/<kind-ish>.py).
 RANK_DEAD = "rank_dead"
 RANK_HUNG = "rank_hung"
@@ -60,16 +62,3 @@ class Decision:
     target: dict[str, Any] = field(default_factory=dict)  # e.g. {"node_url", "job", "rank"}
     # Postponed, not settled: decided again on a later pass (backoff, culprit unknown, ...)
     deferred: bool = False
-
-
-@dataclass
-class History:
-    """What the detectors need beyond one poll; advanced by the loop after every poll."""
-
-    unreachable_since: dict[str, float] = field(default_factory=dict)  # agent url -> first failure
-    # job -> (newest validated checkpoint step, training step when it last advanced, time)
-    checkpoint_progress: dict[str, tuple[int | None, int, float]] = field(default_factory=dict)
-    # f"{job}:{restart}" -> the first training step seen of that incarnation
-    incarnation_start: dict[str, int] = field(default_factory=dict)
-    # straggler finding key -> (time, training step) since when the rank has looked slow
-    straggler_since: dict[str, tuple[float, int]] = field(default_factory=dict)

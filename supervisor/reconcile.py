@@ -10,31 +10,41 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .agents import AgentClient, AgentError, Poller
-from .detectors import DetectorConfig, advance_history, pick_culprit_from_stacks, run_all
+from .detectors import DetectorConfig, pick_culprit_from_stacks, run_all
+from .history import History, advance
+from .lifecycle import (
+    EV_CAUSED_DEATH,
+    RECOVERING_KINDS,
+    JobProgress,
+    Outcome,
+    advance_progress,
+    attribute,
+    job_state,
+    transitions,
+)
 from .model import (
     ACT_EXCLUDE_NODE,
     ACT_KILL_RANK,
     ACT_NONE,
     ACT_STOP_JOB,
-    BAD_NUMERICS,
-    CRASH_LOOP,
     NODE_FAULT,
-    RANK_DEAD,
     RANK_HUNG,
     Decision,
     Finding,
-    History,
 )
-from .policy import PolicyConfig, decide
+from .policy import IncidentInfo, JobView, PolicyConfig, PolicyView, decide
 from .scheduler import Scheduler, SchedulerConfig
 from .stacks import StackBudget
 from .state import LIVE_STATES, ClusterObs, RankObs
-from .store import ActionExists, IncidentStore, build_view
+from .store import ActionExists, IncidentStore, InvalidTransition
 from .tokens import AgentTokens
 
 log = logging.getLogger("rankguard.supervisor")
@@ -47,24 +57,53 @@ def _unnamed_process_hang(f: Finding) -> bool:
     return f.kind == RANK_HUNG and f.rank is None and f.evidence.get("source") == "process"
 
 
-RESTARTING_ACTIONS = (ACT_KILL_RANK, ACT_EXCLUDE_NODE)
-# Faults torchrun itself recovers from (the group restarts): the loop follows the recovery.
-RECOVERING_KINDS = (RANK_DEAD, RANK_HUNG, BAD_NUMERICS)
+def fault_point(name: str) -> None:
+    """Die here, as a crash would (SIGKILL, nothing flushed), when
+    RANKGUARD_SUPERVISOR_FAULT names this point: the restart tests kill the supervisor at
+    each step of a recovery. Points: mid_pass, before_action, after_action, during_restart."""
+    if os.environ.get("RANKGUARD_SUPERVISOR_FAULT") == name:
+        log.error("fault point %s: killing the supervisor", name)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-@dataclass
-class JobProgress:
-    """Goodput bookkeeping: step time counts once per step, replayed steps do not."""
+# An answer older than this is the last one of an agent that stopped answering (a cut
+# link shows a node's last answer, aged, until the request times out): never kill a rank
+# seen only there. In a partition that answer holds the cut-off rank at a lower step, and
+# acting on it failed (unreachable) and left the hang to a second incident.
+STALE_ANSWER_SECONDS = 2.0
 
-    first_seen: float
-    max_step: int = 0
-    useful_seconds: float = 0.0
-    state: str = "running"  # running, recovering, finished, stopped
-    verdict: str | None = None
 
-    def goodput(self, now: float) -> float:
-        wall = now - self.first_seen
-        return min(1.0, self.useful_seconds / wall) if wall > 0 else 0.0
+def _seen_only_stale(target: Mapping, obs: ClusterObs) -> bool:
+    node = next((n for n in obs.nodes if n.node == target.get("node")), None)
+    if node is None:
+        return False  # resolved when carried out (and failed there if it is gone)
+    return not node.reachable or obs.time - node.observed_at > STALE_ANSWER_SECONDS
+
+
+def _finding_of(inc) -> Finding:
+    """The finding an incident was recorded from (to replay its action)."""
+    return Finding(inc.kind, inc.key, inc.severity, inc.summary, inc.job, inc.node, inc.rank,
+                   inc.occurred_at, dict(inc.evidence))  # fmt: skip
+
+
+def _still_waiting(action, inc, obs: ClusterObs) -> bool | None:
+    """Whether a pending action's target is still as it was when the intent was written
+    (True: carry it out now), gone (False), or out of view (None: wait)."""
+    t = action.target
+    if action.kind == ACT_KILL_RANK:
+        rank = next((r for r in obs.current_ranks(t.get("job")) if r.rank == t.get("rank")), None)
+        if rank is None:
+            return None
+        same = rank.pid == t["pid"] if "pid" in t else rank.restart == inc.restart_before
+        return same and rank.state in LIVE_STATES
+    if action.kind == ACT_STOP_JOB:
+        return any(r.state in LIVE_STATES for r in obs.current_ranks(t.get("job")))
+    if action.kind == ACT_EXCLUDE_NODE:
+        node = next((n for n in obs.nodes if n.node == t.get("node")), None)
+        if node is None or not node.reachable:
+            return None
+        return any(r.state in LIVE_STATES for r in node.ranks)
+    return False
 
 
 @dataclass
@@ -88,7 +127,7 @@ class Supervisor:
         self.poller = Poller()
         self.history = History()
         self.last_obs: ClusterObs | None = None
-        self.jobs: dict[str, JobProgress] = {}
+        self.jobs: dict[str, JobProgress] = store.jobs()  # goes on from a previous life
         self.loop_seconds = 0.0
         self.passes = 0
         self._lock = threading.Lock()
@@ -108,21 +147,26 @@ class Supervisor:
     # -- one pass -----------------------------------------------------------------
     def reconcile_once(self, now: float | None = None) -> list[Decision]:
         start = time.perf_counter()
-        obs = self.poller.poll(self.clients(), now)
+        obs = self.poller.poll(self.clients(), now)  # observe
         now = obs.time  # after the poll: nothing is detected before it is seen
-        self.stack_budget.new_pass(self.monotonic())
-        self.history = advance_history(self.history, obs, self.cfg.detectors)
-        refined = [self._refine(f, obs) for f in run_all(obs, self.history, self.cfg.detectors)]
-        findings = [f for f in refined if not _unnamed_process_hang(f)]
-        for f in findings:
-            self._record(f, obs, now)
+        outcomes = self._replay(obs)  # intents a previous life recorded and did not finish
+        findings = self._detect(obs)  # detect
+        findings, steps = attribute(findings, self.store.open_incidents())
+        self._record(findings, steps, obs, now)  # record what was seen
+        if any(f.kind in RECOVERING_KINDS for f in findings):
+            fault_point("mid_pass")  # a fault seen and recorded, not yet decided
         checkpoints = {j: self._checkpoint_step(obs, j) for j in obs.jobs()}
-        view = build_view(self.store, findings, self.cfg.policy, now, checkpoints)
-        decisions = decide(findings, view, self.cfg.policy, now)
-        for d in decisions:
-            self._act(d, obs, now)
-        self._track_recoveries(obs, now)
-        self._resolve_gone({f.key for f in findings}, now)
+        view = build_policy_view(self.store, findings, self.cfg.policy, now, checkpoints)
+        decisions = decide(findings, view, self.cfg.policy, now)  # decide
+        outcomes += [o for d in decisions if (o := self._act(d, obs, now)) is not None]  # act
+        moves = transitions(self.store.open_incidents(), decisions, outcomes, findings, obs)
+        for t in moves:  # record what it meant
+            if "restarted_at" in t.values:
+                fault_point("during_restart")  # the group restarted; not yet recorded
+            try:
+                self.store.apply(t, now)
+            except InvalidTransition as exc:  # a rule's bug must not cost the other moves
+                log.error("lifecycle: %s", exc)
         self._track_progress(obs, now)
         self.scheduler.observe(obs)
         with self._lock:
@@ -130,6 +174,12 @@ class Supervisor:
             self.loop_seconds = time.perf_counter() - start
             self.passes += 1
         return decisions
+
+    def _detect(self, obs: ClusterObs) -> list[Finding]:
+        self.stack_budget.new_pass(self.monotonic())
+        self.history = advance(self.history, obs, self.cfg.detectors)
+        refined = [self._refine(f, obs) for f in run_all(obs, self.history, self.cfg.detectors)]
+        return [f for f in refined if not _unnamed_process_hang(f)]
 
     def _refine(self, finding: Finding, obs: ClusterObs) -> Finding:
         """A hang without a culprit yet: read every rank's stacks and pick the odd one out."""
@@ -181,60 +231,98 @@ class Supervisor:
         progress = self.history.checkpoint_progress.get(job)
         return progress[0] if progress else None
 
-    def _record(self, finding: Finding, obs: ClusterObs, now: float) -> None:
-        ranks = obs.current_ranks(finding.job) if finding.job else []
-        incident, created = self.store.upsert_finding(
-            finding, now,
-            restart_before=max((r.restart for r in ranks), default=None),
-            step_at_detect=max((r.step or 0 for r in ranks), default=None),
-            checkpoint_step=self._checkpoint_step(obs, finding.job),
-        )  # fmt: skip
-        if created:
-            log.warning("incident %s: %s", incident.id, finding.summary)
-            if finding.job in self.jobs and finding.kind in RECOVERING_KINDS:
-                self.jobs[finding.job].state = "recovering"
+    def _record(self, findings: list[Finding], steps: list, obs: ClusterObs, now: float) -> None:
+        for finding in findings:
+            ranks = obs.current_ranks(finding.job) if finding.job else []
+            incident, created = self.store.upsert_finding(
+                finding, now,
+                restart_before=max((r.restart for r in ranks), default=None),
+                step_at_detect=max((r.step or 0 for r in ranks), default=None),
+                checkpoint_step=self._checkpoint_step(obs, finding.job),
+            )  # fmt: skip
+            if created:
+                log.warning("incident %s: %s", incident.id, finding.summary)
+        for incident, finding in steps:  # our own action's consequence: a step, not an alert
+            if not self.store.has_event(incident.id, EV_CAUSED_DEATH):
+                detail = {"rank": finding.rank, "node": finding.node, "summary": finding.summary}
+                self.store.add_event(incident.id, EV_CAUSED_DEATH, now, detail)
 
     # -- act ----------------------------------------------------------------------
-    def _act(self, decision: Decision, obs: ClusterObs, now: float) -> None:
+    def _act(self, decision: Decision, obs: ClusterObs, now: float) -> Outcome | None:
+        """Carry out one decision: the intent is written first (never twice per incident),
+        then the action; its outcome goes to `lifecycle.transitions`."""
         f = decision.finding
+        if decision.action == ACT_NONE:
+            return None
         incident = self.store.by_key(f.key)
         if incident is None:  # a finding the policy made itself (crash loop)
             incident, _ = self.store.upsert_finding(
                 f, now, checkpoint_step=f.evidence.get("checkpoint_step")
             )
-        if decision.action == ACT_NONE:
-            if incident.state == "open" and not decision.deferred:
-                state = "recovering" if f.kind in RECOVERING_KINDS else "reported"
-                self.store.set_state(
-                    incident.id, state, now, action=ACT_NONE, action_reason=decision.reason
-                )
-            return
+        target = self._pin(decision, obs)
+        if decision.action == ACT_KILL_RANK and _seen_only_stale(target, obs):
+            log.info("incident %s: %s waits for a fresh answer from %s",
+                     incident.id, decision.action, target.get("node"))  # fmt: skip
+            return None  # decided again next pass; the incident stays open
         try:
             action_id = self.store.begin_action(
-                incident.id, decision.action, decision.target, now, reason=decision.reason
+                incident.id, decision.action, target, now, reason=decision.reason
             )
         except ActionExists:
-            return  # acted already (maybe in our previous life): never twice
+            return None  # acted already (maybe in our previous life): never twice
+        fault_point("before_action")
+        return self._carry_out(
+            action_id, incident.id, dataclasses.replace(decision, target=target), obs
+        )
+
+    def _carry_out(self, action_id: int, incident_id: int, decision: Decision, obs) -> Outcome:
         try:
             result = self._execute(decision, obs)
         except (AgentError, StopIteration, KeyError) as exc:
-            log.error("action %s for incident %s failed: %r", decision.action, incident.id, exc)
+            log.error("action %s for incident %s failed: %r", decision.action, incident_id, exc)
             self.store.complete_action(action_id, False, time.time(), error=repr(exc))
-            self.store.set_state(
-                incident.id, "failed", time.time(), verdict=f"action failed: {exc!r}"
-            )
-            return
-        done = time.time()
-        self.store.complete_action(action_id, True, done, result=result)
-        log.warning("incident %s: %s (%s)", incident.id, decision.action, decision.reason)
-        if decision.action in RESTARTING_ACTIONS and f.kind != CRASH_LOOP:
-            self.store.set_state(incident.id, "recovering", done, acted_at=done)
-        else:
-            state = "stopped" if decision.action == ACT_STOP_JOB else "resolved"
-            self.store.set_state(incident.id, state, done, acted_at=done, verdict=decision.reason)
-        if decision.action == ACT_STOP_JOB and f.job in self.jobs:
-            self.jobs[f.job].state = "stopped"
-            self.jobs[f.job].verdict = decision.reason
+            return Outcome(incident_id, decision.action, False, decision.reason, repr(exc))
+        fault_point("after_action")
+        self.store.complete_action(action_id, True, time.time(), result=result)
+        log.warning("incident %s: %s (%s)", incident_id, decision.action, decision.reason)
+        stacks = bool(result.get("stacks")) or "stacks" in decision.finding.evidence
+        return Outcome(incident_id, decision.action, True, decision.reason, stacks=stacks)
+
+    @staticmethod
+    def _pin(decision: Decision, obs: ClusterObs) -> dict:
+        """The kill target as it is now: its process and incarnation go into the intent,
+        so a restarted supervisor can tell whether the kill already happened."""
+        t = dict(decision.target)
+        if decision.action == ACT_KILL_RANK:
+            rank = next((r for r in obs.current_ranks(t.get("job")) if r.rank == t.get("rank")),
+                        None)  # fmt: skip
+            if rank is not None:
+                t.update(pid=rank.pid, restart=rank.restart, node=rank.node)
+        return t
+
+    # -- replay: the intent log after a crash ----------------------------------------------
+    def _replay(self, obs: ClusterObs) -> list[Outcome]:
+        """Actions a previous supervisor recorded and never completed (it died between the
+        intent and the outcome): done now if their target is still as it was, else marked
+        done (the target is gone: the action took effect before the crash, or the fault
+        ended it). Never twice: a kill reaches the very process it was meant for or none."""
+        out = []
+        for a in self.store.pending_actions():
+            inc = self.store.get(a.incident_id)
+            if inc is None:
+                continue
+            waiting = _still_waiting(a, inc, obs)
+            if waiting is None:
+                continue  # the target is out of view this pass: decide when it is seen
+            decision = Decision(_finding_of(inc), a.kind, inc.action_reason or "", a.target)
+            if waiting:
+                log.warning("incident %s: replaying %s left pending by a crash", inc.id, a.kind)
+                out.append(self._carry_out(a.id, inc.id, decision, obs))
+                continue
+            result = {"replayed": "the target was already gone; nothing done again"}
+            self.store.complete_action(a.id, True, time.time(), result=result)
+            out.append(Outcome(inc.id, a.kind, True, decision.reason))
+        return out
 
     def _execute(self, decision: Decision, obs: ClusterObs) -> dict:
         t, f = decision.target, decision.finding
@@ -262,52 +350,19 @@ class Supervisor:
             results["scheduler"] = self.scheduler.exclude(t["node"], f.summary)
         return results
 
-    # -- recovery and progress ------------------------------------------------------------
-    def _track_recoveries(self, obs: ClusterObs, now: float) -> None:
-        """Restarted and first-step times, resumed step and lost steps of each recovery."""
-        for inc in self.store.open_incidents():
-            if (
-                inc.kind not in RECOVERING_KINDS
-                or inc.state != "recovering"
-                or inc.restart_before is None
-            ):
-                continue
-            newer = [r for r in obs.current_ranks(inc.job) if r.restart > inc.restart_before]
-            if not newer:
-                continue
-            if inc.restarted_at is None:
-                self.store.set_state(inc.id, "recovering", now, restarted_at=now)
-            samples = [s for r in newer for s in r.recent if s.restart > inc.restart_before]
-            if all(r.source == "process" for r in newer):
-                # no telemetry, so no first step: the new incarnation running is the end
-                if all(r.state in LIVE_STATES for r in newer):
-                    self.store.set_state(inc.id, "resolved", now)
-                    if inc.job in self.jobs and self.jobs[inc.job].state == "recovering":
-                        self.jobs[inc.job].state = "running"
-            elif samples:
-                resumed = min(s.step for s in samples) - 1
-                self.store.set_state(
-                    inc.id, "resolved", now, first_step_at=now, resumed_step=resumed
-                )
-                if inc.job in self.jobs and self.jobs[inc.job].state == "recovering":
-                    self.jobs[inc.job].state = "running"
-
-    def _resolve_gone(self, keys: set[str], now: float) -> None:
-        """A reported fault that is no longer seen (agent back, straggler gone) is resolved."""
-        for inc in self.store.open_incidents():
-            if inc.state == "reported" and inc.key not in keys:
-                self.store.set_state(inc.id, "resolved", now)
-
+    # -- the job: state and goodput, kept in the store --------------------------------------
     def _track_progress(self, obs: ClusterObs, now: float) -> None:
-        for job in obs.jobs():
-            progress = self.jobs.setdefault(job, JobProgress(first_seen=now))
-            ranks = obs.current_ranks(job)
-            for s in sorted({(s.step, s.step_seconds) for r in ranks[:1] for s in r.recent}):
-                if s[0] > progress.max_step:
-                    progress.useful_seconds += s[1]
-                    progress.max_step = s[0]
-            if ranks and all(r.state == "finished" for r in ranks):
-                progress.state = "finished"
+        incidents = self.store.open_incidents() + self.store.stopped_incidents()
+        # a job out of view keeps its state (finished stays finished), unless it was stopped
+        stopped = {i.job for i in incidents if i.state == "stopped"} & set(self.jobs)
+        for job in sorted(set(obs.jobs()) | stopped):
+            old = self.jobs.get(job) or JobProgress(job, first_seen=now)
+            p = advance_progress(old, obs)
+            state, verdict = job_state(p, incidents, obs)
+            p = dataclasses.replace(p, state=state, verdict=verdict)
+            if p != old or job not in self.jobs:
+                self.store.save_job(p, now)
+                self.jobs[job] = p
 
     # -- run ----------------------------------------------------------------------
     def run(self) -> None:
@@ -326,3 +381,33 @@ class Supervisor:
         self.stop()
         self.poller.close()
         self.scheduler.close()
+
+
+def build_policy_view(
+    store: IncidentStore,
+    findings: list[Finding],
+    cfg: PolicyConfig,
+    now: float,
+    checkpoint_steps: Mapping[str, int | None] | None = None,
+) -> PolicyView:
+    """The policy's plain-data picture, read from the store's queries: the incident (and
+    its actions) of every finding key, plus, for every job the findings touch, its restart
+    history, the restart actions within the budget window, its last stop and its newest
+    validated checkpoint step now (`checkpoint_steps`, from the observation)."""
+    checkpoint_steps = checkpoint_steps or {}
+    incidents: dict[str, IncidentInfo] = {}
+    for key in sorted({f.key for f in findings}):
+        inc = store.by_key(key)
+        if inc is not None:
+            incidents[key] = IncidentInfo(inc.id, store.action_kinds(inc.id))
+    jobs: dict[str, JobView] = {}
+    for job in sorted({f.job for f in findings if f.job is not None}):
+        for inc in store.crash_loops(job):  # so a stop already decided is not decided again
+            incidents[inc.key] = IncidentInfo(inc.id, store.action_kinds(inc.id))
+        jobs[job] = JobView(
+            restarts=tuple(store.restart_history(job, limit=max(50, 4 * cfg.crash_loop_restarts))),
+            restart_actions=tuple(store.restart_action_times(job, now - cfg.budget_window_seconds)),
+            stopped_at=store.stopped_at(job),
+            checkpoint_step=checkpoint_steps.get(job),
+        )
+    return PolicyView(incidents=incidents, jobs=jobs)

@@ -28,17 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from ..contract.numbers import json_safe
+from .lifecycle import JobProgress, Transition
 from .model import ACT_NONE, ACT_STOP_JOB, CRASH_LOOP, RANK_DEAD, Finding
-from .policy import (
-    RESTART_ACTIONS,
-    IncidentInfo,
-    JobView,
-    PolicyConfig,
-    PolicyView,
-    RestartRecord,
-)
+from .policy import RESTART_ACTIONS, RestartRecord
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the jobs table (state, verdict, goodput survive a restart)
 BUSY_TIMEOUT_MS = 5000
 
 OPEN, ACTING, RECOVERING, RESOLVED, REPORTED, FAILED, STOPPED = (
@@ -62,6 +56,18 @@ SETTABLE = frozenset({
     "restart_before", "step_at_detect", "checkpoint_step", "resumed_step", "lost_steps",
     "verdict",
 })  # fmt: skip
+
+_JOBS = """
+CREATE TABLE jobs (
+    job            TEXT PRIMARY KEY,
+    first_seen     REAL NOT NULL,
+    max_step       INTEGER NOT NULL,
+    useful_seconds REAL NOT NULL,
+    state          TEXT NOT NULL,
+    verdict        TEXT,
+    updated_at     REAL NOT NULL
+);
+"""
 
 _SCHEMA = f"""
 CREATE TABLE meta (
@@ -118,7 +124,7 @@ CREATE TABLE events (
     detail      TEXT NOT NULL DEFAULT '{{}}'
 );
 CREATE INDEX events_incident ON events (incident_id, at);
-"""
+{_JOBS}"""
 
 
 class StoreError(Exception):
@@ -313,7 +319,12 @@ class IncidentStore:
                 f"{self.path}: incident store schema version {version} is newer than this "
                 f"rankguard understands ({SCHEMA_VERSION}); upgrade rankguard or use another file"
             )
-        # Older versions would be migrated here, inside this transaction.
+        if version < 2:  # version 1 kept job state and goodput in memory only
+            for statement in _JOBS.split(";"):
+                if statement.strip():
+                    c.execute(statement)
+            c.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'",
+                      (str(SCHEMA_VERSION),))  # fmt: skip
 
     @property
     def _db(self) -> sqlite3.Connection:
@@ -438,27 +449,76 @@ class IncidentStore:
         """Move an incident along its lifecycle and record phase times with it, e.g.
         `set_state(i, "recovering", now, restarted_at=t)`. Entering a terminal state sets
         resolved_at (unless given); lost_steps follows from step_at_detect - resumed_step."""
+        with self._write() as c:
+            return self._set_state(c, incident_id, state, now, values)
+
+    def apply(self, t: Transition, now: float) -> Incident:
+        """One transition of `lifecycle.transitions`: state, columns and timeline events
+        in one transaction."""
+        with self._write() as c:
+            for what, detail in t.events:
+                self._event(c, t.incident_id, now, what, detail)
+            return self._set_state(c, t.incident_id, t.state, now, dict(t.values))
+
+    def _set_state(
+        self, c: sqlite3.Connection, incident_id: int, state: str, now: float, values: dict
+    ) -> Incident:
         if state not in STATES:
             raise ValueError(f"unknown incident state {state!r}; one of {', '.join(STATES)}")
         unknown = set(values) - SETTABLE
         if unknown:
             raise ValueError(f"cannot set {', '.join(sorted(unknown))} on an incident")
+        cur = self._get(c, incident_id)
+        if state != cur.state and state not in TRANSITIONS[cur.state]:
+            raise InvalidTransition(f"incident {incident_id}: {cur.state} -> {state}")
+        if state in TERMINAL and state != cur.state:
+            values.setdefault("resolved_at", now)
+        resumed = values.get("resumed_step", cur.resumed_step)
+        before = values.get("step_at_detect", cur.step_at_detect)
+        if "lost_steps" not in values and resumed is not None and before is not None:
+            values["lost_steps"] = max(0, before - resumed)
+        values.update(state=state, updated_at=now)
+        cols = ", ".join(f"{k} = ?" for k in values)
+        c.execute(f"UPDATE incidents SET {cols} WHERE id = ?", (*values.values(), incident_id))
+        if state != cur.state:
+            self._event(c, incident_id, now, state, {"from": cur.state})
+        return self._get(c, incident_id)
+
+    def stopped_incidents(self) -> list[Incident]:
+        """Incidents that stopped a job (their verdicts say why)."""
+        rows = self._read("SELECT * FROM incidents WHERE state = ? ORDER BY id", (STOPPED,))
+        return [_incident(r) for r in rows]
+
+    # ---- jobs: state, verdict and goodput, so a restarted supervisor goes on from them
+
+    def save_job(self, p: JobProgress, now: float) -> None:
         with self._write() as c:
-            cur = self._get(c, incident_id)
-            if state != cur.state and state not in TRANSITIONS[cur.state]:
-                raise InvalidTransition(f"incident {incident_id}: {cur.state} -> {state}")
-            if state in TERMINAL and state != cur.state:
-                values.setdefault("resolved_at", now)
-            resumed = values.get("resumed_step", cur.resumed_step)
-            before = values.get("step_at_detect", cur.step_at_detect)
-            if "lost_steps" not in values and resumed is not None and before is not None:
-                values["lost_steps"] = max(0, before - resumed)
-            values.update(state=state, updated_at=now)
-            cols = ", ".join(f"{k} = ?" for k in values)
-            c.execute(f"UPDATE incidents SET {cols} WHERE id = ?", (*values.values(), incident_id))
-            if state != cur.state:
-                self._event(c, incident_id, now, state, {"from": cur.state})
-            return self._get(c, incident_id)
+            c.execute(
+                """INSERT INTO jobs (job, first_seen, max_step, useful_seconds, state, verdict,
+                   updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT (job) DO UPDATE SET max_step = excluded.max_step,
+                   useful_seconds = excluded.useful_seconds, state = excluded.state,
+                   verdict = excluded.verdict, updated_at = excluded.updated_at""",
+                (p.job, p.first_seen, p.max_step, p.useful_seconds, p.state, p.verdict, now),
+            )
+
+    def jobs(self) -> dict[str, JobProgress]:
+        rows = self._read("SELECT * FROM jobs ORDER BY job")
+        return {
+            r["job"]: JobProgress(
+                r["job"],
+                r["first_seen"],
+                r["max_step"],
+                r["useful_seconds"],
+                r["state"],
+                r["verdict"],
+            )  # fmt: skip
+            for r in rows
+        }
+
+    def has_event(self, incident_id: int, what: str) -> bool:
+        sql = "SELECT 1 FROM events WHERE incident_id = ? AND what = ? LIMIT 1"
+        return bool(self._read(sql, (incident_id, what)))
 
     # ---- actions
 
@@ -625,33 +685,3 @@ class IncidentStore:
 
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
-
-
-def build_view(
-    store: IncidentStore,
-    findings: list[Finding],
-    cfg: PolicyConfig,
-    now: float,
-    checkpoint_steps: Mapping[str, int | None] | None = None,
-) -> PolicyView:
-    """The policy's plain-data picture: the incident (and its actions) of every finding
-    key, plus, for every job the findings touch, its restart history, the restart actions
-    within the budget window, its last stop and its newest validated checkpoint step now
-    (`checkpoint_steps`, from the observation)."""
-    checkpoint_steps = checkpoint_steps or {}
-    incidents: dict[str, IncidentInfo] = {}
-    for key in sorted({f.key for f in findings}):
-        inc = store.by_key(key)
-        if inc is not None:
-            incidents[key] = IncidentInfo(inc.id, store.action_kinds(inc.id))
-    jobs: dict[str, JobView] = {}
-    for job in sorted({f.job for f in findings if f.job is not None}):
-        for inc in store.crash_loops(job):  # so a stop already decided is not decided again
-            incidents[inc.key] = IncidentInfo(inc.id, store.action_kinds(inc.id))
-        jobs[job] = JobView(
-            restarts=tuple(store.restart_history(job, limit=max(50, 4 * cfg.crash_loop_restarts))),
-            restart_actions=tuple(store.restart_action_times(job, now - cfg.budget_window_seconds)),
-            stopped_at=store.stopped_at(job),
-            checkpoint_step=checkpoint_steps.get(job),
-        )
-    return PolicyView(incidents=incidents, jobs=jobs)

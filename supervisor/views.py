@@ -1,6 +1,7 @@
 """What the supervisor shows: the cluster verdict, ranks, incidents, and /metrics.
 
-Pure functions of the last observation, the job bookkeeping and the incident store.
+`cluster_verdict` is a pure function of the last observation, the job bookkeeping and the
+open incidents; the others read the supervisor and its store.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from ..contract.metrics import JOB_LABEL
 from ..service.httpd import REFUSALS
 from ..service.version import VERSION
 from .agents import REFUSED_ANSWERS
+from .lifecycle import JOB_STATES
 from .model import KINDS
 from .stacks import SKIPS as STACK_SKIPS
 
 VERDICTS = ("healthy", "degraded", "unhealthy")
-JOB_STATES = ("running", "recovering", "finished", "stopped")
 TIME_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300)
 
 
@@ -27,8 +28,17 @@ def _worst(a: str, b: str) -> str:
 
 
 def cluster_view(sup) -> dict:
-    """The verdict with reasons, per job and per node."""
-    obs, now = sup.last_obs, sup.clock()
+    """The verdict with reasons, per job and per node, of the supervisor as it is now."""
+    with sup._lock:
+        obs, loop_seconds = sup.last_obs, sup.loop_seconds
+    open_ = sup.store.open_incidents() if obs is not None else []
+    return cluster_verdict(obs, dict(sup.jobs), open_, sup.clock(), loop_seconds)
+
+
+def cluster_verdict(obs, jobs: dict, open_incidents: list, now: float, loop_seconds=0.0) -> dict:
+    """The cluster verdict as a pure function of the last observation, each job's progress
+    (`lifecycle.JobProgress`) and the open incidents: healthy, degraded or unhealthy, with
+    one reason per thing that made it so."""
     reasons: list[dict] = []
     status = "healthy"
 
@@ -47,13 +57,15 @@ def cluster_view(sup) -> dict:
             for r in n.reasons:
                 add(n.status if r.get("severity") == "unhealthy" else "degraded",
                     f"node_{r.get('code')}", f"{n.node}: {r.get('message')}")  # fmt: skip
-    jobs = {}
-    for job, progress in sorted(sup.jobs.items()):
+    out_jobs = {}
+    for job, progress in sorted(jobs.items()):
         ranks = obs.current_ranks(job)
-        jobs[job] = {
+        out_jobs[job] = {
             "state": progress.state,
             "verdict": progress.verdict,
             "goodput": progress.goodput(now),
+            "first_seen": progress.first_seen,
+            "useful_seconds": progress.useful_seconds,
             "max_step": progress.max_step,
             "ranks": len(ranks),
             "world_size": max((r.world_size for r in ranks), default=0),
@@ -64,7 +76,7 @@ def cluster_view(sup) -> dict:
             add("unhealthy", "job_stopped", f"job {job} stopped: {progress.verdict}")
         elif progress.state == "recovering":
             add("degraded", "job_recovering", f"job {job} is recovering from a fault")
-    for inc in sup.store.open_incidents():
+    for inc in open_incidents:
         if inc.kind in ("straggler", "checkpoint_stale") and inc.state in ("open", "reported"):
             add("degraded", inc.kind, inc.summary)
     nodes = [
@@ -72,8 +84,8 @@ def cluster_view(sup) -> dict:
          "error": n.error, "reasons": list(n.reasons), "ranks": len(n.ranks)}
         for n in obs.nodes
     ]  # fmt: skip
-    return {"status": status, "reasons": reasons, "jobs": jobs, "nodes": nodes,
-            "loop_seconds": sup.loop_seconds, "time": obs.time}  # fmt: skip
+    return {"status": status, "reasons": reasons, "jobs": out_jobs, "nodes": nodes,
+            "loop_seconds": loop_seconds, "time": obs.time}  # fmt: skip
 
 
 def ranks_view(sup) -> dict:

@@ -32,7 +32,8 @@ from rankguard.supervisor.policy import (
     RestartRecord,
     decide,
 )
-from rankguard.supervisor.store import IncidentStore, build_view
+from rankguard.supervisor.reconcile import build_policy_view as build_view
+from rankguard.supervisor.store import IncidentStore
 
 CFG = PolicyConfig()
 EMPTY = PolicyView()

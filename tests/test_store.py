@@ -18,13 +18,13 @@ from rankguard.supervisor.model import (
     Finding,
 )
 from rankguard.supervisor.policy import PolicyConfig
+from rankguard.supervisor.reconcile import build_policy_view as build_view
 from rankguard.supervisor.store import (
     SCHEMA_VERSION,
     ActionExists,
     IncidentStore,
     InvalidTransition,
     StoreError,
-    build_view,
 )
 
 
@@ -186,7 +186,9 @@ def test_newer_schema_is_refused(tmp_path):
     with raw:
         raw.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION + 1,))
     raw.close()
-    with pytest.raises(StoreError, match=r"schema version 2 is newer.*upgrade rankguard"):
+    with pytest.raises(
+        StoreError, match=rf"schema version {SCHEMA_VERSION + 1} is newer.*upgrade rankguard"
+    ):
         IncidentStore(path)
 
 
@@ -286,3 +288,43 @@ def test_a_later_view_of_an_earlier_death_renames_the_culprit_until_acted_on(sto
     store.begin_action(hung.id, ACT_KILL_RANK, {"rank": 3}, 102.0)
     other = dataclasses.replace(hang(), rank=4, occurred_at=99.0)
     assert store.upsert_finding(other, now=103.0)[0].rank == 3  # acted on rank 3: it stays
+
+
+def test_jobs_survive_a_restart_and_a_version_1_file_is_migrated(tmp_path):
+    from rankguard.supervisor.lifecycle import JobProgress
+
+    path = tmp_path / "incidents.db"
+    with IncidentStore(path) as s:
+        p = JobProgress("j", first_seen=100.0, max_step=40, useful_seconds=3.5,
+                        state="stopped", verdict="crash loop")  # fmt: skip
+        s.save_job(p, now=150.0)
+        s.save_job(dataclasses.replace(p, max_step=41, useful_seconds=3.6), now=151.0)
+    with IncidentStore(path) as s:  # a restarted supervisor reads where it was
+        assert s.jobs() == {"j": JobProgress("j", 100.0, 41, 3.6, "stopped", "crash loop")}
+    raw = sqlite3.connect(path)  # as version 1 left it: no jobs table
+    with raw:
+        raw.execute("DROP TABLE jobs")
+        raw.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    raw.close()
+    with IncidentStore(path) as s:
+        assert s.jobs() == {}
+        s.save_job(p, now=150.0)
+        assert list(s.jobs()) == ["j"]
+    with sqlite3.connect(path) as raw:
+        version = raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    assert int(version[0]) == SCHEMA_VERSION == 2
+
+
+def test_a_transition_writes_state_columns_and_events_at_once(store):
+    from rankguard.supervisor.lifecycle import Transition
+
+    inc, _ = store.upsert_finding(hang(), now=100.0)
+    store.apply(Transition(inc.id, "recovering", {"restarted_at": 105.0},
+                           (("group restarted", {"restart": 1}),)), now=105.0)  # fmt: skip
+    got = store.get(inc.id)
+    assert (got.state, got.restarted_at) == ("recovering", 105.0)
+    assert [e.what for e in store.events(inc.id)] == ["detected", "group restarted", "recovering"]
+    assert store.has_event(inc.id, "group restarted") and not store.has_event(inc.id, "x")
+    with pytest.raises(InvalidTransition):
+        store.apply(Transition(inc.id, "open"), now=106.0)
+    assert [e.what for e in store.events(inc.id)][-1] == "recovering"  # nothing half-written

@@ -129,3 +129,53 @@ def test_a_restart_dead_before_reporting_its_checkpoint_keeps_the_known_one(node
         lambda: (sup.reconcile_once(), sup.store.by_key("rank_dead:j:2"))[1], 10, "its death"
     )
     assert dead.checkpoint_step == 60
+
+
+def test_a_killed_hung_rank_is_one_incident_with_its_timeline(node, tmp_path):
+    """The supervisor kills the culprit of a hang; the rank then shows dead. That death is
+    a step of the hang incident (no rank_dead incident, so one alert), and the incident's
+    timeline runs: detected, stacks captured, killed, the rank's exit, group restarted,
+    first new step."""
+    sup, ranks = node
+    wait_until(lambda: (sup.reconcile_once(), len(sup.last_obs.ranks()) == 2)[1], 20, "two ranks")
+    wait_until(lambda: (sup.reconcile_once(), all((r.step or 0) > 6 for r in sup.last_obs.ranks()))[1],
+               20, "a few steps")  # fmt: skip
+    for p in ranks:
+        p.send_signal(19)  # SIGSTOP both: a hang; the stopped process is the culprit
+    hung = wait_until(
+        lambda: (sup.reconcile_once(), [i for i in sup.store.list_incidents() if i.action == "kill_rank"])[1],
+        15, "the hang acted on",
+    )  # fmt: skip
+    wait_until(lambda: (sup.reconcile_once(), any(r.dead for r in sup.last_obs.ranks()))[1],
+               10, "the culprit dead")  # fmt: skip
+    for _ in range(3):
+        sup.reconcile_once()
+    assert [i.kind for i in sup.store.list_incidents()] == ["rank_hung"]  # no rank_dead
+    assert hung[0].state == "acting" or sup.store.get(hung[0].id).state == "recovering"
+    assert cluster_view(sup)["jobs"]["j"]["state"] == "recovering"
+    # one alert: the open-incident gauge the alert rules read names the hang only
+    (gauge,) = [
+        m for m in make_registry(sup).collect() if m.name == "rankguard_supervisor_incident_open"
+    ]
+    assert [(s.labels["kind"], s.value) for s in gauge.samples] == [("rank_hung", 1)]
+    for p in ranks:  # the "group restart": a new incarnation of both ranks
+        p.kill()
+        p.wait()
+    sock = str(tmp_path / "t.sock")
+    ranks.extend(subprocess.Popen([sys.executable, "-c", RANK, sock, str(r), "1"]) for r in (0, 1))
+    inc = wait_until(
+        lambda: (sup.reconcile_once(), sup.store.get(hung[0].id))[1].state == "resolved"
+        and sup.store.get(hung[0].id), 20, "the recovery",
+    )  # fmt: skip
+    what = [e.what for e in sup.store.events(inc.id)]
+    for step in ("detected", "kill_rank requested", "kill_rank done", "stacks captured",
+                 "rank exited (our action)", "group restarted", "first new step", "resolved"):  # fmt: skip
+        assert step in what, (step, what)
+    order = [what.index(s) for s in ("detected", "kill_rank done", "rank exited (our action)",
+                                     "group restarted", "first new step")]  # fmt: skip
+    assert order == sorted(order), what
+    assert what.count("rank exited (our action)") == 1
+    assert inc.restarted_at and inc.first_step_at and inc.resumed_step == 0
+    assert [i.kind for i in sup.store.list_incidents()] == ["rank_hung"]
+    wait_until(lambda: (sup.reconcile_once(), cluster_view(sup)["jobs"]["j"]["state"])[1] == "running",
+               10, "the job running again")  # fmt: skip

@@ -8,12 +8,11 @@ the interval: the estimate can be lax (late in a long run), never too strict, so
 healthy job never alarms. A tighter estimate needs the step of the previous checkpoint,
 which `History` does not keep (the finding says how the gap was estimated).
 
-`advance_history` is the loop's one place to carry facts from poll to poll.
+`advance_history` (now `supervisor/history.py`) carries facts from poll to poll.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,47 +90,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
 
 
 def advance_history(history: History, obs: ClusterObs, cfg=None) -> History:
-    """The history after this poll (a new object; the input is left as it was).
+    """The history after this poll: `supervisor/history.py`, where it lives now."""
+    from ..history import advance
 
-    checkpoint_progress[job]: updated when the job's newest validated checkpoint changes
-    (to the step training had reached and the time); kept as is when it did not, or when
-    the job is out of sight this poll (an unreachable node hides it, nothing changed).
-    unreachable_since[url]: the first poll that failed; dropped once the agent answers.
-    incarnation_start[job:restart]: the first training step seen of each incarnation.
-    straggler_since[key]: when (time, step) a straggler suspect was first seen, kept while it
-    stays suspect, dropped when it does not.
-    """
-    from . import DetectorConfig, straggler
-
-    starts = dict(history.incarnation_start)
-    for r in obs.ranks():
-        for sample in r.recent:
-            key = f"{r.job}:{sample.restart}"
-            starts[key] = min(starts.get(key, sample.step), sample.step)
-    history = dataclasses.replace(history, incarnation_start=starts)
-    now_suspect = straggler.suspects(obs, cfg or DetectorConfig(), history)
-    stragglers = {
-        f.key: history.straggler_since.get(f.key, (obs.time, f.evidence["step"]))
-        for f in now_suspect
-    }
-    progress = dict(history.checkpoint_progress)
-    for job in obs.jobs():
-        _, ranks = incarnation(obs, job)
-        ckpt, top = _newest_checkpoint(ranks), _max_step(ranks)
-        old = progress.get(job)
-        if top is None or (ckpt is None and old is not None):
-            continue  # nothing new: a restarted rank that has not reported its checkpoint yet
-        if old is None or old[0] != ckpt:
-            progress[job] = (ckpt, top, obs.time)
-
-    unreachable = {
-        n.url: history.unreachable_since.get(n.url, n.observed_at)
-        for n in obs.nodes
-        if not n.reachable
-    }
-    return dataclasses.replace(
-        history,
-        checkpoint_progress=progress,
-        unreachable_since=unreachable,
-        straggler_since=stragglers,
-    )
+    return advance(history, obs, cfg)

@@ -106,7 +106,9 @@ def _median_without(ordered: list[float], value: float) -> float:
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
     """Suspects that have stayed suspect for long enough."""
     out = []
-    for f in suspects(obs, cfg, history):
+    # the pass's suspects, judged once when the history was advanced for this observation
+    found = history.suspects if history.suspects_at == obs.time else suspects(obs, cfg, history)
+    for f in found:
         since = history.straggler_since.get(f.key)
         if (
             since is not None

@@ -1,0 +1,83 @@
+"""What the detectors need beyond one poll, carried from pass to pass.
+
+`History` is plain data; `advance(history, obs, cfg)` returns the history after one more
+observation, a new object (the input is left as it was), so the detectors stay pure
+functions of (observation, history). The straggler suspects of the observation are
+computed here once and kept with it (`suspects`, `suspects_at`): the straggler detector
+reads them instead of judging every rank a second time in the same pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .detectors import DetectorConfig
+    from .state import ClusterObs
+
+
+@dataclass
+class History:
+    unreachable_since: dict[str, float] = field(default_factory=dict)  # agent url -> first failure
+    # job -> (newest validated checkpoint step, training step when it last advanced, time)
+    checkpoint_progress: dict[str, tuple[int | None, int, float]] = field(default_factory=dict)
+    # f"{job}:{restart}" -> the first training step seen of that incarnation
+    incarnation_start: dict[str, int] = field(default_factory=dict)
+    # straggler finding key -> (time, training step) since when the rank has looked slow
+    straggler_since: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # the straggler suspects of the observation taken at `suspects_at` (Finding objects)
+    suspects: tuple[Any, ...] = ()
+    suspects_at: float | None = None
+
+
+def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None) -> History:
+    """The history after this poll.
+
+    checkpoint_progress[job]: updated when the job's newest validated checkpoint changes
+    (to the step training had reached and the time); kept as is when it did not, or when
+    the job is out of sight this poll (an unreachable node hides it, nothing changed).
+    unreachable_since[url]: the first poll that failed; dropped once the agent answers.
+    incarnation_start[job:restart]: the first training step seen of each incarnation.
+    straggler_since[key]: when (time, step) a straggler suspect was first seen, kept while it
+    stays suspect, dropped when it does not.
+    """
+    from .detectors import DetectorConfig, straggler
+    from .detectors.checkpoint import _max_step, _newest_checkpoint
+    from .detectors.common import incarnation
+
+    starts = dict(history.incarnation_start)
+    for r in obs.ranks():
+        for sample in r.recent:
+            key = f"{r.job}:{sample.restart}"
+            starts[key] = min(starts.get(key, sample.step), sample.step)
+    history = dataclasses.replace(history, incarnation_start=starts)
+    now_suspect = tuple(straggler.suspects(obs, cfg or DetectorConfig(), history))
+    stragglers = {
+        f.key: history.straggler_since.get(f.key, (obs.time, f.evidence["step"]))
+        for f in now_suspect
+    }
+    progress = dict(history.checkpoint_progress)
+    for job in obs.jobs():
+        _, ranks = incarnation(obs, job)
+        ckpt, top = _newest_checkpoint(ranks), _max_step(ranks)
+        old = progress.get(job)
+        if top is None or (ckpt is None and old is not None):
+            continue  # nothing new: a restarted rank that has not reported its checkpoint yet
+        if old is None or old[0] != ckpt:
+            progress[job] = (ckpt, top, obs.time)
+
+    unreachable = {
+        n.url: history.unreachable_since.get(n.url, n.observed_at)
+        for n in obs.nodes
+        if not n.reachable
+    }
+    return dataclasses.replace(
+        history,
+        checkpoint_progress=progress,
+        unreachable_since=unreachable,
+        straggler_since=stragglers,
+        suspects=now_suspect,
+        suspects_at=obs.time,
+    )
