@@ -273,3 +273,29 @@ def test_full_backup_target_training_completes_nothing_bad_validated(tmp_path, t
     status = cs.read_backup_status(ckpt)
     assert status["failing"] and status["consecutive_failures"] >= 1
     assert not [x for x in cs.scan(tiny_fs / "b") if x.state == cs.VALIDATED]
+
+
+def test_agent_backup_collector_surfaces_the_status_file(tmp_path):
+    from rankguard.agent.collectors import CollectorContext
+    from rankguard.agent.collectors.backup import BackupCollector
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    collector = BackupCollector(CollectorContext(watch_dirs={"checkpoint": disk}))
+
+    def values():
+        return {m.name: m.samples[0][1] for m in collector.collect().metrics}
+
+    assert values() == {"rankguard_checkpoint_backup_failing": 0}  # no backup tier yet
+    # a real failing worker's file: the target is a file, so every copy fails
+    (tmp_path / "not-a-dir").write_text("")
+    worker = cs.BackupWorker(tmp_path / "not-a-dir" / "b", status_path=disk / cs.BACKUP_STATUS_NAME)
+    worker.submit(make_ckpt(disk, 10))
+    assert worker.close(timeout=30)
+    got = values()
+    assert got["rankguard_checkpoint_backup_failing"] == 1
+    assert got["rankguard_checkpoint_backup_copies_failed_total"] == 1
+    assert got["rankguard_checkpoint_backup_copies_total"] == 0
+    (disk / cs.BACKUP_STATUS_NAME).write_text('{"format": "rankguard-backup-status"}')
+    with pytest.raises(ValueError, match="copies_ok must be"):
+        collector.collect()
