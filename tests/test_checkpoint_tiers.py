@@ -299,3 +299,15 @@ def test_agent_backup_collector_surfaces_the_status_file(tmp_path):
     (disk / cs.BACKUP_STATUS_NAME).write_text('{"format": "rankguard-backup-status"}')
     with pytest.raises(ValueError, match="copies_ok must be"):
         collector.collect()
+
+
+def test_backup_options_are_validated(tmp_path):
+    from rankguard.trainer.config import ConfigError, config_from_args
+
+    cfg = config_from_args(["--ckpt-dir", "c", "--ckpt-backup", "b", "--backup-keep", "5"], {})
+    assert (cfg.ckpt.backup, cfg.ckpt.backup_keep) == (Path("b"), 5)
+    for argv, msg in ((["--ckpt-backup", "b"], "needs --ckpt-dir"),
+                      (["--ckpt-dir", "c", "--ckpt-backup", "c/b"], "outside"),
+                      (["--ckpt-dir", "c/d", "--ckpt-backup", "c"], "outside")):  # fmt: skip
+        with pytest.raises(ConfigError, match=msg):
+            config_from_args(argv, {})
