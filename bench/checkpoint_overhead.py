@@ -42,6 +42,8 @@ def run(mode: str, args, workdir: Path) -> dict:
         key.write_bytes(os.urandom(32))
         key.chmod(0o600)
         cmd += ["--ckpt-key-file", str(key)]
+    if mode == "async-process":
+        cmd += ["--ckpt-writer", "process"]
     if mode == "async-backup":
         cmd += ["--ckpt-backup", str(backup), "--backup-keep", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off"}
@@ -66,6 +68,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--keyed", action="store_true", help="add async saves with a manifest key")
     p.add_argument("--backup", action="store_true", help="add async saves with a backup tier")
+    p.add_argument("--process", action="store_true", help="add async saves by DCP's writer process")
     p.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
     args.model_args = args.model_args.split()
@@ -77,6 +80,8 @@ def main() -> None:
         results["async-keyed"] = []
     if args.backup:
         results["async-backup"] = []
+    if args.process:
+        results["async-process"] = []
     with tempfile.TemporaryDirectory(prefix="rg-bench-", dir=os.environ.get("BENCH_DIR")) as tmp:
         for i in range(args.repeats):
             for mode in results:

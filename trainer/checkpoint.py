@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..client import checkpoint_store as store
 from .config import CheckpointConfig
@@ -62,6 +63,21 @@ def _done(error: BaseException | None = None) -> Future:
     else:
         done.set_exception(error)
     return done
+
+
+class _AlreadyStaged(AsyncStager):
+    """Hands DCP a state the trainer's stager copied already (no second copy)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _trainer_state_name(rank: int) -> str:
@@ -167,7 +183,18 @@ class AsyncCheckpointer:
             state = staged.result()
             t1 = time.perf_counter()
             self.times["stage"] += t1 - t0
-            dcp.save(state, storage_writer=writer, process_group=self.info.ckpt_group)
+            if self.cfg.writer == "process":
+                # DCP's writer process (spawned once, from this low-priority thread, so at
+                # its priority): the write holds no GIL of the training process
+                dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    process_group=self.info.ckpt_group,
+                    async_stager=_AlreadyStaged(),
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                ).result()
+            else:
+                dcp.save(state, storage_writer=writer, process_group=self.info.ckpt_group)
             self.times["write"] += time.perf_counter() - t1
             upload = _done()
         except (Exception, CheckpointException) as exc:

@@ -107,6 +107,7 @@ class CheckpointConfig:
     backup: Path | None = None  # tier 2: validated checkpoints copied here in the background
     backup_keep: int = 3  # retention in the backup root; <= 0 keeps all
     backup_wait: float = 300.0  # at exit, wait at most this long for the last copy
+    writer: str = "thread"  # async DCP write: in the save thread, or DCP's writer process
 
     def __post_init__(self) -> None:
         if self.backup is not None:
@@ -115,6 +116,8 @@ class CheckpointConfig:
             b, d = self.backup.absolute(), self.dir.absolute()
             if b == d or d in b.parents or b in d.parents:
                 raise ConfigError("--ckpt-backup must be outside --ckpt-dir (and not hold it)")
+        if self.writer not in ("thread", "process"):
+            raise ConfigError("--ckpt-writer must be thread or process")
         if self.mode not in ("async", "sync"):
             raise ConfigError("--ckpt-mode must be async or sync")
         if self.every < 0:
@@ -184,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="file with the secret key that signs and checks checkpoint manifests (HMAC); "
         "default $RANKGUARD_CHECKPOINT_KEY_FILE; none: SHA-256 only",
+    )
+    p.add_argument(
+        "--ckpt-writer",
+        choices=("thread", "process"),
+        default="thread",
+        help="async saves write in a low-priority thread (default) or in DCP's writer process",
     )
     p.add_argument(
         "--ckpt-backup",
@@ -289,6 +298,7 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
             mode=args.ckpt_mode,
             key=_checkpoint_key(args.ckpt_key_file, environ) if args.ckpt_dir else None,
             backup=args.ckpt_backup,
+            writer=args.ckpt_writer,
             backup_keep=args.backup_keep,
         ),
         steps=args.steps,
