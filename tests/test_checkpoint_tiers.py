@@ -311,3 +311,24 @@ def test_backup_options_are_validated(tmp_path):
                       (["--ckpt-dir", "c/d", "--ckpt-backup", "c"], "outside")):  # fmt: skip
         with pytest.raises(ConfigError, match=msg):
             config_from_args(argv, {})
+
+
+@pytest.mark.slow
+def test_process_writer_validates_and_resumes_exactly(tmp_path, clean_40):
+    ckpt = tmp_path / "ckpt"
+    proc = torchrun(
+        ["--steps", "40", "--ckpt-dir", str(ckpt), "--ckpt-every", "10", "--ckpt-writer",
+         "process", "--fault", "crash:step=27:rank=1"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert {s.step for s in cs.scan(ckpt) if s.state == cs.VALIDATED} == {10, 20}
+    run_ok(
+        ["--steps", "40", "--ckpt-dir", str(ckpt), "--ckpt-every", "10", "--ckpt-writer",
+         "process", "--summary", str(tmp_path / "s.json")],
+        cwd=tmp_path,
+    )  # fmt: skip
+    s = read_json(tmp_path / "s.json")
+    assert (s["resumed_from"], s["resumed_tier"]) == (20, "disk")
+    assert s["param_digest"] == clean_40["param_digest"] and s["checkpoint_failures"] == 0
+    assert {x.step for x in cs.scan(ckpt) if x.state == cs.VALIDATED} == {20, 30, 40}
