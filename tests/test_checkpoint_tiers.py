@@ -237,7 +237,10 @@ def test_exact_resume_from_backup_with_disk_tier_deleted(tmp_path, clean_40):
     ckpt, backup = tmp_path / "ckpt", tmp_path / "backup"
     proc = torchrun(
         ["--steps", "40", "--ckpt-dir", str(ckpt), "--ckpt-every", "10",
-         "--ckpt-backup", str(backup), "--fault", "crash:step=27:rank=1"],
+         "--ckpt-backup", str(backup), "--fault", "crash:step=27:rank=1",
+         # idle time after step 20 (tiny steps take milliseconds), so the low-priority save
+         # and backup of step 20 finish before the kill on a loaded machine too
+         "--fault", "comm-delay:step=21:seconds=0.3"],
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode != 0  # killed mid-way, no restart
@@ -318,7 +321,8 @@ def test_process_writer_validates_and_resumes_exactly(tmp_path, clean_40):
     ckpt = tmp_path / "ckpt"
     proc = torchrun(
         ["--steps", "40", "--ckpt-dir", str(ckpt), "--ckpt-every", "10", "--ckpt-writer",
-         "process", "--fault", "crash:step=27:rank=1"],
+         "process", "--fault", "crash:step=27:rank=1",
+         "--fault", "comm-delay:step=21:seconds=0.5"],  # time for the save of step 20
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode != 0
