@@ -1,7 +1,8 @@
 """`rankguard checkpoints ...`: list and verify the checkpoints in a checkpoint directory.
 
 Standard library + typer only (no torch): runs on a head node. Read-only: nothing here moves,
-quarantines or deletes a checkpoint (the trainer's resume does that).
+quarantines or deletes a checkpoint (the trainer's resume does that). Both tiers on disk are
+shown: DIR, and the backup root (``--backup``, or the one DIR/backup-status.json names).
 """
 
 from __future__ import annotations
@@ -29,9 +30,16 @@ _STATES_HELP = (
 
 _EXIT_HELP = (
     "Exit codes: 0 = the newest committed checkpoint is validated. 1 = degraded: the newest is "
-    "not valid but an older validated one exists (a resume falls back to it). 2 = no validated "
-    "checkpoint at all, or DIR missing or unreadable. A .partial dir (a save in progress) does "
-    "not count as the newest checkpoint."
+    "not valid but an older validated one exists, on disk or in the backup tier (a resume "
+    "falls back to it). 2 = no validated checkpoint in any tier, or DIR missing or unreadable "
+    "with no backup tier. A .partial dir (a save in progress) does not count as the newest "
+    "checkpoint.\n\n"
+)
+
+_TIERS_HELP = (
+    "Tiers: DIR is the disk tier; the backup tier (the trainer's --ckpt-backup) is listed "
+    "after it, found in DIR/backup-status.json or given with --backup. A resume loads the "
+    "newest validated state, from disk before backup."
 )
 
 app = typer.Typer(
@@ -46,6 +54,15 @@ DirArg = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
+BackupOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--backup",
+        help="The backup tier's root (the trainer's --ckpt-backup). Default: the one named in "
+        "DIR/backup-status.json, if any.",
+        show_default=False,
+    ),
+]
 KeyFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -129,8 +146,31 @@ def verdict(statuses: list[CheckpointStatus]) -> tuple[int, int | None, int | No
     return (EXIT_OK if newest_valid == newest else EXIT_DEGRADED), newest, newest_valid
 
 
-def _report(root: Path, statuses: list[CheckpointStatus], as_json: bool, checksums: bool) -> int:
+def _tier_doc(name: str, root: Path, statuses: list[CheckpointStatus] | None, error: str | None):
+    _, newest, newest_valid = verdict(statuses or [])
+    return {
+        "tier": name,
+        "root": str(root),
+        "error": error,
+        "newest_step": newest,
+        "newest_validated": newest_valid,
+        "checkpoints": [s.to_dict() for s in statuses or []],
+    }
+
+
+def _report(
+    root: Path,
+    statuses: list[CheckpointStatus],
+    as_json: bool,
+    checksums: bool,
+    backup: tuple[Path, list[CheckpointStatus] | None, str | None] | None = None,
+    backup_status: dict | None = None,
+    disk_error: str | None = None,
+) -> int:
     code, newest, newest_valid = verdict(statuses)
+    backup_valid = verdict(backup[1] or [])[2] if backup is not None else None
+    if code == EXIT_UNHEALTHY and backup_valid is not None:
+        code = EXIT_DEGRADED  # a resume falls back to the backup tier
     if as_json:
         doc = {
             "root": str(root),
@@ -140,14 +180,43 @@ def _report(root: Path, statuses: list[CheckpointStatus], as_json: bool, checksu
             "newest_is_valid": code == EXIT_OK,
             "status": {0: "healthy", 1: "degraded", 2: "unhealthy"}[code],
             "checkpoints": [s.to_dict() for s in statuses],
+            "tiers": [_tier_doc(store.TIER_DISK, root, statuses, disk_error)],
+            "backup_status": backup_status,
         }
+        if disk_error:
+            doc["error"] = disk_error
+        if backup is not None:
+            doc["tiers"].append(_tier_doc(store.TIER_BACKUP, *backup))
         typer.echo(json.dumps(doc, indent=2, default=str))
         return code
-    if statuses:
+    if disk_error:
+        typer.echo(f"disk tier {root}: {disk_error}")
+    elif statuses:
         typer.echo(render_table(statuses))
     else:
         typer.echo(f"no checkpoints in {root}")
-    if code == EXIT_OK:
+    if backup is not None:
+        broot, bstatuses, berror = backup
+        typer.echo(f"\nbackup tier {broot}:")
+        if berror:
+            typer.echo(f"  {berror}")
+        elif bstatuses:
+            typer.echo(render_table(bstatuses))
+        else:
+            typer.echo("no checkpoints in the backup tier")
+        if backup_valid is not None:
+            typer.echo(f"newest validated backup: step {backup_valid}")
+    if backup_status is not None and backup_status.get("failing"):
+        typer.echo(
+            f"BACKUP FAILING: {backup_status.get('consecutive_failures')} consecutive copy "
+            f"failures ({backup_status.get('copies_failed')} in all); last: "
+            f"{backup_status.get('last_error')}"
+        )
+    if newest_valid is None and backup_valid is not None:
+        typer.echo(
+            f"DEGRADED: no validated checkpoint on disk; a resume uses backup step {backup_valid}"
+        )
+    elif code == EXIT_OK:
         typer.echo(f"newest checkpoint step {newest} is validated")
     elif code == EXIT_DEGRADED:
         typer.echo(
@@ -175,21 +244,44 @@ def _fail(root: Path, message: str, as_json: bool) -> typer.Exit:
     return typer.Exit(EXIT_UNHEALTHY)
 
 
-def _scan(
-    root: Path, checksums: bool, as_json: bool, progress: Any = None, key_file: Path | None = None
-) -> list[CheckpointStatus]:
+def _scan_tier(
+    root: Path, checksums: bool, progress: Any, key: bytes | None
+) -> tuple[list[CheckpointStatus] | None, str | None]:
+    if not root.exists():
+        return None, f"checkpoint directory {root} does not exist"
+    if not root.is_dir():
+        return None, f"{root} is not a directory"
+    try:
+        return store.scan(root, verify_checksums=checksums, progress=progress, key=key), None
+    except (CheckpointError, OSError) as e:
+        return None, f"cannot read {root}: {e}"
+
+
+def _run(
+    root: Path,
+    checksums: bool,
+    as_json: bool,
+    progress: Any,
+    key_file: Path | None,
+    backup: Path | None,
+) -> int:
     try:
         key = store.resolve_key(key_file)
     except CheckpointError as e:
         raise _fail(root, str(e), as_json) from None
-    if not root.exists():
-        raise _fail(root, f"checkpoint directory {root} does not exist", as_json)
-    if not root.is_dir():
-        raise _fail(root, f"{root} is not a directory", as_json)
-    try:
-        return store.scan(root, verify_checksums=checksums, progress=progress, key=key)
-    except (CheckpointError, OSError) as e:
-        raise _fail(root, f"cannot read {root}: {e}", as_json) from None
+    backup_status = store.read_backup_status(root)
+    if backup is None and backup_status is not None:
+        named = backup_status.get("backup_root")
+        backup = Path(named) if isinstance(named, str) and named else None
+    statuses, error = _scan_tier(root, checksums, progress, key)
+    if error is not None and backup is None:
+        raise _fail(root, error, as_json)
+    tier2 = None
+    if backup is not None:
+        tier2 = (backup, *_scan_tier(backup, checksums, progress, key))
+    if progress is not None:
+        progress.finish()
+    return _report(root, statuses or [], as_json, checksums, tier2, backup_status, error)
 
 
 class _Progress:
@@ -235,21 +327,19 @@ class _Progress:
     "list",
     help="List checkpoints: step, state, size, world size, age, reason.\n\n"
     "Fast by default: files are checked against the manifest by size only; --verify also "
-    "checks every checksum (reads all data).\n\n" + _STATES_HELP + _EXIT_HELP,
+    "checks every checksum (reads all data).\n\n" + _STATES_HELP + _EXIT_HELP + _TIERS_HELP,
 )
 def list_(
     directory: DirArg,
     as_json: JsonOpt = False,
     verify: Annotated[
-        bool, typer.Option("--verify/--no-verify", help="Also verify sha256 checksums (slow).")
+        bool, typer.Option("--verify/--no-verify", help="Also verify the checksums (slow).")
     ] = False,
     key_file: KeyFileOpt = None,
+    backup: BackupOpt = None,
 ) -> None:
     progress = _Progress() if verify else None
-    statuses = _scan(directory, verify, as_json, progress, key_file)
-    if progress is not None:
-        progress.finish()
-    raise typer.Exit(_report(directory, statuses, as_json, verify))
+    raise typer.Exit(_run(directory, verify, as_json, progress, key_file, backup))
 
 
 @app.command(
@@ -258,9 +348,12 @@ def list_(
     "JSON: {root, newest_validated, newest_is_valid, checkpoints: [...]}.\n\n"
     + _STATES_HELP
     + _EXIT_HELP
+    + _TIERS_HELP
 )
-def verify(directory: DirArg, as_json: JsonOpt = False, key_file: KeyFileOpt = None) -> None:
-    progress = _Progress()
-    statuses = _scan(directory, True, as_json, progress, key_file)
-    progress.finish()
-    raise typer.Exit(_report(directory, statuses, as_json, True))
+def verify(
+    directory: DirArg,
+    as_json: JsonOpt = False,
+    key_file: KeyFileOpt = None,
+    backup: BackupOpt = None,
+) -> None:
+    raise typer.Exit(_run(directory, True, as_json, _Progress(), key_file, backup))

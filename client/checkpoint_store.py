@@ -90,7 +90,9 @@ import os
 import re
 import secrets
 import stat
+import threading
 import time
+import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -131,6 +133,20 @@ STATES = (VALIDATED, INCOMPLETE, CORRUPT, QUARANTINED)
 STEP_DIR_RE = re.compile(r"^step-(\d{8,})(\.partial)?$")
 _QUARANTINE_ENTRY_RE = re.compile(r"^(step-\d{8,}(?:\.partial)?)\.")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_CRC32_RE = re.compile(r"^[0-9a-f]{8}$")
+# File checksums. Without a key the checksum is there to catch corruption (a torn write, a
+# flipped bit, a truncated copy), and CRC-32 does that at twice SHA-256's speed here (both
+# release the GIL on large buffers). With a key, tampering is the threat: a forged file
+# with the same CRC-32 is trivial, so keyed manifests list SHA-256 sums only.
+SHA256, CRC32 = "sha256", "crc32"
+CHECKSUMS = (SHA256, CRC32)
+
+
+def checksum_for(key: bytes | None) -> str:
+    """The checksum a new manifest uses: SHA-256 with a key (tamper-evident), else CRC-32."""
+    return SHA256 if key is not None else CRC32
+
+
 _RESERVED = frozenset({MANIFEST_NAME, MANIFEST_TMP_NAME})
 
 Progress = Callable[[int, int], None]
@@ -247,29 +263,51 @@ def parse_step_dir_name(name: str) -> tuple[int, bool] | None:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a checkpoint: path relative to the step dir (posix), size, sha256 hex."""
+    """One file of a checkpoint: path relative to the step dir (posix), size, and its
+    checksum: ``sha256`` (64 hex digits) or ``crc32`` (8 hex digits), at least one.
+    Manifests written before CRC-32 carry ``sha256`` only; they verify as before."""
 
     path: str
     size: int
-    sha256: str
+    sha256: str | None = None
+    crc32: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+        d: dict[str, Any] = {"path": self.path, "size": self.size}
+        if self.sha256 is not None:
+            d["sha256"] = self.sha256
+        if self.crc32 is not None:
+            d["crc32"] = self.crc32
+        return d
+
+    @property
+    def algorithm(self) -> str:
+        """The checksum verification uses: the stronger one listed."""
+        return SHA256 if self.sha256 is not None else CRC32
+
+    @property
+    def digest(self) -> str:
+        return self.sha256 if self.sha256 is not None else self.crc32  # type: ignore[return-value]
 
     @classmethod
     def from_dict(cls, data: Any) -> FileEntry:
         """Parse and validate; raises CheckpointError naming the bad field."""
         if not isinstance(data, Mapping):
             raise CheckpointError(f"file entry must be an object, got {type(data).__name__}")
-        path, size, digest = data.get("path"), data.get("size"), data.get("sha256")
+        path, size = data.get("path"), data.get("size")
+        digest, crc = data.get("sha256"), data.get("crc32")
         reason = _unsafe_path_reason(path)
         if reason:
             raise CheckpointError(f"path {path!r} {reason}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise CheckpointError(f"{path}: size must be a non-negative integer, got {size!r}")
-        if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
+        if digest is None and crc is None:
+            raise CheckpointError(f"{path}: no checksum (sha256 or crc32)")
+        if digest is not None and (not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest)):
             raise CheckpointError(f"{path}: sha256 must be 64 lowercase hex digits")
-        return cls(path=path, size=size, sha256=digest)
+        if crc is not None and (not isinstance(crc, str) or not _CRC32_RE.fullmatch(crc)):
+            raise CheckpointError(f"{path}: crc32 must be 8 lowercase hex digits")
+        return cls(path=path, size=size, sha256=digest, crc32=crc)
 
 
 @dataclass(frozen=True)
@@ -515,10 +553,34 @@ def _write_durably_at(dir_fd: int, name: str, data: bytes) -> None:
         raise
 
 
+class _Crc32:
+    """hashlib's update/hexdigest over zlib.crc32 (which releases the GIL above 5 KiB)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def _hasher(algorithm: str) -> Any:
+    if algorithm == SHA256:
+        return hashlib.sha256()
+    if algorithm == CRC32:
+        return _Crc32()
+    raise CheckpointError(f"unknown checksum {algorithm!r} (one of {', '.join(CHECKSUMS)})")
+
+
 def _sha256_fd(
-    fd: int, chunk: int, on_bytes: Callable[[int], None] | None = None
+    fd: int,
+    chunk: int,
+    on_bytes: Callable[[int], None] | None = None,
+    algorithm: str = SHA256,
 ) -> tuple[int, str]:
-    h = hashlib.sha256()
+    h = _hasher(algorithm)
     size = 0
     # no 8 MiB buffer for a 100-byte file; +1 so the first read can already see EOF
     buf = bytearray(max(1, min(chunk, os.fstat(fd).st_size + 1)))
@@ -535,7 +597,12 @@ def _sha256_fd(
 
 
 def _sha256_file(
-    path: Path, chunk: int, *, fsync: bool = False, on_bytes: Callable[[int], None] | None = None
+    path: Path,
+    chunk: int,
+    *,
+    fsync: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+    algorithm: str = SHA256,
 ) -> tuple[int, str]:
     fd = os.open(path, _READ_FLAGS)
     try:
@@ -543,7 +610,7 @@ def _sha256_file(
             raise CheckpointError(f"{path} is not a regular file")
         if fsync:
             os.fsync(fd)
-        return _sha256_fd(fd, chunk, on_bytes)
+        return _sha256_fd(fd, chunk, on_bytes, algorithm)
     finally:
         os.close(fd)
 
@@ -735,26 +802,34 @@ def hash_file(
     *,
     base: str | os.PathLike[str] | None = None,
     fsync: bool = True,
+    algorithm: str = SHA256,
 ) -> FileEntry:
     """Hash one file for the manifest. ``entry.path`` is ``path`` relative to ``base`` (posix),
     or the file name without ``base``. With ``fsync`` (default) the file is fsynced first, so the
-    rank that wrote it makes its data durable before it is committed."""
+    rank that wrote it makes its data durable before it is committed. ``algorithm``: "sha256"
+    (default) or "crc32" (``checksum_for(key)`` picks)."""
     path = Path(path)
     rel = path.relative_to(base).as_posix() if base is not None else path.name
     reason = _unsafe_path_reason(rel)
     if reason:
         raise CheckpointError(f"cannot list {path} in a manifest: {rel!r} {reason}")
-    size, digest = _sha256_file(path, chunk, fsync=fsync)
-    return FileEntry(path=rel, size=size, sha256=digest)
+    size, digest = _sha256_file(path, chunk, fsync=fsync, algorithm=algorithm)
+    if algorithm == SHA256:
+        return FileEntry(path=rel, size=size, sha256=digest)
+    return FileEntry(path=rel, size=size, crc32=digest)
 
 
 def hash_tree(
-    directory: str | os.PathLike[str], *, chunk: int = DEFAULT_CHUNK, fsync: bool = True
+    directory: str | os.PathLike[str],
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    fsync: bool = True,
+    algorithm: str = SHA256,
 ) -> list[FileEntry]:
     """FileEntry for every file under ``directory`` except the manifest (single-process saves)."""
     directory = Path(directory)
     return [
-        hash_file(directory / rel, chunk, base=directory, fsync=fsync)
+        hash_file(directory / rel, chunk, base=directory, fsync=fsync, algorithm=algorithm)
         for rel in sorted(_walk_files(directory))
         if rel not in _RESERVED
     ]
@@ -790,6 +865,8 @@ def commit(
     entries: list[FileEntry] = []
     for f in files:
         entries.append(f if isinstance(f, FileEntry) else FileEntry.from_dict(f))
+    if key is not None and any(e.sha256 is None for e in entries):
+        raise CheckpointError("a keyed manifest lists SHA-256 sums only (CRC-32 is forgeable)")
     manifest = Manifest(
         step=step,
         world_size=world_size,
@@ -911,9 +988,14 @@ def _read_manifest_at(dir_fd: int, key: bytes | None) -> Manifest:
                 f"{MANIFEST_NAME}: HMAC does not match (tampered with)"
             ) from None
     try:
-        return Manifest.from_dict(data)
+        m = Manifest.from_dict(data)
     except CheckpointError as e:
         raise CheckpointError(f"{MANIFEST_NAME}: {e}") from None
+    if key is not None:
+        weak = [f.path for f in m.files if f.sha256 is None]
+        if weak:  # we never sign such a manifest: CRC-32 would let a file be swapped
+            raise UntrustedManifest(f"{MANIFEST_NAME}: {weak[0]} has no SHA-256 sum (keyed)")
+    return m
 
 
 def inspect(
@@ -1013,7 +1095,7 @@ def _checksum_problems(dir_fd: int, m: Manifest, progress: Progress | None) -> l
             fd = _open_beneath(dir_fd, entry.path)
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
-                    _size, digest = _sha256_fd(fd, DEFAULT_CHUNK, on_bytes)
+                    _size, digest = _sha256_fd(fd, DEFAULT_CHUNK, on_bytes, entry.algorithm)
                 else:
                     problems.append(f"{entry.path}: not a regular file")
             finally:
@@ -1024,10 +1106,10 @@ def _checksum_problems(dir_fd: int, m: Manifest, progress: Progress | None) -> l
             problems.append(str(e))
         # keep the byte count consistent with the total even if the file changed under us
         done = before + entry.size
-        if digest is not None and digest != entry.sha256:
+        if digest is not None and digest != entry.digest:
             problems.append(
-                f"{entry.path}: sha256 mismatch (content changed): "
-                f"manifest {entry.sha256[:12]}..., found {digest[:12]}..."
+                f"{entry.path}: {entry.algorithm} mismatch (content changed): "
+                f"manifest {entry.digest[:12]}..., found {digest[:12]}..."
             )
     if progress is not None and total == 0:
         progress(0, 0)
@@ -1457,3 +1539,427 @@ def _rmdir_beneath(dir_fd: int, rel: str) -> None:
         os.rmdir(leaf, dir_fd=sub)
     finally:
         os.close(sub)
+
+
+# --------------------------------------------------------------------------- tier 2: backup
+#
+# A backup root has the same layout as a checkpoint root: ``BACKUP/step-N`` is committed only
+# by ``backup_checkpoint`` after every file was copied, fsynced and read back against the
+# source's manifest; the manifest (its HMAC included) is copied byte for byte last. So every
+# read function above (scan, inspect, select_resume, apply_retention, quarantine) works on it.
+
+BACKUP_STATUS_NAME = "backup-status.json"  # in the *disk* root: a full backup target can't hold it
+TIER_DISK, TIER_BACKUP = "disk", "backup"
+
+
+class BackupSuperseded(CheckpointError):
+    """The source checkpoint went away (retention) before it could be copied: not a fault."""
+
+
+def backup_checkpoint(
+    src: str | os.PathLike[str],
+    backup_root: str | os.PathLike[str],
+    *,
+    key: bytes | None = None,
+    keep: int = 0,
+    chunk: int = DEFAULT_CHUNK,
+) -> Path:
+    """Copy validated checkpoint ``src`` to ``backup_root/step-N``; returns the copy's path.
+
+    The bytes read from ``src`` are checked against its manifest while they are copied (a
+    corrupt source is never backed up), the copy is fsynced, dropped from the page cache and
+    read back against the manifest before the atomic rename commits it. On an I/O error
+    (ENOSPC, EIO) our own ``.partial`` copy is removed (the source is intact on tier 1, and a
+    leftover would keep a full target full); a copy that reads back wrong is quarantined.
+    Then ``keep`` retention (``apply_retention``) and failed-copy quarantine run on the
+    backup root. Raises CheckpointError / OSError; BackupSuperseded when ``src`` vanished."""
+    src, backup_root = Path(src), Path(backup_root)
+    try:
+        src_fd = _open_dir_at(None, str(src))
+    except FileNotFoundError:
+        raise BackupSuperseded(f"{src} is gone (superseded before its backup)") from None
+    try:
+        manifest_raw = _read_regular_at(src_fd, MANIFEST_NAME, _MAX_MANIFEST_BYTES)
+        m = _read_manifest_at(src_fd, key)
+        if src.name != step_dir_name(m.step):
+            raise CheckpointError(f"{src} is not a committed checkpoint directory")
+        # open every source file now: retention may unlink them meanwhile, an open fd still reads
+        fds: dict[str, int] = {}
+        try:
+            for entry in m.files:
+                try:
+                    fds[entry.path] = _open_beneath(src_fd, entry.path)
+                except FileNotFoundError:
+                    raise BackupSuperseded(f"{src.name}/{entry.path} is gone") from None
+            return _copy_checkpoint(fds, manifest_raw, m, backup_root, key, keep, chunk)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    finally:
+        os.close(src_fd)
+
+
+def _copy_checkpoint(
+    fds: Mapping[str, int],
+    manifest_raw: bytes,
+    m: Manifest,
+    backup_root: Path,
+    key: bytes | None,
+    keep: int,
+    chunk: int,
+) -> Path:
+    name = step_dir_name(m.step)
+    final = backup_root / name
+    if os.path.lexists(final):
+        st = inspect(final, verify_checksums=False, key=key)
+        if st.state == VALIDATED:
+            return final  # backed up already (a restart re-committed nothing new)
+        raise CheckpointError(f"{final} exists and is {st.state}: {st.reason}")
+    partial = partial_dir(backup_root, m.step)
+    part_fd = _open_dir_at(None, str(partial))
+    created: list[str] = []
+    try:
+        try:
+            for entry in m.files:
+                created.append(entry.path)
+                _copy_one(fds[entry.path], part_fd, entry, chunk)
+            problems = _listing_problems(part_fd, m, ignore=_RESERVED)
+            if not problems:
+                problems = _checksum_problems(part_fd, m, None)
+        except (OSError, CheckpointError):  # I/O error, or a source that fails its manifest
+            _remove_copy(part_fd, created)
+            os.close(part_fd)
+            part_fd = -1
+            with contextlib.suppress(OSError):
+                os.rmdir(partial)
+            raise
+        if problems:
+            os.close(part_fd)
+            part_fd = -1
+            quarantine(partial, "backup copy failed verification: " + _join(problems),
+                       state=CORRUPT, key=key)  # fmt: skip
+            raise CheckpointError(f"backup copy of {name} is wrong: {_join(problems)}")
+        try:
+            _write_durably_at(part_fd, MANIFEST_NAME, manifest_raw)
+            _fsync_fd(part_fd)
+        except OSError:
+            _remove_copy(part_fd, created)
+            os.close(part_fd)
+            part_fd = -1
+            with contextlib.suppress(OSError):
+                os.rmdir(partial)
+            raise
+    finally:
+        if part_fd >= 0:
+            os.close(part_fd)
+    os.rename(partial, final)
+    try:
+        _fsync_dir(backup_root)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rename(final, partial)
+        raise
+    verified = {identity(final)}
+    try:
+        apply_retention(backup_root, keep, key=key, verified=verified)
+        quarantine_failed_saves(backup_root, m.step, key=key)
+    except (OSError, CheckpointError) as e:  # the copy is committed; retention tries again
+        log.warning("backup retention under %s: %s", backup_root, e)
+    return final
+
+
+def _copy_one(src_fd: int, part_fd: int, entry: FileEntry, chunk: int) -> None:
+    """Copy one file into the partial dir, checking the source bytes against ``entry``."""
+    *parents, leaf = entry.path.split("/")
+    dir_fd = part_fd
+    try:
+        for part in parents:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=dir_fd)
+            nxt = _open_dir_at(dir_fd, part)
+            if dir_fd != part_fd:
+                os.close(dir_fd)
+            dir_fd = nxt
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(leaf, flags, 0o644, dir_fd=dir_fd)
+    finally:
+        if dir_fd != part_fd:
+            os.close(dir_fd)
+    try:
+        h = _hasher(entry.algorithm)
+        buf = bytearray(max(1, min(chunk, entry.size + 1)))
+        mv = memoryview(buf)
+        size, offset = 0, 0
+        while True:
+            n = os.preadv(src_fd, [buf], offset)
+            if not n:
+                break
+            offset += n
+            h.update(mv[:n])
+            view = mv[:n]
+            while view:
+                view = view[os.write(out, view) :]
+            size += n
+        if size != entry.size or h.hexdigest() != entry.digest:
+            raise CheckpointError(
+                f"source {entry.path} does not match its manifest ({size} bytes, "
+                f"{entry.algorithm} {h.hexdigest()[:12]}...): not backed up"
+            )
+        os.fsync(out)
+        # read back from the device, not from the page cache we just filled
+        os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(out)
+
+
+def _remove_copy(part_fd: int, rels: Iterable[str]) -> None:
+    """Remove the files a failed copy created (only those), deepest directories last."""
+    for rel in rels:
+        with contextlib.suppress(OSError, CheckpointError):
+            _unlink_beneath(part_fd, rel)
+    parents = {"/".join(r.split("/")[:i]) for r in rels for i in range(1, r.count("/") + 1)}
+    for sub in sorted(parents, key=lambda d: d.count("/"), reverse=True):
+        with contextlib.suppress(OSError, CheckpointError):
+            _rmdir_beneath(part_fd, sub)
+
+
+def _lower_priority() -> None:
+    """This thread to the lowest CPU (nice 19) and best-effort I/O class level 7: it then runs
+    in the time training leaves idle. Linux applies both per thread (tid)."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    with contextlib.suppress(Exception):
+        import ctypes
+        import platform
+
+        nr = {"x86_64": 251, "aarch64": 30}.get(platform.machine())  # SYS_ioprio_set
+        if nr is not None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.syscall(nr, 1, tid, (2 << 13) | 7)  # IOPRIO_WHO_PROCESS, BE class, level 7
+
+
+lower_priority = _lower_priority  # for the trainer's checkpoint thread
+
+
+class BackupWorker:
+    """Copies validated checkpoints to a backup root in one low-priority daemon thread.
+
+    ``submit(step_dir)`` never blocks: the newest submitted checkpoint waits while a copy
+    runs, and an older waiting one is dropped (counted in ``skipped``). Every attempt updates
+    the counters and, when ``status_path`` is set, a JSON status file written atomically
+    (``status()``): how many copies succeeded and failed, the consecutive failures, the last
+    error and the newest step backed up. A failure is counted and logged, never raised."""
+
+    def __init__(
+        self,
+        backup_root: str | os.PathLike[str],
+        *,
+        keep: int = 0,
+        key: bytes | None = None,
+        status_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.root = Path(backup_root)
+        self.keep = keep
+        self.key = key
+        self.status_path = Path(status_path) if status_path is not None else None
+        self.ok = 0
+        self.failed = 0
+        self.skipped = 0
+        self.consecutive_failures = 0
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None
+        self.newest_step: int | None = None
+        self.seconds = 0.0
+        self._pending: Path | None = None
+        self._busy = False
+        self._closed = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="rankguard-backup", daemon=True)
+        self._thread.start()
+
+    def submit(self, step_dir: str | os.PathLike[str]) -> None:
+        with self._cv:
+            if self._pending is not None:
+                self.skipped += 1
+            self._pending = Path(step_dir)
+            self._cv.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is waiting or copying; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the copy in flight and the one waiting (up to ``timeout``), then stop."""
+        done = self.wait(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if done:
+            self._thread.join(timeout=5)
+        return done
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "format": "rankguard-backup-status",
+            "backup_root": str(self.root.absolute()),
+            "keep": self.keep,
+            "copies_ok": self.ok,
+            "copies_failed": self.failed,
+            "copies_skipped": self.skipped,
+            "consecutive_failures": self.consecutive_failures,
+            "failing": self.consecutive_failures > 0,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+            "newest_backed_up": self.newest_step,
+            "copy_seconds": round(self.seconds, 3),
+            "updated_at": time.time(),
+        }
+
+    def _run(self) -> None:
+        _lower_priority()
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                src, self._pending, self._busy = self._pending, None, True
+            try:
+                self._copy(src)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _copy(self, src: Path) -> None:
+        start = time.perf_counter()
+        try:
+            final = backup_checkpoint(src, self.root, key=self.key, keep=self.keep)
+        except BackupSuperseded as e:
+            self.skipped += 1
+            log.info("backup of %s skipped: %s", src.name, e)
+        except Exception as e:  # ENOSPC, EIO, a bad copy: counted, training goes on
+            self.failed += 1
+            self.consecutive_failures += 1
+            self.last_error = f"{src.name}: {type(e).__name__}: {e}"
+            self.last_error_at = time.time()
+            log.error("backup of %s to %s failed: %s", src.name, self.root, self.last_error)
+        else:
+            self.ok += 1
+            self.consecutive_failures = 0
+            parsed = parse_step_dir_name(final.name)
+            if parsed is not None:
+                self.newest_step = max(parsed[0], self.newest_step or 0)
+        self.seconds += time.perf_counter() - start
+        self._write_status()
+
+    def _write_status(self) -> None:
+        if self.status_path is None:
+            return
+        try:
+            data = json.dumps(self.status(), indent=2).encode() + b"\n"
+            _write_durably(self.status_path, data)
+        except OSError as e:
+            log.warning("cannot write %s: %s", self.status_path, e)
+
+
+def read_backup_status(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The backup status file a trainer keeps in checkpoint root ``root``, or None."""
+    try:
+        fd = _open_dir_at(None, str(root))
+    except (OSError, CheckpointError):
+        return None
+    try:
+        doc = json.loads(_read_regular_at(fd, BACKUP_STATUS_NAME, _MAX_SMALL_FILE))
+    except (OSError, ValueError, RecursionError, CheckpointError):
+        return None
+    finally:
+        os.close(fd)
+    return doc if isinstance(doc, dict) else None
+
+
+# --------------------------------------------------------------------------- resume across tiers
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A state a resume could load: ``step`` held by ``tier`` at ``path``. ``order`` is the
+    tier's place in the resume order (lower: faster; the disk tier is 1, backup 2, so an
+    in-memory tier 0 sorts in front)."""
+
+    step: int
+    tier: str
+    order: int
+    path: Path
+
+
+def resume_candidates(
+    tiers: Iterable[tuple[str, str | os.PathLike[str] | None]],
+    *,
+    extra: Iterable[Candidate] = (),
+) -> list[Candidate]:
+    """Every committed checkpoint of each (name, root) tier, newest step first and, within a
+    step, fastest tier first (the order ``tiers`` are given in, numbered from 1). ``extra``:
+    candidates of other tiers (an in-memory tier 0) merged in. Nothing is read but the
+    directory listings; ``select_resume_tiers`` verifies them in this order."""
+    found = list(extra)
+    for order, (name, root) in enumerate(tiers, start=1):
+        if root is None:
+            continue
+        try:
+            committed, _, _ = _entries(Path(root))
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # a lost tier holds nothing
+        found.extend(Candidate(step, name, order, p) for step, p in committed)
+    return sorted(found, key=lambda c: (-c.step, c.order, c.tier))
+
+
+def select_resume_tiers(
+    tiers: Iterable[tuple[str, str | os.PathLike[str] | None]],
+    progress: Progress | None = None,
+    *,
+    key: bytes | None = None,
+) -> tuple[tuple[str, CheckpointStatus] | None, list[CheckpointStatus]]:
+    """``select_resume`` across tiers: the newest validated state, from the fastest tier that
+    holds it (disk before backup). Every ``.partial`` of every tier is quarantined; each
+    candidate met that is incomplete or corrupt is quarantined in its own tier and the next
+    best is tried (an older step on disk, or the same step in the backup). Returns
+    ((tier name, status) or None, quarantined statuses)."""
+    tiers = [(n, r) for n, r in tiers if r is not None]
+    moved: list[CheckpointStatus] = []
+    for _, root in tiers:
+        try:
+            _, partial, _ = _entries(Path(root))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for _, p in sorted(partial):
+            with contextlib.suppress(CheckpointError):
+                st = inspect(p, verify_checksums=False, key=key)
+                _put_aside(st, key, moved)
+    hashed = 0
+    for c in resume_candidates(tiers):
+        base = hashed
+
+        def sub(done: int, total: int, base: int = base) -> None:
+            if progress is not None:
+                progress(base + done, base + total)
+
+        try:
+            st, m = _inspect(c.path, True, sub, key)
+        except CheckpointError:
+            continue
+        hashed += m.total_bytes if m else 0
+        if st.state == VALIDATED:
+            return (c.tier, st), moved
+        _put_aside(st, key, moved)
+    return None, moved
+
+
+def _put_aside(st: CheckpointStatus, key: bytes | None, moved: list[CheckpointStatus]) -> None:
+    try:
+        dest = quarantine(st, st.reason, key=key)
+    except (OSError, CheckpointError) as e:
+        log.warning("cannot quarantine %s (%s); left in place, never chosen", st.path.name, e)
+        return
+    moved.append(dataclasses.replace(st, path=dest, state=QUARANTINED, original_state=st.state))

@@ -29,6 +29,14 @@ None, is logged and counted in :attr:`failures` (the ``.partial`` dir stays, and
 next ``latest()`` quarantines it). :meth:`load` does raise (``CheckpointError``), since a
 resume that silently loads nothing would be worse.
 
+Backup tier: ``CheckpointStore(root, backup="/nfs/ckpt/myjob", backup_keep=3)`` copies
+every validated checkpoint there in a low-priority background thread, verifies the copy
+against the manifest before committing it, and keeps ``backup_keep`` of them. A full or
+failing backup target never fails a save: it is counted (:meth:`backup_status`, also
+written to ``ROOT/backup-status.json`` for ``rankguard checkpoints``). :meth:`latest` and
+:meth:`resume` pick the newest validated state across both tiers, disk first, so a lost
+or corrupt disk tier resumes from the backup. :meth:`close` waits for the last copy.
+
 Bad numerics are never validated (the supervisor's NaN remedy is "resume from the newest
 validated checkpoint", so that one must predate the NaN): :meth:`save` refuses, counted
 in :attr:`refused` by reason, once the reporter has seen a non-finite loss in this
@@ -80,12 +88,21 @@ class CheckpointStore:
         world_size: int | None = None,
         check_finite: bool = True,
         key_file: str | os.PathLike[str] | None = None,
+        backup: str | os.PathLike[str] | None = None,
+        backup_keep: int = 3,
     ) -> None:
         self.root = Path(root)
         self.key = cs.resolve_key(key_file)
+        self.backup_root = Path(backup) if backup is not None else None
+        if self.backup_root is not None:
+            b, r = self.backup_root.absolute(), self.root.absolute()
+            if b == r or r in b.parents or b in r.parents:
+                raise CheckpointError(f"backup {backup} must be outside {root} (and not hold it)")
+        self._backup: cs.BackupWorker | None = None  # started on the first save
         self._verified: set[tuple[int, int]] = set()  # identities of checkpoints hashed here
         self.check_finite = check_finite
         self.keep = keep
+        self.backup_keep = backup_keep
         self.reporter = reporter
         try:
             ws = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
@@ -154,9 +171,18 @@ class CheckpointStore:
             path = partial / PICKLE_FILE
             with open(path, "wb") as f:
                 pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-        entry = cs.hash_file(path, base=partial)  # fsyncs: durable before the commit
+        entry = cs.hash_file(path, base=partial, algorithm=cs.checksum_for(self.key))  # fsyncs
         final = cs.commit(partial, step, self.world_size, [entry], extra or {}, key=self.key)
         self._verified.add(cs.identity(final))  # hashed just now: retention need not reread it
+        if self.backup_root is not None:
+            if self._backup is None:
+                self._backup = cs.BackupWorker(
+                    self.backup_root,
+                    keep=self.backup_keep,
+                    key=self.key,
+                    status_path=self.root / cs.BACKUP_STATUS_NAME,
+                )
+            self._backup.submit(final)  # never blocks
         if self.keep > 0:
             try:
                 cs.apply_retention(self.root, self.keep, key=self.key, verified=self._verified)
@@ -169,7 +195,9 @@ class CheckpointStore:
         checksums; every incomplete or corrupt one met first is quarantined. None when
         there is none (or the root cannot be read: counted in :attr:`failures`)."""
         try:
-            found, moved = cs.select_resume(self.root, key=self.key)
+            tiers = [(cs.TIER_DISK, self.root), (cs.TIER_BACKUP, self.backup_root)]
+            chosen, moved = cs.select_resume_tiers(tiers, key=self.key)
+            found = chosen[1] if chosen is not None else None
         except Exception as exc:
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
@@ -191,19 +219,32 @@ class CheckpointStore:
         broadcasts the step, and every rank loads that same step. ``torch_load`` as in
         :meth:`load`, which raises ``CheckpointError`` if the chosen one cannot be read."""
         dist = _process_group()
-        step = None
+        step = path = None
         if dist is None or dist.get_rank() == 0:
             found = self.latest()
-            step = found.step if found is not None else None
+            if found is not None:
+                step, path = found.step, str(found.path)  # on disk or in the backup tier
         if dist is not None:
-            chosen = [step]
+            chosen = [(step, path)]
             dist.broadcast_object_list(chosen, src=0)
-            step = chosen[0]
+            step, path = chosen[0]
         if step is None:
             return 0, None
         if self.reporter is not None:
             self.reporter.checkpoint_saved(step)
-        return step, self.load(step, **torch_load)
+        return step, self.load(path, **torch_load)
+
+    def backup_status(self) -> dict[str, Any] | None:
+        """The backup tier's counters (copies ok/failed, last error, newest step backed
+        up), or None without a backup tier or before the first save."""
+        return self._backup.status() if self._backup is not None else None
+
+    def close(self, timeout: float | None = 300.0) -> bool:
+        """Wait (up to ``timeout`` s) for the backup copy in flight; False if it is still
+        running (a hung target). Without a backup tier there is nothing to wait for."""
+        if self._backup is None:
+            return True
+        return self._backup.close(timeout)
 
     def load(
         self,

@@ -213,6 +213,12 @@ def _cases(t: Targets) -> list[dict]:
          "expect": {"CheckpointFilesystemFull": [("1m", []), ("3m", [alert(
              "critical", "Checkpoint filesystem /ckfs on node node-1 is 0% free", **AGENT,
              node="node-1", **CKPT_FS)])]}},
+        {"name": "checkpoint backups failing for over 5 minutes; a single failed copy is not",
+         "series": [node_info(), node_info(AGENT2, "node-2"),
+                    s("rankguard_checkpoint_backup_failing", AGENT, "0 0 1x12"),
+                    s("rankguard_checkpoint_backup_failing", AGENT2, "0 1 1 0x10")],
+         "expect": {"CheckpointBackupFailing": [("4m", []), ("10m", [alert(
+             "warning", "Checkpoint backups from node node-1 are failing", **AGENT, node="node-1")])]}},
         {"name": "an agent down (named by its last node info) and one never seen",
          "series": [node_info(values="1 1 _ _ _ _ _"), s("up", AGENT, "1 1 0 0 0 0 0"),
                     node_info(AGENT2, "node-2", "1x6"), s("up", AGENT2, "1x6"),

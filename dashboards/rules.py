@@ -238,6 +238,13 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               f"Under {pct(t.filesystem_free_critical)} free: checkpoint saves are failing or about to "
               "(training goes on; the failed saves stay .partial and are quarantined later). Free "
               "space on this filesystem: saves validate again by themselves.", "1m"),
+        Alert("CheckpointBackupFailing",
+              named_node("rankguard_checkpoint_backup_failing == 1"),
+              "warning", "Checkpoint backups from node {{ $labels.node }} are failing",
+              "The trainer's copies of validated checkpoints to the backup tier (--ckpt-backup) "
+              "fail: the target is full, unreachable or returns bad data. Training and the disk "
+              "tier are unaffected, but a lost checkpoint filesystem would now lose the run. "
+              "`rankguard checkpoints list CKPT_DIR` shows the last error.", "5m"),
         Alert("NvmlDown",
               named_node("rankguard_gpu_nvml_up == 0"),
               "critical", "NVML does not answer on node {{ $labels.node }}: its GPUs are not watched",

@@ -50,7 +50,7 @@ def _flip_byte(path: Path) -> None:
 
 CORRUPTIONS = {
     "truncated-shard": (lambda d: _truncate(d / "__1_0.distcp"), "corrupt", "truncated"),
-    "flipped-byte": (lambda d: _flip_byte(d / "__0_0.distcp"), "corrupt", "sha256"),
+    "flipped-byte": (lambda d: _flip_byte(d / "__0_0.distcp"), "corrupt", "mismatch"),
     "deleted-manifest": (lambda d: (d / "manifest.json").unlink(), "incomplete", "manifest"),
 }
 

@@ -104,8 +104,20 @@ class CheckpointConfig:
     # HMAC key for the manifests (--ckpt-key-file or $RANKGUARD_CHECKPOINT_KEY_FILE); None:
     # plain SHA-256 (catches corruption, not tampering). Never printed.
     key: bytes | None = field(default=None, repr=False)
+    backup: Path | None = None  # tier 2: validated checkpoints copied here in the background
+    backup_keep: int = 3  # retention in the backup root; <= 0 keeps all
+    backup_wait: float = 300.0  # at exit, wait at most this long for the last copy
+    writer: str = "thread"  # async DCP write: in the save thread, or DCP's writer process
 
     def __post_init__(self) -> None:
+        if self.backup is not None:
+            if self.dir is None:
+                raise ConfigError("--ckpt-backup needs --ckpt-dir")
+            b, d = self.backup.absolute(), self.dir.absolute()
+            if b == d or d in b.parents or b in d.parents:
+                raise ConfigError("--ckpt-backup must be outside --ckpt-dir (and not hold it)")
+        if self.writer not in ("thread", "process"):
+            raise ConfigError("--ckpt-writer must be thread or process")
         if self.mode not in ("async", "sync"):
             raise ConfigError("--ckpt-mode must be async or sync")
         if self.every < 0:
@@ -175,6 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="file with the secret key that signs and checks checkpoint manifests (HMAC); "
         "default $RANKGUARD_CHECKPOINT_KEY_FILE; none: SHA-256 only",
+    )
+    p.add_argument(
+        "--ckpt-writer",
+        choices=("thread", "process"),
+        default="thread",
+        help="async saves write in a low-priority thread (default) or in DCP's writer process",
+    )
+    p.add_argument(
+        "--ckpt-backup",
+        type=Path,
+        help="backup tier: validated checkpoints are copied here in the background (another"
+        " filesystem), verified, and resumed from when --ckpt-dir has none",
+    )
+    p.add_argument(
+        "--backup-keep", type=int, default=3, help="checkpoints kept in --ckpt-backup (<=0: all)"
     )
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--data", type=Path, help="token shards from `rankguard trainer prepare`")
@@ -270,6 +297,9 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
             load=not args.no_resume,
             mode=args.ckpt_mode,
             key=_checkpoint_key(args.ckpt_key_file, environ) if args.ckpt_dir else None,
+            backup=args.ckpt_backup,
+            writer=args.ckpt_writer,
+            backup_keep=args.backup_keep,
         ),
         steps=args.steps,
         seed=args.seed,

@@ -357,6 +357,7 @@ class Trainer:
             "checkpoint_failures": self.ckpt.failures if self.ckpt else 0,
             "checkpoint_saves": self.checkpoint_saves,
             "checkpoint_block_seconds": self.checkpoint_block_seconds,
+            **(self.ckpt.stats() if self.ckpt else {}),
             "steps_trained": self.steps_trained,
             "train_seconds": self.train_seconds,
             "tokens_per_second": self.steps_trained
