@@ -27,6 +27,18 @@ ALLOWED_SIGNALS = (
 )
 
 
+# Processes control refused to treat as a rank's stand-in or launcher, by reason (a
+# bounded label set; exported on /metrics as rankguard_control_refused_total{reason}):
+#   foreign_stand_in  a process the rank holds a pidfd on that runs as another uid
+#   stale_launcher    a remembered launcher whose pid now has another start time, another
+#                     uid, or is no torchrun: never signalled
+REFUSED: dict[str, int] = {"foreign_stand_in": 0, "stale_launcher": 0}
+
+
+def refused_counts() -> dict[str, int]:
+    return dict(REFUSED)
+
+
 class ControlError(Exception):
     """A refused or failed action; `status` is the HTTP status to answer with."""
 
@@ -174,14 +186,11 @@ def stand_in_pid(pid: int, ppid: int | None) -> int | None:
     uid = process_uid(pid)
     for shim in _pidfd_targets(pid):
         stat = read_proc_stat(shim)
-        if (
-            stat is not None
-            and uid is not None
-            and process_uid(shim) == uid
-            and process_uid(stat.ppid) == uid
-            and _is_launcher(stat.ppid)
-        ):
+        if stat is None or not _is_launcher(stat.ppid):
+            continue
+        if uid is not None and process_uid(shim) == uid and process_uid(stat.ppid) == uid:
             return shim
+        REFUSED["foreign_stand_in"] += 1
     return None
 
 
@@ -224,6 +233,7 @@ def stop_job(table, body: dict) -> dict:
     launchers = {
         pid for (pid, start), uid in remembered.items() if _still_launcher(pid, start, uid)
     }
+    REFUSED["stale_launcher"] += len(remembered) - len(launchers)
     starts = {pid: start for pid, start in remembered}
     orphans = []
     for j, rank, _ in table.processes():

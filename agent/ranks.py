@@ -574,6 +574,10 @@ class _Rank:
         return picked
 
 
+def _launcher_words(launcher: tuple[int, int] | None) -> str:
+    return f"launcher {launcher[0]}" if launcher else "a process without a launcher"
+
+
 def _find_stand_in(pid: int, stat: ProcStat | None, now: float) -> StandIn | None:
     shim = stand_in_pid(pid, stat.ppid) if stat else None
     shim_stat = read_proc_stat(shim) if shim is not None else None
@@ -681,6 +685,8 @@ class RankTable:
         with self._lock:
             rank = self._ranks.get(key)
             if rank is None:
+                stat = self._stat(sender_pid)
+                self._check_job_owner(key, uid, self._launcher_of(sender_pid, stat))
                 self._check_uid_quota(key, uid)
                 self._make_room(key)
                 rank = _Rank(record, self._identify(sender_pid), now, self.history)
@@ -705,17 +711,41 @@ class RankTable:
     def _take_over(self, rank: _Rank, pid: int, uid: int, now: float) -> RankEvent:
         """A new process speaks for a known rank: a restart by the rank's owner (same uid,
         same launcher), or anyone's once the owner's launcher has exited."""
-        stat = read_proc_stat(pid, self._proc_root)
-        launcher = launcher_identity(launcher_pid(pid, stat.ppid)) if stat else None
+        launcher = self._launcher_of(pid, self._stat(pid))
         if self._owner_holds(rank):
             if uid != rank.owner_uid:
                 self._refuse_foreign(rank, f"uid {uid}")
             if launcher != rank.owner_launcher:
-                who = f"launcher {launcher[0]}" if launcher else "a process without a launcher"
-                self._refuse_foreign(rank, who)
+                self._refuse_foreign(rank, _launcher_words(launcher))
+        else:
+            self._check_job_owner((rank.job, rank.rank), uid, launcher)
         event = self._replace_process(rank, pid, now)
         rank.owner_uid, rank.owner_launcher = uid, rank.launcher
         return event
+
+    def _stat(self, pid: int) -> ProcStat | None:
+        try:
+            return read_proc_stat(pid, self._proc_root)
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _launcher_of(pid: int, stat: ProcStat | None) -> tuple[int, int] | None:
+        return launcher_identity(launcher_pid(pid, stat.ppid)) if stat else None
+
+    def _check_job_owner(
+        self, key: tuple[str, int], uid: int, launcher: tuple[int, int] | None
+    ) -> None:
+        """A new rank of a job joins its owner: the job's other ranks whose owner still
+        holds them must have this uid and launcher (else one user could add a rank to
+        another's job and have its crash loop stop that job)."""
+        for other in self._ranks.values():
+            if other.job != key[0] or other.rank == key[1] or not self._owner_holds(other):
+                continue
+            if uid != other.owner_uid:
+                self._refuse_foreign(other, f"uid {uid} for rank {key[1]}")
+            if launcher != other.owner_launcher:
+                self._refuse_foreign(other, f"{_launcher_words(launcher)} for rank {key[1]}")
 
     def _owner_holds(self, rank: _Rank) -> bool:
         """Whether the rank's owner still speaks for it: its launcher lives (same pid and
