@@ -715,7 +715,10 @@ class RankTable:
         if self._owner_holds(rank):
             if uid != rank.owner_uid:
                 self._refuse_foreign(rank, f"uid {uid}")
-            if launcher != rank.owner_launcher:
+            # The owner's own next run from another launcher (a script rerun from another
+            # shell) may follow once the rank's process has ended; two of its launchers
+            # may not fight over a live rank.
+            if launcher != rank.owner_launcher and rank.state in LIVE_STATES:
                 self._refuse_foreign(rank, _launcher_words(launcher))
         else:
             self._check_job_owner((rank.job, rank.rank), uid, launcher)
@@ -744,7 +747,7 @@ class RankTable:
                 continue
             if uid != other.owner_uid:
                 self._refuse_foreign(other, f"uid {uid} for rank {key[1]}")
-            if launcher != other.owner_launcher:
+            if launcher != other.owner_launcher and other.state in LIVE_STATES:
                 self._refuse_foreign(other, f"{_launcher_words(launcher)} for rank {key[1]}")
 
     def _owner_holds(self, rank: _Rank) -> bool:

@@ -397,6 +397,7 @@ kids = [subprocess.Popen(["sleep", "60"]) for _ in range(int(sys.argv[1]))]
 print(" ".join(str(k.pid) for k in kids), flush=True)
 for k in kids:
     k.wait()
+__import__("time").sleep(60)  # a launcher (a shell, say) outlives its ranks
 """
 
 
@@ -447,6 +448,21 @@ def test_a_rank_belongs_to_its_first_registrants_uid_and_launcher(launchers):
         table.update(rec(b2, rank=1), b2, uid=1000)
         assert table.verified_pid("j", 0) == b1 and table.verified_pid("j", 1) == b2
         assert set(table.launchers("j")) == {(b.pid, read_proc_stat(b.pid).start_ticks)}
+
+
+def test_the_owner_may_rerun_from_another_launcher_once_its_rank_ended(launchers):
+    a, (a1,) = launchers(1)
+    b, (b1,) = launchers(1)
+    with RankTable() as table:
+        table.update(rec(a1), a1, uid=1000)
+        with pytest.raises(ForeignOwnerError):
+            table.update(rec(b1), b1, uid=1000)  # two launchers fighting over a live rank
+        os.kill(a1, signal.SIGKILL)  # the rank ends; its launcher (a shell, say) lives on
+        wait_until(lambda: table.processes() == [], 5, "the rank's death")
+        with pytest.raises(ForeignOwnerError):
+            table.update(rec(b1), b1, uid=2000)  # never another user while `a` lives
+        table.update(rec(b1), b1, uid=1000)  # the owner's rerun
+        assert table.verified_pid("j", 0) == b1
 
 
 def test_each_uid_holds_at_most_its_share_of_the_table(launchers):
