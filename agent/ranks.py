@@ -717,8 +717,9 @@ class RankTable:
                 self._refuse_foreign(rank, f"uid {uid}")
             # The owner's own next run from another launcher (a script rerun from another
             # shell) may follow once the rank's process has ended; two of its launchers
-            # may not fight over a live rank.
-            if launcher != rank.owner_launcher and rank.state in LIVE_STATES:
+            # may not fight over a live rank. A sender already gone (its late record) has
+            # no launcher to compare: its uid is the owner's, which is what matters.
+            if launcher not in (None, rank.owner_launcher) and rank.state in LIVE_STATES:
                 self._refuse_foreign(rank, _launcher_words(launcher))
         else:
             self._check_job_owner((rank.job, rank.rank), uid, launcher)
@@ -747,7 +748,7 @@ class RankTable:
                 continue
             if uid != other.owner_uid:
                 self._refuse_foreign(other, f"uid {uid} for rank {key[1]}")
-            if launcher != other.owner_launcher and other.state in LIVE_STATES:
+            if launcher not in (None, other.owner_launcher) and other.state in LIVE_STATES:
                 self._refuse_foreign(other, f"{_launcher_words(launcher)} for rank {key[1]}")
 
     def _owner_holds(self, rank: _Rank) -> bool:
