@@ -305,7 +305,8 @@ print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
     wait_until(lambda: metric(agent.url, "rankguard_control_refused_total",
                               "foreign_stand_in") >= 1, 10, "the refused stand-in counted")  # fmt: skip
     # What the supervisor would do to a crash-looping or hung "evil" job:
-    stopped = http_json(agent.url + "/v1/control/stop-job", body={"job": "evil"}, token=TOKEN)
+    answer = http_json(agent.url + "/v1/control/stop-job", body={"job": "evil"}, token=TOKEN)
+    stopped = answer["result"]
     assert victim not in stopped["ranks_signalled"]
     assert launcher.pid not in stopped["launchers"]
     time.sleep(1)
