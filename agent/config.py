@@ -21,7 +21,11 @@ class AgentConfig:
     interval: float = 1.0
     token_file: Path | None = None
     telemetry_socket: str = DEFAULT_SOCKET_PATH
-    socket_mode: int = 0o666  # who may send telemetry: SO_PASSCRED pins each record to its pid
+    socket_mode: int = 0o660  # owner and group may send (each record pinned to its pid)
+    # the socket's group: the users whose ranks may send (name or gid; None: the agent's)
+    telemetry_group: str | int | None = None
+    telemetry_quota: float = 2000.0  # records/s per sender uid (x10 for root and the agent's)
+    telemetry_ranks_per_uid: int = 256  # table entries per sender uid (root/agent's: all)
     ckpt_dir: Path | None = None
     data_dir: Path | None = None
     expected_gpus: int | None = None
@@ -47,7 +51,28 @@ class AgentConfig:
             raise AgentConfigError("discover_workers must be auto, all or off")
         if self.expected_gpus is not None and self.expected_gpus < 0:
             raise AgentConfigError("expected_gpus must be >= 0")
+        if not 1 <= self.telemetry_quota <= 1e7:
+            raise AgentConfigError("telemetry_quota must be between 1 and 1e7 records/s")
+        if not 1 <= self.telemetry_ranks_per_uid <= 1 << 20:
+            raise AgentConfigError("telemetry_ranks_per_uid must be >= 1")
+        self.telemetry_gid()
         self.host_port()
+
+    def telemetry_gid(self) -> int | None:
+        """The telemetry socket's gid from ``telemetry_group`` (a name or a number)."""
+        g = self.telemetry_group
+        if g is None or (isinstance(g, int) and not isinstance(g, bool) and g >= 0):
+            return g
+        if isinstance(g, str) and g.isdigit():
+            return int(g)
+        if isinstance(g, str) and g:
+            import grp
+
+            try:
+                return grp.getgrnam(g).gr_gid
+            except KeyError:
+                raise AgentConfigError(f"telemetry_group: no group named {g!r}") from None
+        raise AgentConfigError(f"telemetry_group must be a group name or gid, got {g!r}")
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.bind.rpartition(":")

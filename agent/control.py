@@ -27,6 +27,18 @@ ALLOWED_SIGNALS = (
 )
 
 
+# Processes control refused to treat as a rank's stand-in or launcher, by reason (a
+# bounded label set; exported on /metrics as rankguard_control_refused_total{reason}):
+#   foreign_stand_in  a process the rank holds a pidfd on that runs as another uid
+#   stale_launcher    a remembered launcher whose pid now has another start time, another
+#                     uid, or is no torchrun: never signalled
+REFUSED: dict[str, int] = {"foreign_stand_in": 0, "stale_launcher": 0}
+
+
+def refused_counts() -> dict[str, int]:
+    return dict(REFUSED)
+
+
 class ControlError(Exception):
     """A refused or failed action; `status` is the HTTP status to answer with."""
 
@@ -111,7 +123,11 @@ def dump_stacks(table, body: dict, timeout: float = 20.0) -> dict:
 
 
 def _is_launcher(pid: int) -> bool:
-    """Whether `pid` is a torchrun / torch.distributed.run elastic agent."""
+    """Whether `pid`'s command line is a torchrun / torch.distributed.run elastic agent.
+
+    Never how a launcher is found (that is the rank's real parent, by pid and start time,
+    see `launcher_identity`): only a guard, so that stop-job does not SIGTERM the shell or
+    test runner a rank was started from directly."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
     except OSError:
@@ -119,10 +135,39 @@ def _is_launcher(pid: int) -> bool:
     return b"torch.distributed.run" in cmdline or b"torchrun" in cmdline
 
 
+def process_uid(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """The real uid of a process (/proc/<pid>/status), None if it is gone or unreadable."""
+    try:
+        text = (proc_root / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            parts = line.split()
+            return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+    return None
+
+
+def launcher_identity(pid: int | None) -> tuple[int, int] | None:
+    """(pid, start ticks) of a launcher, or None if it is gone: what stop-job checks
+    before signalling, so that a recycled pid is never signalled."""
+    from .ranks import read_proc_stat
+
+    if pid is None or pid <= 1:
+        return None
+    try:
+        stat = read_proc_stat(pid)
+    except (OSError, ValueError):
+        return None
+    return (pid, stat.start_ticks) if stat is not None else None
+
+
 def launcher_pid(pid: int, ppid: int | None) -> int | None:
-    """The torchrun launcher of a rank process: its parent; or, for a warm-started worker
+    """The launcher of a rank process: its real parent; or, for a warm-started worker
     (trainer/warm.py, forked by the warm server), the parent of the shim torchrun started,
-    which the worker watches through a pidfd. Else the parent as it is."""
+    which the worker watches through a pidfd. The shim must run as the worker's uid:
+    anyone may open a pidfd on any process, and a foreign one must not become this
+    rank's stand-in or lead to its launcher."""
     from .ranks import read_proc_stat
 
     shim = stand_in_pid(pid, ppid)
@@ -132,16 +177,20 @@ def launcher_pid(pid: int, ppid: int | None) -> int | None:
 
 def stand_in_pid(pid: int, ppid: int | None) -> int | None:
     """The process torchrun started in place of a rank that runs elsewhere: the warm-start
-    shim, a process the rank holds a pidfd on whose parent is a launcher (agent/stand_ins.py).
-    None for a rank that torchrun started itself."""
+    shim, a process the rank holds a pidfd on, of the same uid, whose parent is a launcher
+    (agent/stand_ins.py). None for a rank that torchrun started itself."""
     if ppid is None or _is_launcher(ppid):
         return None
     from .ranks import read_proc_stat
 
+    uid = process_uid(pid)
     for shim in _pidfd_targets(pid):
         stat = read_proc_stat(shim)
-        if stat is not None and _is_launcher(stat.ppid):
+        if stat is None or not _is_launcher(stat.ppid):
+            continue
+        if uid is not None and process_uid(shim) == uid and process_uid(stat.ppid) == uid:
             return shim
+        REFUSED["foreign_stand_in"] += 1
     return None
 
 
@@ -170,13 +219,22 @@ def stop_job(table, body: dict) -> dict:
     """End a job on this node: SIGTERM its torchrun launcher(s), so the elastic agent tears
     the workers down and does not restart them; live ranks without a launcher get SIGTERM.
     Works between incarnations too (every rank dead, torchrun about to restart them): the
-    launchers are remembered from the ranks' registration."""
+    launchers are remembered from the ranks' registration.
+
+    A launcher is a rank's real parent remembered by pid and start time, and it is
+    signalled only while that pid still has that start time and the rank owner's uid
+    (a recycled pid, or a process of another user, is never signalled)."""
     from .ranks import read_proc_stat
 
     job = body.get("job")
     if not isinstance(job, str) or not job:
         raise ControlError(400, "body needs 'job' (a non-empty string)")
-    launchers = {pid for pid in table.parent_pids(job) if _is_launcher(pid)}
+    remembered = table.launchers(job)
+    launchers = {
+        pid for (pid, start), uid in remembered.items() if _still_launcher(pid, start, uid)
+    }
+    REFUSED["stale_launcher"] += len(remembered) - len(launchers)
+    starts = {pid: start for pid, start in remembered}
     orphans = []
     for j, rank, _ in table.processes():
         if j != job:
@@ -184,13 +242,51 @@ def stop_job(table, body: dict) -> dict:
         verified = resolve_pid(table, job, rank)
         stat = read_proc_stat(verified)
         launcher = launcher_pid(verified, stat.ppid) if stat is not None else None
-        if launcher is not None and _is_launcher(launcher):
-            launchers.add(launcher)
+        ident = launcher_identity(launcher)
+        if ident is not None and _still_launcher(*ident, process_uid(verified)):
+            launchers.add(ident[0])
+            starts[ident[0]] = ident[1]
         else:
             orphans.append(verified)
     if not launchers and not orphans:
         raise ControlError(404, f"no launcher or live rank of job {job} on this node")
-    for pid in sorted(launchers) + orphans:
+    launchers = {pid for pid in launchers if _signal_exact(pid, starts[pid], signal.SIGTERM)}
+    for pid in orphans:
         with contextlib.suppress(ProcessLookupError):  # already gone: that is the goal
             os.kill(pid, signal.SIGTERM)
     return {"job": job, "launchers": sorted(launchers), "ranks_signalled": orphans}
+
+
+def _signal_exact(pid: int, start: int, sig: int) -> bool:
+    """Signal `pid` only if it is still the process that started at `start`: through a
+    pidfd opened first and checked after, so the pid cannot be recycled in between."""
+    from .ranks import read_proc_stat
+
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return False
+    try:
+        stat = read_proc_stat(pid)
+        if stat is None or stat.start_ticks != start:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def _still_launcher(pid: int, start: int, uid: int | None) -> bool:
+    """`pid` still names the launcher remembered (same start time), runs as the rank
+    owner's uid, and is a torchrun (not the shell a rank was started from)."""
+    from .ranks import read_proc_stat
+
+    try:
+        stat = read_proc_stat(pid)
+    except (OSError, ValueError):
+        return False
+    if stat is None or stat.start_ticks != start or stat.state in "ZXx":
+        return False
+    return uid is not None and process_uid(pid) == uid and _is_launcher(pid)

@@ -42,8 +42,11 @@ class Agent:
         self.tls = load_tls(cfg.tls_cert, cfg.tls_key)
         self.started_at = time.time()
         self.control_actions: list[dict] = []  # an audit trail, newest last (bounded)
-        self.table = RankTable()
-        self.receiver = TelemetryReceiver(cfg.telemetry_socket, self.table, mode=cfg.socket_mode)
+        self.table = RankTable(max_ranks_per_uid=cfg.telemetry_ranks_per_uid)
+        self.receiver = TelemetryReceiver(
+            cfg.telemetry_socket, self.table, mode=cfg.socket_mode, group=cfg.telemetry_gid(),
+            quota_rate=cfg.telemetry_quota, quota_burst=2 * cfg.telemetry_quota,
+        )  # fmt: skip
         self.scanner = (
             WorkerScanner(agent_socket=cfg.telemetry_socket, mode=cfg.discover_workers)
             if cfg.discover_workers != "off"
@@ -171,7 +174,7 @@ class Agent:
         self.table.refresh()
         stats = self.receiver.stats()
         telemetry = TelemetryStats(stats["path"], stats["accepted"], stats["rejected"],
-                                   stats["last_error"])  # fmt: skip
+                                   stats["last_error"], stats["pressure_at"])  # fmt: skip
         answer = self.table.read(
             (query or {}).get("after"), time.time(), node=self.cfg.node, telemetry=telemetry
         )

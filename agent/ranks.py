@@ -46,7 +46,7 @@ from ..contract.cursor import Since, answer_fields, new_incarnation, since
 from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
 from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
 from ..contract.telemetry import SPLIT_FIELDS, TelemetryRecord
-from .control import launcher_pid, stand_in_pid
+from .control import launcher_identity, launcher_pid, process_uid, stand_in_pid
 from .stand_ins import StandIn, stand_in_state
 
 __all__ = [
@@ -54,7 +54,9 @@ __all__ = [
     "ProcStat",
     "ProcessWatcher",
     "RankEvent",
+    "ForeignOwnerError",
     "RankLookupError",
+    "RankQuotaError",
     "RankTable",
     "RankTableFullError",
     "parse_proc_stat",
@@ -86,6 +88,14 @@ class RankLookupError(LookupError):
 
 class RankTableFullError(RuntimeError):
     """The table holds max_ranks ranks and none of them is dead: a new rank is refused."""
+
+
+class ForeignOwnerError(RuntimeError):
+    """A record for a (job, rank) owned by another uid or another launcher: refused."""
+
+
+class RankQuotaError(RankTableFullError):
+    """The sender's uid already holds its share of the table: a new rank is refused."""
 
 
 # --------------------------------------------------------------------------- /proc
@@ -405,6 +415,11 @@ class _Rank:
         self.process_changes = 0
         self.history: deque[HistoryEntry] = deque(maxlen=history)
         self.start_process(record.pid, stat, now)
+        # Ownership (docs/security.md): the kernel-verified uid and the launcher (pid,
+        # start ticks) of the first registration speak for this (job, rank) until that
+        # launcher exits; set by the table.
+        self.owner_uid: int | None = None
+        self.owner_launcher: tuple[int, int] | None = self.launcher
 
     def start_process(self, pid: int, stat: ProcStat | None, now: float) -> None:
         """Watch a new process from now on (first sight, or a restart)."""
@@ -413,6 +428,8 @@ class _Rank:
         # torchrun's agent, for stop-job: remembered now, as between incarnations every
         # rank is dead and the job must still be stoppable
         self.parent_pid = launcher_pid(pid, stat.ppid) if stat else None
+        # ... and its identity: a pid alone could be recycled by the time it is signalled
+        self.launcher = launcher_identity(self.parent_pid)
         self.stand_in = _find_stand_in(pid, stat, now)  # a warm-start shim: watched too
         self.state, self.detail = "alive", None
         self.state_since = now  # when the state last changed (a stop's duration)
@@ -557,6 +574,10 @@ class _Rank:
         return picked
 
 
+def _launcher_words(launcher: tuple[int, int] | None) -> str:
+    return f"launcher {launcher[0]}" if launcher else "a process without a launcher"
+
+
 def _find_stand_in(pid: int, stat: ProcStat | None, now: float) -> StandIn | None:
     shim = stand_in_pid(pid, stat.ppid) if stat else None
     shim_stat = read_proc_stat(shim) if shim is not None else None
@@ -580,6 +601,13 @@ class RankTable:
     takes the place of the longest-dead rank, or is refused (:class:`RankTableFullError`,
     counted) when every rank is live. Dead ranks are forgotten ``forget_after`` seconds
     after their exit.
+
+    Ownership and quotas (docs/security.md): a (job, rank) belongs to the uid and the
+    launcher of its first registration while that launcher lives
+    (:class:`ForeignOwnerError` otherwise); one uid holds at most ``max_ranks_per_uid``
+    entries (:class:`RankQuotaError`), except the ``privileged_uids`` (root and the
+    agent's own uid by default), which may fill the table: one user inventing (job,
+    rank) keys cannot push out another user's ranks.
     """
 
     def __init__(
@@ -594,10 +622,20 @@ class RankTable:
         wall_clock: Callable[[], float] = time.time,
         proc_root: Path = Path("/proc"),
         use_pidfd: bool | None = None,
+        max_ranks_per_uid: int = 256,
+        privileged_uids: frozenset[int] | None = None,
     ) -> None:
         if max_ranks < 1 or history < 1 or recent < 0 or forget_after < 0:
             raise ValueError("max_ranks and history must be >= 1; recent, forget_after >= 0")
+        if max_ranks_per_uid < 1:
+            raise ValueError("max_ranks_per_uid must be >= 1")
         self.max_ranks = max_ranks
+        self.max_ranks_per_uid = max_ranks_per_uid
+        self.privileged_uids = (
+            frozenset({0, os.getuid()}) if privileged_uids is None else privileged_uids
+        )
+        self.foreign = 0  # records refused: the (job, rank) belongs to another owner
+        self.over_quota = 0  # new ranks refused: the uid holds its share of the table
         self.history = history
         self.recent = recent
         self.forget_after = forget_after
@@ -623,27 +661,44 @@ class RankTable:
         return self._watcher.mode
 
     # -- feeding ----------------------------------------------------------------------
-    def update(self, record: TelemetryRecord, sender_pid: int, now: float | None = None) -> None:
-        """Take one record whose sender the kernel identified as ``sender_pid``.
+    def update(
+        self,
+        record: TelemetryRecord,
+        sender_pid: int,
+        now: float | None = None,
+        *,
+        uid: int | None = None,
+    ) -> None:
+        """Take one record whose sender the kernel identified as ``sender_pid`` and
+        ``uid`` (None: the agent's own uid, for in-process callers).
 
-        Raises ValueError if the record's pid is not the sender's, and
-        :class:`RankTableFullError` for a new rank that does not fit.
+        Raises ValueError if the record's pid is not the sender's,
+        :class:`ForeignOwnerError` for a (job, rank) someone else owns, and
+        :class:`RankTableFullError` (or its :class:`RankQuotaError`) for a new rank that
+        does not fit.
         """
         if record.pid != sender_pid:
             raise ValueError(f"record pid {record.pid} is not the sender's pid {sender_pid}")
+        uid = os.getuid() if uid is None else uid
         now = self._now(now)
         key = (record.job, record.rank)
         with self._lock:
             rank = self._ranks.get(key)
             if rank is None:
+                stat = self._stat(sender_pid)
+                self._check_job_owner(key, uid, self._launcher_of(sender_pid, stat))
+                self._check_uid_quota(key, uid)
                 self._make_room(key)
                 rank = _Rank(record, self._identify(sender_pid), now, self.history)
+                rank.owner_uid = uid
                 self._ranks[key] = rank
                 events = [RankEvent(rank.job, rank.rank, sender_pid, None, "alive", now)]
             elif rank.pid == sender_pid and self._same_process(rank):
+                if rank.owner_uid is not None and uid != rank.owner_uid:
+                    self._refuse_foreign(rank, f"uid {uid}")  # the process changed uid
                 events = []
             else:
-                events = [self._replace_process(rank, sender_pid, now)]
+                events = [self._take_over(rank, sender_pid, uid, now)]
             # A worker found in /proc that now speaks telemetry is that same rank, and from
             # now on a telemetry rank (its steps, phase and heartbeat are known).
             rank.source = "telemetry"
@@ -652,6 +707,86 @@ class RankTable:
             events.append(self._settle(rank, now))
             self._drop_discovered(rank)
         self._emit(events)
+
+    def _take_over(self, rank: _Rank, pid: int, uid: int, now: float) -> RankEvent:
+        """A new process speaks for a known rank: a restart by the rank's owner (same uid,
+        same launcher), or anyone's once the owner's launcher has exited."""
+        launcher = self._launcher_of(pid, self._stat(pid))
+        if self._owner_holds(rank):
+            if uid != rank.owner_uid:
+                self._refuse_foreign(rank, f"uid {uid}")
+            # The owner's own next run from another launcher (a script rerun from another
+            # shell) may follow once the rank's process has ended; two of its launchers
+            # may not fight over a live rank. A sender already gone (its late record) has
+            # no launcher to compare: its uid is the owner's, which is what matters.
+            if launcher not in (None, rank.owner_launcher) and rank.state in LIVE_STATES:
+                self._refuse_foreign(rank, _launcher_words(launcher))
+        else:
+            self._check_job_owner((rank.job, rank.rank), uid, launcher)
+        event = self._replace_process(rank, pid, now)
+        rank.owner_uid, rank.owner_launcher = uid, rank.launcher
+        return event
+
+    def _stat(self, pid: int) -> ProcStat | None:
+        try:
+            return read_proc_stat(pid, self._proc_root)
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _launcher_of(pid: int, stat: ProcStat | None) -> tuple[int, int] | None:
+        return launcher_identity(launcher_pid(pid, stat.ppid)) if stat else None
+
+    def _check_job_owner(
+        self, key: tuple[str, int], uid: int, launcher: tuple[int, int] | None
+    ) -> None:
+        """A new rank of a job joins its owner: the job's other ranks whose owner still
+        holds them must have this uid and launcher (else one user could add a rank to
+        another's job and have its crash loop stop that job)."""
+        for other in self._ranks.values():
+            if other.job != key[0] or other.rank == key[1] or not self._owner_holds(other):
+                continue
+            if uid != other.owner_uid:
+                self._refuse_foreign(other, f"uid {uid} for rank {key[1]}")
+            if launcher not in (None, other.owner_launcher) and other.state in LIVE_STATES:
+                self._refuse_foreign(other, f"{_launcher_words(launcher)} for rank {key[1]}")
+
+    def _owner_holds(self, rank: _Rank) -> bool:
+        """Whether the rank's owner still speaks for it: its launcher lives (same pid and
+        start time), or, for a rank without a known launcher, its process does."""
+        if rank.owner_uid is None:
+            return False
+        if rank.owner_launcher is None:
+            return rank.state in LIVE_STATES
+        pid, start = rank.owner_launcher
+        stat = read_proc_stat(pid, self._proc_root)
+        return stat is not None and stat.start_ticks == start and stat.state not in "ZXx"
+
+    def _refuse_foreign(self, rank: _Rank, who: str) -> None:
+        self.foreign += 1
+        owner = f"launcher {rank.owner_launcher[0]}" if rank.owner_launcher else "its process"
+        raise ForeignOwnerError(
+            f"job {rank.job!r} rank {rank.rank} belongs to uid {rank.owner_uid} and {owner} "
+            f"until that exits; refusing {who}"
+        )
+
+    def _check_uid_quota(self, key: tuple[str, int], uid: int) -> None:
+        """Room for one more rank of ``uid``: its longest-ended rank makes room, if any."""
+        if uid in self.privileged_uids:
+            return
+        mine = [(r.exited_at, k) for k, r in self._ranks.items() if r.owner_uid == uid]
+        if len(mine) < self.max_ranks_per_uid:
+            return
+        ended = [(at, k) for at, k in mine if at is not None]
+        if ended:
+            del self._ranks[min(ended)[1]]
+            self.evicted += 1
+            return
+        self.over_quota += 1
+        raise RankQuotaError(
+            f"uid {uid} holds {len(mine)} live ranks (its quota): refusing job {key[0]!r} "
+            f"rank {key[1]}"
+        )
 
     def _drop_discovered(self, rank: _Rank) -> None:
         """A process that speaks telemetry is one rank, not two: forget the ranks found in
@@ -704,6 +839,8 @@ class RankTable:
                         continue
                     rank = _Rank(record, stat, now, self.history, source="process")
                     rank.parent_pid = w.launcher
+                    rank.launcher = rank.owner_launcher = (w.launcher, w.launcher_start)
+                    rank.owner_uid = process_uid(w.pid, self._proc_root)
                     self._ranks[key] = rank
                     events.append(RankEvent(job, w.rank, w.pid, None, "alive", now))
                 else:
@@ -713,6 +850,8 @@ class RankTable:
                     rank.record = record
                     rank.start_process(w.pid, stat, now)
                     rank.parent_pid = w.launcher
+                    rank.launcher = rank.owner_launcher = (w.launcher, w.launcher_start)
+                    rank.owner_uid = process_uid(w.pid, self._proc_root)
                     rank.process_changes += 1
                     detail = f"new process {w.pid} replaces {old_pid}"
                     events.append(RankEvent(job, w.rank, w.pid, previous, "alive", now, detail))
@@ -952,6 +1091,17 @@ class RankTable:
         with self._lock:
             return {r.parent_pid for r in self._ranks.values() if r.job == job and r.parent_pid}
 
+    def launchers(self, job: str) -> dict[tuple[int, int], int | None]:
+        """The job's launchers as remembered at its ranks' registration, live or dead:
+        (pid, start ticks) -> the owner uid. A caller signals one only while that pid still
+        has that start time (agent/control.py: a recycled pid is never signalled)."""
+        with self._lock:
+            return {
+                r.launcher: r.owner_uid
+                for r in self._ranks.values()
+                if r.job == job and r.launcher is not None
+            }
+
     def counts(self) -> dict[str, int]:
         """Number of ranks in each state, every state present."""
         out = dict.fromkeys(RANK_STATES, 0)
@@ -969,6 +1119,8 @@ class RankTable:
             "refused": self.refused,
             "evicted": self.evicted,
             "forgotten": self.forgotten,
+            "foreign": self.foreign,
+            "over_quota": self.over_quota,
             "watcher": self.watcher_mode,
         }
 

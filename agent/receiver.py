@@ -13,6 +13,16 @@ agent to signal anything. A trainer in another PID namespace (a container withou
 ``--pid=host``) shows up as ``pid_mismatch`` too: its own idea of its PID is not the
 agent's.
 
+Ownership and quotas (docs/security.md). The kernel also vouches for the sender's uid:
+a (job, rank) belongs to the uid and launcher of its first registration until that
+launcher exits (``foreign_owner`` otherwise; see ranks.py). Each sender uid has a token
+bucket of records per second, checked before decoding so that refusing a flood is cheap
+(``quota``), and a share of the table (``rank_quota``); root and the agent's own uid get
+``privileged_factor`` times the rate. ``pressure_at`` remembers when the socket was last
+under pressure (a refusal for quota, or a drain that found a full batch waiting): records
+of honest ranks may have been lost then, and the supervisor's hang detector does not take
+their silence as a hang while their processes are busy.
+
 Queueing. The kernel bounds a Unix datagram queue by ``net.unix.max_dgram_qlen``
 (often 10 datagrams) as well as by buffer space; senders drop on a full queue without
 blocking, so this thread only decodes and hands over, nothing slow.
@@ -30,11 +40,12 @@ import socket
 import stat
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from ..contract.telemetry import MAX_DATAGRAM_BYTES, REASONS, TelemetryError, decode
-from .ranks import RankTable, RankTableFullError
+from .ranks import ForeignOwnerError, RankQuotaError, RankTable, RankTableFullError
 
 __all__ = ["RECEIVER_REASONS", "SocketInUseError", "TelemetryReceiver"]
 
@@ -46,6 +57,9 @@ RECEIVER_REASONS: tuple[str, ...] = (
     "pid_mismatch",  # the record's pid is not the kernel-verified sender's
     "no_credentials",  # no SCM_CREDENTIALS attached (should not happen with SO_PASSCRED)
     "table_full",  # a new rank beyond the table's cap
+    "foreign_owner",  # the (job, rank) belongs to another uid or launcher
+    "quota",  # the sender's uid sent more records per second than its quota
+    "rank_quota",  # a new rank beyond the sender uid's share of the table
     "internal_error",  # a bug on our side; logged with its traceback
 )
 
@@ -54,6 +68,41 @@ _ANC_BUFSIZE = socket.CMSG_SPACE(_UCRED.size)  # room for credentials and nothin
 _RECV_BUFSIZE = MAX_DATAGRAM_BYTES + 1  # one byte more than allowed reveals oversize
 _DRAIN_BATCH = 256  # datagrams per wake-up before checking for close()
 _MAX_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
+_MAX_BUCKETS = 4096  # sender uids with a token bucket; full buckets are dropped beyond
+
+
+class Quota:
+    """Records per second per sender uid: a token bucket each (pure, clock passed in).
+
+    ``rate`` tokens a second up to ``burst``; the ``privileged`` uids get ``factor``
+    times both. Bounded: beyond ``_MAX_BUCKETS`` uids, buckets that are full again (their
+    uid has been quiet) are forgotten.
+    """
+
+    def __init__(
+        self, rate: float, burst: float, privileged: frozenset[int], factor: float = 10.0
+    ) -> None:
+        if rate <= 0 or burst < 1 or factor < 1:
+            raise ValueError("quota rate must be > 0, burst >= 1, factor >= 1")
+        self.rate, self.burst, self.privileged, self.factor = rate, burst, privileged, factor
+        self._buckets: dict[int, tuple[float, float]] = {}  # uid -> (tokens, at)
+
+    def allow(self, uid: int, now: float) -> bool:
+        scale = self.factor if uid in self.privileged else 1.0
+        rate, burst = self.rate * scale, self.burst * scale
+        tokens, at = self._buckets.get(uid, (burst, now))
+        tokens = min(burst, tokens + max(0.0, now - at) * rate)
+        ok = tokens >= 1.0
+        self._buckets[uid] = (tokens - 1.0 if ok else tokens, now)
+        if len(self._buckets) > _MAX_BUCKETS:
+            self._forget_full(now)
+        return ok
+
+    def _forget_full(self, now: float) -> None:
+        for uid, (tokens, at) in list(self._buckets.items()):
+            scale = self.factor if uid in self.privileged else 1.0
+            if tokens + (now - at) * self.rate * scale >= self.burst * scale:
+                del self._buckets[uid]
 
 
 class SocketInUseError(OSError):
@@ -78,10 +127,20 @@ class TelemetryReceiver:
         mode: int = 0o660,
         *,
         rcvbuf: int = 4 << 20,
+        group: int | None = None,
+        quota_rate: float = 2000.0,
+        quota_burst: float = 4000.0,
+        privileged_factor: float = 10.0,
+        clock=time.monotonic,
     ) -> None:
         self.path = Path(path)
         self.table = table
         self.mode = mode
+        self.group = group  # the socket file's gid (who may send, with mode 0o660)
+        privileged = getattr(table, "privileged_uids", frozenset({0, os.getuid()}))
+        self.quota = Quota(quota_rate, quota_burst, privileged, privileged_factor)
+        self._clock = clock
+        self.pressure_at: float | None = None  # Unix time of the last sign of lost records
         self._lock = threading.Lock()
         self._accepted = 0
         self._rejected = dict.fromkeys(RECEIVER_REASONS, 0)
@@ -115,6 +174,8 @@ class TelemetryReceiver:
                 if stat.S_ISSOCK(os.lstat(tmp).st_mode):
                     os.unlink(tmp)
             sock.bind(str(tmp))
+            if self.group is not None:
+                os.chown(tmp, -1, self.group)
             os.chmod(tmp, self.mode)
             os.rename(tmp, self.path)
         except BaseException:
@@ -148,22 +209,40 @@ class TelemetryReceiver:
                     self._reject("internal_error", f"recvmsg failed: {e}")
                 return
             try:
-                sender = _sender_pid(ancdata)
-                self.handle(data, sender, truncated=bool(flags & socket.MSG_TRUNC))
+                cred = _sender_cred(ancdata)
+                pid, uid = (cred[0], cred[1]) if cred else (None, None)
+                self.handle(data, pid, truncated=bool(flags & socket.MSG_TRUNC), uid=uid)
             except Exception as e:
                 log.exception("telemetry datagram handling failed")
                 self._reject("internal_error", repr(e))
+        # A full batch: the queue was long, and senders may have found it full.
+        with self._lock:
+            self.pressure_at = time.time()
 
-    def handle(self, data: bytes, sender_pid: int | None, truncated: bool = False) -> str | None:
-        """Judge one datagram from ``sender_pid`` (None: no credentials came with it).
+    def handle(
+        self,
+        data: bytes,
+        sender_pid: int | None,
+        truncated: bool = False,
+        *,
+        uid: int | None = None,
+    ) -> str | None:
+        """Judge one datagram from ``sender_pid`` and ``uid`` (pid None: no credentials
+        came with it; uid None: the agent's own uid, for in-process callers).
 
         Returns None when the record was accepted into the table, else the reason it
         was rejected (also counted). The receiving thread calls this for each datagram.
         """
-        if truncated or len(data) > MAX_DATAGRAM_BYTES:
-            return self._reject("too_large", f"datagram larger than {MAX_DATAGRAM_BYTES} bytes")
         if sender_pid is None:
             return self._reject("no_credentials", "datagram arrived without sender credentials")
+        uid = os.getuid() if uid is None else uid
+        # Before anything costly: a flood is refused for the price of a dict lookup.
+        if not self.quota.allow(uid, self._clock()):
+            with self._lock:
+                self.pressure_at = time.time()
+            return self._reject("quota", f"uid {uid} sent more than its records per second")
+        if truncated or len(data) > MAX_DATAGRAM_BYTES:
+            return self._reject("too_large", f"datagram larger than {MAX_DATAGRAM_BYTES} bytes")
         try:
             record = decode(data)
         except TelemetryError as e:
@@ -171,7 +250,11 @@ class TelemetryReceiver:
         if record.pid != sender_pid:
             return self._reject("pid_mismatch", _mismatch_message(record.pid, sender_pid))
         try:
-            self.table.update(record, sender_pid)
+            self.table.update(record, sender_pid, uid=uid)
+        except ForeignOwnerError as e:
+            return self._reject("foreign_owner", str(e))
+        except RankQuotaError as e:
+            return self._reject("rank_quota", str(e))
         except RankTableFullError as e:
             return self._reject("table_full", str(e))
         with self._lock:
@@ -200,6 +283,7 @@ class TelemetryReceiver:
                 "rejected": dict(self._rejected),
                 "rejected_total": sum(self._rejected.values()),
                 "last_error": dict(self._last_error),
+                "pressure_at": self.pressure_at,
             }
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -251,24 +335,30 @@ def _remove_stale_socket(path: Path) -> None:
 
 
 def _sender_pid(ancdata: list[tuple[int, int, bytes]]) -> int | None:
-    """The kernel-verified sender PID from SCM_CREDENTIALS; None if absent.
+    """The kernel-verified sender PID from SCM_CREDENTIALS; None if absent."""
+    cred = _sender_cred(ancdata)
+    return cred[0] if cred else None
+
+
+def _sender_cred(ancdata: list[tuple[int, int, bytes]]) -> tuple[int, int, int] | None:
+    """The kernel-verified sender (pid, uid, gid) from SCM_CREDENTIALS; None if absent.
 
     Any file descriptors passed along (SCM_RIGHTS) are closed at once: the ancillary
     buffer only has room for credentials, but an fd that slipped in must not leak.
     """
-    pid = None
+    cred = None
     for level, kind, payload in ancdata:
         if level != socket.SOL_SOCKET:
             continue
         if kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
-            pid = _UCRED.unpack_from(payload)[0]
+            cred = _UCRED.unpack_from(payload)
         elif kind == socket.SCM_RIGHTS:
             fds = array.array("i")
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-    return pid
+    return cred
 
 
 def _mismatch_message(claimed: int, sender: int) -> str:

@@ -22,6 +22,23 @@ def agent(
     telemetry_socket: Annotated[
         str, Opt(help="Unix datagram socket the trainer's ranks send to")
     ] = None,
+    telemetry_group: Annotated[
+        str,
+        Opt(
+            help="group of the telemetry socket (mode 0660): users whose ranks may send "
+            "[the agent's own group]"
+        ),
+    ] = None,
+    telemetry_quota: Annotated[
+        float,
+        Opt(
+            help="telemetry records per second per sender uid (x10 for root and the "
+            "agent's uid) [2000]"
+        ),
+    ] = None,
+    telemetry_ranks_per_uid: Annotated[
+        int, Opt(help="rank table entries per sender uid (root and the agent's uid: all) [256]")
+    ] = None,
     ckpt_dir: Annotated[
         Path, Opt(help="checkpoint directory: its filesystem's space is watched")
     ] = None,
@@ -77,7 +94,8 @@ def agent(
         bind=bind, interval=interval, token_file=token_file, telemetry_socket=telemetry_socket,
         ckpt_dir=ckpt_dir, data_dir=data_dir, expected_gpus=expected_gpus,
         nvml_double=nvml_double, node=node, discover_workers=discover_workers,
-        tls_cert=tls_cert, tls_key=tls_key,
+        tls_cert=tls_cert, tls_key=tls_key, telemetry_group=telemetry_group,
+        telemetry_quota=telemetry_quota, telemetry_ranks_per_uid=telemetry_ranks_per_uid,
     )  # fmt: skip
     try:
         cfg = load_config(config, overrides)

@@ -406,6 +406,9 @@ class TelemetryStats:
     accepted: int = 0
     rejected: Mapping[str, int] = field(default_factory=dict)
     last_error: Mapping[str, str] = field(default_factory=dict)
+    # when the receiver last saw signs of lost records (a quota refusal, a full queue):
+    # Unix time, None for never; optional on the wire (older agents do not send it)
+    pressure_at: float | None = None
 
     @property
     def rejected_total(self) -> int:
@@ -414,7 +417,7 @@ class TelemetryStats:
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "accepted": self.accepted, "rejected": dict(self.rejected),
                 "rejected_total": self.rejected_total,
-                "last_error": dict(self.last_error)}  # fmt: skip
+                "last_error": dict(self.last_error), "pressure_at": self.pressure_at}  # fmt: skip
 
     @classmethod
     def from_json(cls, obj: Any) -> TelemetryStats:
@@ -425,8 +428,9 @@ class TelemetryStats:
         last = _object(_get(o, "last_error"), "last_error")
         for key in last:
             _str(last, key)
+        pressure = _float(o, "pressure_at", optional=True) if "pressure_at" in o else None
         return cls(path=_str(o, "path"), accepted=_int(o, "accepted"), rejected=rejected,
-                   last_error=dict(last))  # fmt: skip
+                   last_error=dict(last), pressure_at=pressure)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,10 @@ class NodeObs:
     status: str | None = None  # the agent's verdict: healthy, degraded, unhealthy
     reasons: tuple[dict, ...] = ()
     ranks: tuple[RankObs, ...] = ()
+    # seconds since the agent's telemetry socket last showed lost records (quota refusals,
+    # a full queue), None for never: a silent rank there may be a busy one whose records
+    # were dropped (detectors/hang.py)
+    telemetry_pressure_age: float | None = None
 
     @classmethod
     def of(
@@ -125,6 +129,9 @@ class NodeObs:
             status=node.status,
             reasons=tuple(r.to_json() for r in node.reasons),
             ranks=tuple(RankObs.of(name, r, w.get((r.job, r.rank))) for r in ranks.ranks),
+            telemetry_pressure_age=None
+            if ranks.telemetry.pressure_at is None
+            else max(0.0, ranks.time - ranks.telemetry.pressure_at),
         )
 
     def aged(self, now: float) -> NodeObs:
@@ -133,7 +140,9 @@ class NodeObs:
         late = now - self.observed_at
         if late <= 0 or not self.ranks:
             return self
-        return replace(self, ranks=tuple(
+        pressure = self.telemetry_pressure_age
+        return replace(self, telemetry_pressure_age=None if pressure is None else pressure + late,
+                       ranks=tuple(
             replace(r, heartbeat_age_seconds=r.heartbeat_age_seconds + late)
             if r.heartbeat_age_seconds is not None else r for r in self.ranks
         ))  # fmt: skip

@@ -350,16 +350,18 @@ def test_verified_pid_refuses_recycled_pid(tmp_path, children):
 
 
 def test_restart_replaces_process_and_keeps_history(table, children):
+    # torchrun's restart: a new worker of the same launcher (here: this test process)
+    first = subprocess.Popen(["sleep", "30"])
     child = subprocess.Popen(["sleep", "30"])
-    children.append(child)
-    table.update(rec(step=5), os.getpid())
+    children.extend([first, child])
+    table.update(rec(pid=first.pid, step=5), first.pid)
     table.update(rec(pid=child.pid, restart=1, step=6), child.pid)
     r = rank_of(table)
     assert (r["pid"], r["restart"], r["process_changes"], r["records_received"]) == (
         child.pid, 1, 1, 2,
     )  # fmt: skip
     assert [(e["pid"], e["restart"], e["step"]) for e in r["recent"]] == [
-        (os.getpid(), 0, 5),
+        (first.pid, 0, 5),
         (child.pid, 1, 6),
     ]
     assert table.verified_pid("llama", 0) == child.pid

@@ -140,7 +140,14 @@ def node_metrics(counts: dict[str, int], stats: dict[str, Any] | None) -> list[M
                        "Telemetry datagrams rejected, by reason.", ("reason",))  # fmt: skip
     for reason in RECEIVER_REASONS:
         rejected.add((reason,), stats["rejected"].get(reason, 0) if stats else 0)
-    return [by_state, accepted, rejected]
+    from ..control import refused_counts
+
+    refused = counter("rankguard_control_refused_total",
+                      "Processes control refused as a rank's stand-in or launcher, by reason.",
+                      ("reason",))  # fmt: skip
+    for reason, n in sorted(refused_counts().items()):
+        refused.add((reason,), n)
+    return [by_state, accepted, rejected, refused]
 
 
 def _share(part: float, whole: float) -> float:

@@ -7,6 +7,13 @@ hung rank stops them all; the culprit is the rank that has not reached the colle
 the others wait in. Telemetry names it when it can (a stopped process, a lower step, a
 rank spinning while the others sleep); otherwise the loop dumps every rank's stack and
 asks `pick_culprit_from_stacks`.
+
+No kill on missing evidence: a silent rank is not a stuck one when its records may be
+getting lost. When the agent's telemetry socket shows pressure right now (quota refusals,
+a full queue: `NodeObs.telemetry_pressure_age`) and the rank's process used CPU recently,
+its silence proves nothing; when every overdue rank is such a rank, there is no finding.
+A rank that is silent and idle, or silent on a quiet socket, is judged as before, so a
+flood cannot hide a job whose ranks sleep in a collective behind one spinning rank.
 """
 
 from __future__ import annotations
@@ -62,6 +69,11 @@ class HangConfig:
 
 # Frames of a rank that waits in (or on its way into) a collective, matched against
 # function names of the main thread's frames in a py-spy dump.
+# The socket's pressure must be this fresh, and the process's CPU activity too, for a
+# silence to count as records lost rather than progress stopped.
+PRESSURE_RECENT_SECONDS = 5.0
+BUSY_RECENT_SECONDS = 5.0
+
 COLLECTIVE_MARKERS = (
     "all_reduce",
     "allreduce",
@@ -124,6 +136,9 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
     judged = [r for r in live if r.state != "stopped"] or live
     if not all(_overdue(r, budgets[r.rank]) for r in judged):
         return None
+    pressure = {n.node: n.telemetry_pressure_age for n in obs.nodes}
+    if all(records_lost_while_busy(obs.time, r, pressure.get(r.node)) for r in judged):
+        return None  # missing evidence, not evidence of a hang
 
     culprit, reason = pick_culprit(live, cfg)
     behind: dict = {}
@@ -165,6 +180,14 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
             **behind,
         },
     )
+
+
+def records_lost_while_busy(now: float, r: RankObs, pressure_age: float | None) -> bool:
+    """Whether a silent rank's records may be being dropped while its process works: its
+    node's telemetry socket is under pressure now and the process used CPU recently."""
+    if r.state != "alive" or pressure_age is None or r.cpu_active_at is None:
+        return False
+    return pressure_age < PRESSURE_RECENT_SECONDS and now - r.cpu_active_at < BUSY_RECENT_SECONDS
 
 
 def _behind_unreachable(obs: ClusterObs, ranks: list[RankObs]) -> tuple[str, dict] | None:
