@@ -275,3 +275,21 @@ def test_tier1_exact_resume_with_tier0_wiped(tmp_path, holders, clean_40):
     s = read_json(tmp_path / "s.json")
     assert s["resumed_from"] == 20 and s["resume_source"] == "disk"
     assert s["param_digest"] == clean_40["param_digest"]
+
+
+@pytest.mark.slow
+def test_up_with_snapshots_resumes_from_the_holder(tmp_path):
+    """`rankguard up --snapshot-every 5`: two holders (A replicating to B), the trainer
+    killed at step 33 resumes from snapshot 30, not from the disk's step 20."""
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "40", "--ckpt-every", "20",
+         "--snapshot-every", "5", "--run-dir", str(run),
+         "--trainer-arg=--fault=crash:step=33:rank=1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    assert s["restart_count"] == 1 and s["resumed_from"] == 30
+    assert s["resume_source"] == "holder" and s["final_step"] == 40
+    assert {"holder-a.log", "holder-b.log"} <= set(os.listdir(run))
