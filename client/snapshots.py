@@ -1,8 +1,8 @@
 """Tier-0 snapshots, the rank's side: copy the state into the node's snapshot holder and
 find it again after a restart (stdlib; torch imported lazily, only to (de)serialize).
 
-Save: the rank serializes its state (torch.save into a buffer: the only part training
-waits for, as it copies the tensors), then a background thread checksums it and sends it
+Save: the rank serializes its state (`serialize`: the structure pickled, the tensors'
+bytes copied back to back into one buffer; the only part training waits for), then a background thread checksums it and sends it
 to the local holder, which replicates it to its peer. At most one send in flight: a save
 due while the previous is still sending waits for it.
 
@@ -15,8 +15,12 @@ refused and the next one tried.
 
 from __future__ import annotations
 
+import collections
 import io
 import logging
+import math
+import pickle
+import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,18 +30,88 @@ from ..contract import snapshots as wire
 log = logging.getLogger("rankguard.client.snapshots")
 
 
-def serialize(state) -> bytes:
+MAGIC = b"RGSNAP1\n"
+_HEAD = struct.Struct(">Q")
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles the structure; every tensor becomes a reference into the flat payload."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=5)
+        self.tensors: list = []
+        self.offset = 0
+
+    def persistent_id(self, obj):
+        import torch
+
+        if not isinstance(obj, torch.Tensor):
+            return None
+        t = obj.detach()
+        nbytes = t.numel() * t.element_size()
+        self.tensors.append((t, self.offset, nbytes))
+        ref = ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), self.offset)
+        self.offset += nbytes
+        return ref
+
+
+class _Unpickler(pickle.Unpickler):
+    """Rebuilds the structure from the payload; refuses every global but OrderedDict, so
+    a snapshot can hold data only, never code (like torch.load(weights_only=True))."""
+
+    def __init__(self, file, payload: memoryview):
+        super().__init__(file)
+        self.payload = payload
+
+    def find_class(self, module, name):
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a snapshot")
+
+    def persistent_load(self, pid):
+        import torch
+
+        kind, dtype_name, shape, offset = pid
+        dtype = getattr(torch, dtype_name, None)
+        if kind != "tensor" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"bad tensor reference {pid!r}")
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self.payload, dtype=dtype, count=numel, offset=offset)
+        return flat.reshape(shape).clone()
+
+
+def serialize(state) -> bytearray:
+    """A flat copy of a state (nested dicts/lists of tensors and plain values): a small
+    pickle of the structure, then every tensor's bytes back to back. Ten times faster than
+    torch.save into a buffer on the tiny model (docs/architecture.md); device tensors are
+    copied straight into the buffer."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
+    head = io.BytesIO()
+    pickler = _Pickler(head)
+    pickler.dump(state)
+    structure = head.getvalue()
+    start = len(MAGIC) + _HEAD.size + len(structure)
+    out = bytearray(start + pickler.offset)
+    out[:start] = MAGIC + _HEAD.pack(len(structure)) + structure
+    for t, offset, nbytes in pickler.tensors:
+        if nbytes:
+            dst = torch.frombuffer(out, dtype=torch.uint8, count=nbytes, offset=start + offset)
+            dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return out
 
 
 def deserialize(data) -> dict:
-    import torch
-
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise ValueError("not a rankguard snapshot")
+    (n,) = _HEAD.unpack(view[len(MAGIC) : len(MAGIC) + _HEAD.size])
+    start = len(MAGIC) + _HEAD.size + n
+    if start > len(view):
+        raise ValueError("truncated snapshot")
+    return _Unpickler(io.BytesIO(view[len(MAGIC) + _HEAD.size : start]), view[start:]).load()
 
 
 def common_steps(per_rank: list[list[int]]) -> list[int]:
@@ -145,7 +219,7 @@ class SnapshotClient:
             sources.sort(key=lambda s: s[1] != "local")
         return out
 
-    def fetch(self, step: int, sources: list[tuple[str, str, str]]) -> tuple[bytes, str] | None:
+    def fetch(self, step: int, sources: list[tuple[str, str, str]]) -> tuple[bytearray, str] | None:
         """The first copy of this rank's `step` whose bytes match the checksum it was saved
         with, and where it came from ('local', 'replica' + the holder); None if none does."""
         for addr, kind, expected in sources:
@@ -161,7 +235,7 @@ class SnapshotClient:
                             step, self.rank, addr, kind)  # fmt: skip
                 continue
             where = "holder" if addr == self.local and kind == "local" else f"{kind}@{addr}"
-            return bytes(data), where
+            return data, where
         return None
 
     def truncate(self, after: int) -> None:

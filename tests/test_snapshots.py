@@ -63,6 +63,41 @@ def test_common_steps_needs_every_rank():
     assert common_steps([[10], []]) == []
 
 
+def test_serialize_round_trip_is_exact_and_data_only():
+    import collections
+    import pickle
+
+    import torch
+
+    from rankguard.client.snapshots import _HEAD, MAGIC, deserialize, serialize
+
+    state = {"model": collections.OrderedDict(w=torch.randn(3, 4), b=torch.arange(5)),
+             "optim": {"state": {0: {"step": torch.tensor(7.0), "m": torch.randn(2)}},
+                       "param_groups": [{"betas": (0.9, 0.95), "fused": None, "params": [0]}]},
+             "trainer": {"rng": torch.get_rng_state(), "empty": torch.empty(0, 3),
+                         "half": torch.randn(4).bfloat16(), "loss": float("nan")}}  # fmt: skip
+    back = deserialize(serialize(state))
+    assert isinstance(back["model"], collections.OrderedDict)
+    assert torch.equal(back["model"]["w"], state["model"]["w"])
+    assert (
+        back["model"]["b"].dtype == torch.int64 and back["trainer"]["half"].dtype == torch.bfloat16
+    )
+    assert torch.equal(back["trainer"]["half"], state["trainer"]["half"])
+    assert torch.equal(back["trainer"]["rng"], state["trainer"]["rng"])
+    assert back["trainer"]["empty"].shape == (0, 3) and back["optim"]["param_groups"][0][
+        "betas"
+    ] == (0.9, 0.95)
+    assert back["optim"]["state"][0]["step"].item() == 7.0
+    evil = pickle.dumps({"x": print})  # a global other than OrderedDict: refused
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        deserialize(MAGIC + _HEAD.pack(len(evil)) + evil)
+    with pytest.raises(ValueError, match="not a rankguard snapshot"):
+        deserialize(b"PK\x03\x04" + bytes(100))
+    data = serialize(state)
+    with pytest.raises((ValueError, RuntimeError)):
+        deserialize(data[: len(data) - 8])  # truncated payload
+
+
 def test_config_errors_are_clear():
     with pytest.raises(ConfigError, match="needs a holder"):
         config_from_args(["--snapshot-every", "5"], environ={})
