@@ -16,6 +16,9 @@ Plain torchrun does not notice a hang before the collective timeout (30 min by d
 so that run is cut off after --hang-wait seconds and reported as not recovered.
 "rankguard, warm start" (--warm) is rankguard with workers forked from a process that
 imported torch once (trainer/warm.py) instead of started cold.
+"+ tier 0" rows (--snapshot-every N, default 2; 0 leaves them out) add in-memory snapshots
+every N steps: two `rankguard snapshot-holder` processes (A, the node's, replicating to B,
+as a second node's would), so the restart resumes from the holder instead of the disk.
 
 Each worker writes its startup milestones (RANKGUARD_STARTUP_TRACE), which split the
 restart into teardown + respawn, imports, rendezvous (process-group init), model build +
@@ -41,14 +44,53 @@ from rankguard.trainer.warm import start_server
 FAULT_STEP = 150
 
 
-def trainer_cmd(tmp: Path, steps: int, fault: str, warm: bool = False) -> list[str]:
+def trainer_cmd(
+    tmp: Path, steps: int, fault: str, warm: bool = False, extra: list[str] = ()
+) -> list[str]:
     entry = ["rankguard.trainer.warm", "run"] if warm else ["rankguard.trainer"]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "--max-restarts=3", "-m", *entry, "--preset", "tiny", "--steps", str(steps),
         "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "10", "--log-every", "0", "--job", "bench",
-        "--fault", f"{fault}:step={FAULT_STEP}:rank=1",
+        "--fault", f"{fault}:step={FAULT_STEP}:rank=1", *extra,
     ]  # fmt: skip
+
+
+def _holder_up(path: Path) -> bool:
+    from rankguard.contract.snapshots import request
+
+    try:
+        request(str(path), {"op": "status"}, timeout=1)
+        return True
+    except (OSError, EOFError):
+        return False
+
+
+@contextlib.contextmanager
+def snapshot_holders(tmp: Path, every: int):
+    """Holder A replicating to holder B (processes), when `every` > 0: the trainer's
+    arguments for them, else []."""
+    if not every:
+        yield []
+        return
+    a, b = tmp / "holder-a.sock", tmp / "holder-b.sock"
+    procs = []
+    try:
+        for path, peer in ((b, []), (a, ["--peer", str(b)])):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rankguard.cli.main", "snapshot-holder", "run",
+                 "--socket", str(path), *peer], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+            deadline = time.monotonic() + 30
+            while not _holder_up(path):
+                if time.monotonic() > deadline or procs[-1].poll() is not None:
+                    raise RuntimeError(f"snapshot holder {path} did not start")
+                time.sleep(0.05)
+        yield ["--snapshot-every", str(every), "--snapshot-holder", str(a),
+               "--snapshot-peers", str(b)]  # fmt: skip
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
 
 
 def trace_milestones(path: Path, restart: int) -> dict[str, float]:
@@ -99,17 +141,21 @@ def warm_server(tmp: Path, enabled: bool):
         server.wait()
 
 
-def supervised(fault: str, steps: int, warm: bool = False) -> dict:
+def supervised(fault: str, steps: int, warm: bool = False, snapshot_every: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-recovery-") as d:
         tmp = Path(d)
         agent = start_agent(tmp)
         sup = start_supervisor(tmp, [agent.url])
         try:
-            with warm_server(tmp, warm) as warm_socket:
+            with (
+                warm_server(tmp, warm) as warm_socket,
+                snapshot_holders(tmp, snapshot_every) as extra,
+            ):
                 env = env_for(tmp, agent.socket)
                 if warm_socket:
                     env["RANKGUARD_WARM_SOCKET"] = str(warm_socket)
-                cmd = trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang", warm)
+                kind = "crash" if fault == "kill" else "hang"
+                cmd = trainer_cmd(tmp, steps, kind, warm, extra)
                 proc = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
             time.sleep(0.5)
             kind = "rank_dead" if fault == "kill" else "rank_hung"
@@ -134,12 +180,13 @@ def supervised(fault: str, steps: int, warm: bool = False) -> dict:
     }
 
 
-def plain(fault: str, steps: int, hang_wait: float) -> dict:
+def plain(fault: str, steps: int, hang_wait: float, snapshot_every: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-recovery-") as d:
         tmp = Path(d)
         sock = tmp / "t.sock"
-        with TelemetrySink(sock) as sink:
-            proc = subprocess.Popen(trainer_cmd(tmp, steps, "crash" if fault == "kill" else "hang"),
+        with TelemetrySink(sock) as sink, snapshot_holders(tmp, snapshot_every) as extra:
+            kind = "crash" if fault == "kill" else "hang"
+            proc = subprocess.Popen(trainer_cmd(tmp, steps, kind, extra=extra),
                                     env=env_for(tmp, sock), start_new_session=True,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             try:
@@ -178,6 +225,12 @@ def main() -> None:
     p.add_argument("--hang-wait", type=float, default=60)
     p.add_argument("--faults", default="kill,hang", help="comma-separated: kill, hang")
     p.add_argument("--warm", action="store_true", help="also run with trainer/warm.py")
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=2,
+        help="the '+ tier 0' rows: in-memory snapshots every N steps (0: leave them out)",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = []
@@ -189,6 +242,19 @@ def main() -> None:
         if args.warm:
             print(f"{fault}: rankguard, warm start ...", file=sys.stderr, flush=True)
             rows.append((fault, "rankguard, warm start", supervised(fault, args.steps, True)))
+        n = args.snapshot_every
+        if n:
+            t0 = f" + tier 0 (every {n})"
+            print(f"{fault}: tier 0 rows ...", file=sys.stderr, flush=True)
+            rows.append((fault, "rankguard" + t0, supervised(fault, args.steps, False, n)))
+            if fault == "kill":  # plain torchrun never notices a hang: nothing to compare
+                rows.append(
+                    (fault, "plain torchrun" + t0, plain(fault, args.steps, args.hang_wait, n))
+                )
+            if args.warm:
+                rows.append(
+                    (fault, "rankguard, warm start" + t0, supervised(fault, args.steps, True, n))
+                )
     lines = [HEADER, "|" + "---|" * (len(COLUMNS) + 2)]
     for fault, stack, r in rows:
         if not r["ok"]:

@@ -10,6 +10,7 @@ from .dashboards import app as dashboards_app
 from .deploy import app as deploy_app
 from .inject import inject
 from .rendezvous import rendezvous
+from .snapshot_holder import app as snapshot_holder_app
 from .supervisor import health, incidents, ranks, supervisor
 from .trainer import app as trainer_app
 from .up import up
@@ -31,6 +32,7 @@ app.command("rendezvous")(rendezvous)
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(dashboards_app, name="dashboards")
 app.add_typer(deploy_app, name="deploy")
+app.add_typer(snapshot_holder_app, name="snapshot-holder")
 
 
 def _print_version(value: bool) -> None:

@@ -74,6 +74,26 @@ def _start_warm_server(run_dir: Path, env: dict) -> subprocess.Popen:
             raise typer.Exit(_fail(f"{exc}; see {run_dir}/warm.log")) from None
 
 
+def _start_holders(run_dir: Path, env: dict, procs: list) -> list[str]:
+    from rankguard.contract.snapshots import request
+
+    a, b = (str((run_dir / f"holder-{n}.sock").absolute()) for n in "ab")
+    for name, path, peer in (("b", b, []), ("a", a, ["--peer", b])):
+        procs.append(_spawn(["snapshot-holder", "run", "--socket", path, *peer],
+                            run_dir / f"holder-{name}.log", env))  # fmt: skip
+        for _ in range(300):
+            try:
+                request(path, {"op": "status"}, timeout=1)
+                break
+            except (OSError, EOFError):
+                time.sleep(0.1)
+        else:
+            raise typer.Exit(
+                _fail(f"snapshot holder did not start; see {run_dir}/holder-{name}.log")
+            )
+    return ["--snapshot-holder", a, "--snapshot-peers", b]
+
+
 def _fail(message: str) -> int:
     typer.echo(f"rankguard up: {message}", err=True)
     return 2
@@ -171,7 +191,8 @@ SCRIPT.py [ARGS...] or -m MODULE [ARGS...] after `--`: run your own torchrun-com
 training script instead of the bundled trainer (zero-code protection)."""
 
 # Options that only the bundled trainer understands: refused with a script.
-TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--warm-start")
+TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--warm-start",
+                "--snapshot-every")  # fmt: skip
 SCRIPT_INJECT = ("kill", "hang")  # faults done to a process from outside: any script
 
 
@@ -219,6 +240,14 @@ def up(
             "up starts one on a free loopback port and keeps it running"
         ),
     ] = None,
+    snapshot_every: Annotated[
+        int,
+        Opt(
+            help="bundled trainer: tier-0 snapshots every N steps into a snapshot holder, "
+            "replicated to a second one (RUN_DIR/holder-*.sock)",
+            min=1,
+        ),
+    ] = None,
     warm_start: Annotated[
         bool,
         Opt(
@@ -248,7 +277,8 @@ def up(
     3 the supervisor stopped the job (crash loop: see `rankguard incidents`).
     """
     given = {"--preset": preset, "--steps": steps, "--ckpt-every": ckpt_every,
-             "--trainer-arg": trainer_arg or None, "--warm-start": warm_start or None}  # fmt: skip
+             "--trainer-arg": trainer_arg or None, "--warm-start": warm_start or None,
+             "--snapshot-every": snapshot_every}  # fmt: skip
     if script:
         _check_script(script)
         refused = [name for name in TRAINER_ONLY if given[name] is not None]
@@ -304,6 +334,9 @@ def up(
             procs.append(_start_warm_server(run_dir, env))
             env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
             entry = ["rankguard.trainer.warm", "run"]
+        if snapshot_every:  # holder A, replicating to B: a second node's holder, on one machine
+            trainer_arg = [*(trainer_arg or []), "--snapshot-every", str(snapshot_every),
+                           *_start_holders(run_dir, env, procs)]  # fmt: skip
         if script:
             # torchrun's c10d rendezvous shares one store across restarts, and a plain
             # script's init_process_group (env://) writes its gloo addresses under the same

@@ -313,8 +313,9 @@ class AsyncCheckpointer:
         return out
 
     # -- resume -------------------------------------------------------------------
-    def resume(self, model, optim) -> dict | None:
-        """Load the newest validated checkpoint on every rank; returns its trainer state."""
+    def resume(self, model, optim, newer_than: int | None = None) -> dict | None:
+        """Load the newest validated checkpoint on every rank; returns its trainer state.
+        None also when it is not newer than `newer_than` (a tier-0 snapshot's step)."""
         info = self.info
         choice: list = [None]
         if info.rank == 0:
@@ -335,6 +336,9 @@ class AsyncCheckpointer:
         if choice[0] is None:
             return None
         step, path, saved_world, self.resumed_tier = choice[0]
+        if newer_than is not None and step <= newer_than:
+            self.newest_validated = step  # still the newest on disk
+            return None
         model_sd, optim_sd = get_state_dict(model, optim)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)

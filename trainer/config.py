@@ -127,6 +127,35 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class SnapshotConfig:
+    """Tier 0: in-memory snapshots in the node's holder (client/snapshots.py)."""
+
+    every: int = 0  # steps between snapshots; 0 disables them
+    keep: int = 2  # steps the holder keeps per job (plus the newest complete one)
+    holder: str | None = None  # this node's holder: socket path or HOST:PORT
+    peers: tuple[str, ...] = ()  # other holders searched at resume (a lost node's replica)
+
+    def __post_init__(self) -> None:
+        from ..contract.snapshots import parse_address
+
+        if self.every < 0:
+            raise ConfigError("--snapshot-every must be >= 0")
+        if self.keep < 1:
+            raise ConfigError("--snapshot-keep must be >= 1")
+        if self.every and not self.holder:
+            raise ConfigError(
+                "--snapshot-every needs a holder: --snapshot-holder or $RANKGUARD_SNAPSHOT_HOLDER"
+                " (start one with `rankguard snapshot-holder run --socket PATH`)"
+            )
+        for addr in (self.holder, *self.peers):
+            if addr:
+                try:
+                    parse_address(addr)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     preset: str
     model: ModelConfig
@@ -145,10 +174,13 @@ class TrainConfig:
     deterministic: bool = False  # bit-identical resume on GPU too, at some speed
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
     fault_file: str | None = None
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
+        if self.snapshot.every and self.fsdp:
+            raise ConfigError("--snapshot-every: not supported with --fsdp yet (DDP only)")
         if self.log_every < 0:
             raise ConfigError("--log-every must be >= 0")
 
@@ -204,6 +236,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--backup-keep", type=int, default=3, help="checkpoints kept in --ckpt-backup (<=0: all)"
     )
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="tier 0: copy each rank's state into the node's snapshot holder every N steps"
+        " (0: never); resume prefers it when newer than the newest disk checkpoint",
+    )
+    p.add_argument(
+        "--snapshot-keep", type=int, default=2, help="snapshot steps the holder keeps [2]"
+    )
+    p.add_argument(
+        "--snapshot-holder",
+        default=None,
+        help="this node's snapshot holder (socket path or HOST:PORT; default"
+        " $RANKGUARD_SNAPSHOT_HOLDER)",
+    )
+    p.add_argument(
+        "--snapshot-peers",
+        default=None,
+        help="comma-separated other holders searched at resume (default $RANKGUARD_SNAPSHOT_PEERS)",
+    )
     p.add_argument("--data", type=Path, help="token shards from `rankguard trainer prepare`")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--summary", type=Path, help="rank 0 writes final step, loss, digest here")
@@ -316,4 +369,16 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         deterministic=args.deterministic,
         faults=parse_fault_specs(fault_text),
         fault_file=args.fault_file or environ.get("RANKGUARD_FAULT_FILE") or None,
+        snapshot=SnapshotConfig(
+            every=args.snapshot_every,
+            keep=args.snapshot_keep,
+            holder=args.snapshot_holder or environ.get("RANKGUARD_SNAPSHOT_HOLDER") or None,
+            peers=tuple(
+                p
+                for p in (args.snapshot_peers or environ.get("RANKGUARD_SNAPSHOT_PEERS", "")).split(
+                    ","
+                )
+                if p
+            ),
+        ),
     )

@@ -24,6 +24,7 @@ from .distributed import DistInfo, agree_incarnation, init_distributed, unwrap, 
 from .faults import FaultInjector
 from .mfu import peak_flops
 from .model import GPT, parameter_digest
+from .snapshots import TierZero
 from .startup_trace import StartupTrace
 
 log = logging.getLogger("rankguard.trainer")
@@ -126,6 +127,8 @@ class Trainer:
             self.optim, lambda s: lr_schedule(s, cfg.steps, o.warmup_steps, o.min_lr_ratio)
         )
         self.ckpt = AsyncCheckpointer(cfg.ckpt, info, self.faults) if cfg.ckpt.dir else None
+        self.snap = TierZero(cfg.snapshot, info, cfg.job) if cfg.snapshot.every else None
+        self.resume_source: str | None = None  # holder, replica@ADDR or disk
         self.peak_flops = peak_flops(info.device, cfg.peak_flops)
         self.telemetry.flops_per_token = self.flops_per_token  # for MFU
         self.telemetry.peak_flops = self.peak_flops
@@ -202,10 +205,17 @@ class Trainer:
 
     # -- resume ---------------------------------------------------------------------
     def resume(self) -> None:
-        if not (self.ckpt and self.cfg.ckpt.load):
+        if not ((self.ckpt or self.snap) and self.cfg.ckpt.load):
+            if self.snap:  # --no-resume: this job's older snapshots are not its past
+                self.snap.forget_after(0)
             return
         self.send_heartbeat("checkpoint_load")
-        state = self.ckpt.resume(self.model, self.optim)
+        if self.snap:  # every tier: tier 0 (in memory), then the disk
+            state, self.resume_source = self.snap.resume(self.model, self.optim, self.ckpt)
+            self.snap.forget_after(state["step"] if state else 0)
+        else:
+            state = self.ckpt.resume(self.model, self.optim)
+            self.resume_source = "disk" if state else None
         if state is None:
             return
         if state["global_batch"] != self.cfg.batch.global_batch:
@@ -224,9 +234,9 @@ class Trainer:
             torch.manual_seed(self.cfg.seed + 7919 * self.info.rank + self.step)
         if self.info.rank == 0:
             log.info(
-                "resumed from step %d (saved at world size %s, now %d, accumulation %d)",
-                self.step, "same" if state["same_world"] else "other", self.info.world_size,
-                self.accum,
+                "resumed from step %d of %s (saved at world size %s, now %d, accumulation %d)",
+                self.step, self.resume_source, "same" if state["same_world"] else "other",
+                self.info.world_size, self.accum,
             )  # fmt: skip
 
     def trainer_state(self) -> dict:
@@ -284,14 +294,18 @@ class Trainer:
         self._pending_loss[step] = total
         self.step = step
 
-        if self.ckpt and self.ckpt.due(step) and self._loss_finite_everywhere(total):
-            self.send_heartbeat("checkpoint_save")
+        ckpt_due = bool(self.ckpt and self.ckpt.due(step))
+        snap_due = bool(self.snap and self.snap.due(step))
+        if (ckpt_due or snap_due) and self._loss_finite_everywhere(total):
             self.last_loss = float(total)
-            self._checkpoint_block(
-                self.ckpt.save(step, self.model, self.optim, self.trainer_state())
-            )
-            self.checkpoint_saves += 1
-            self.phase = "train"
+            state = self.trainer_state()
+            if snap_due:  # tier 0 first: it is the copy a fault soonest needs
+                self._checkpoint_block(self.snap.save(step, self.model, self.optim, state))
+            if ckpt_due:
+                self.send_heartbeat("checkpoint_save")
+                self._checkpoint_block(self.ckpt.save(step, self.model, self.optim, state))
+                self.checkpoint_saves += 1
+                self.phase = "train"
         timer.end()
         self._report(timer.ready())
 
@@ -329,6 +343,8 @@ class Trainer:
         if self.ckpt:
             self.send_heartbeat("checkpoint_save")
             self.ckpt.close()
+        if self.snap:
+            self.snap.close()
         self.train_seconds = time.perf_counter() - start
         self.steps_trained = self.step - first_step
         self.phase = "done"
@@ -358,6 +374,10 @@ class Trainer:
             "checkpoint_saves": self.checkpoint_saves,
             "checkpoint_block_seconds": self.checkpoint_block_seconds,
             **(self.ckpt.stats() if self.ckpt else {}),
+            "resume_source": self.resume_source,
+            "snapshot_saves": self.snap.saves if self.snap else 0,
+            "snapshot_serialize_seconds": self.snap.serialize_seconds if self.snap else 0.0,
+            "snapshot_send_failures": self.snap.client.failures if self.snap else 0,
             "steps_trained": self.steps_trained,
             "train_seconds": self.train_seconds,
             "tokens_per_second": self.steps_trained

@@ -1,0 +1,68 @@
+"""Tier-0 snapshot serialization: the flat format (client/snapshots.py) against torch.save.
+
+    python bench/snapshot_serialize.py [--preset tiny] [--repeats 50]
+
+One rank's state (model + AdamW after one step + RNG), one thread; milliseconds per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+
+import torch
+
+from rankguard.client.snapshots import deserialize, serialize
+from rankguard.contract.snapshots import checksum
+from rankguard.trainer.config import config_from_args
+from rankguard.trainer.model import GPT
+
+
+def per_call_ms(fn, repeats: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--repeats", type=int, default=50)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    cfg = config_from_args(["--preset", args.preset], environ={})
+    model = GPT(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.zeros((1, cfg.model.seq_len), dtype=torch.long)
+    model(x, x).backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(),
+             "trainer": {"rng_cpu": torch.get_rng_state()}}  # fmt: skip
+
+    def torch_save() -> bytes:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    old, new = torch_save(), serialize(state)
+    rows = [
+        ("torch.save", per_call_ms(torch_save, args.repeats), len(old)),
+        (
+            "torch.load",
+            per_call_ms(lambda: torch.load(io.BytesIO(old), weights_only=True), args.repeats),
+            len(old),
+        ),  # fmt: skip
+        ("flat serialize", per_call_ms(lambda: serialize(state), args.repeats), len(new)),
+        ("flat deserialize", per_call_ms(lambda: deserialize(new), args.repeats), len(new)),
+        ("blake2b checksum", per_call_ms(lambda: checksum(new), args.repeats), len(new)),
+    ]
+    print(f"| {args.preset} | ms per call | bytes |\n|---|---|---|")
+    for name, ms, size in rows:
+        print(f"| {name} | {ms:.2f} | {size} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Tier-0 snapshots, the rank's side: copy the state into the node's snapshot holder and
+find it again after a restart (stdlib; torch imported lazily, only to (de)serialize).
+
+Save: the rank serializes its state (`serialize`: the structure pickled, the tensors'
+bytes copied back to back into one buffer; the only part training waits for), then a background thread checksums it and sends it
+to the local holder, which replicates it to its peer. At most one send in flight: a save
+due while the previous is still sending waits for it.
+
+Resume: `candidates()` lists the steps this rank can fetch from the local holder and the
+other holders it knows (its peers), with their checksums; the caller agrees with the other
+ranks on a step every rank has (`common_steps`), then `fetch()` returns the bytes of the
+first copy whose checksum verifies (local first, then peers), or None: a corrupt copy is
+refused and the next one tried.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import logging
+import math
+import pickle
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..contract import snapshots as wire
+
+log = logging.getLogger("rankguard.client.snapshots")
+
+
+MAGIC = b"RGSNAP1\n"
+_HEAD = struct.Struct(">Q")
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles the structure; every tensor becomes a reference into the flat payload."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=5)
+        self.tensors: list = []
+        self.offset = 0
+
+    def persistent_id(self, obj):
+        import torch
+
+        if not isinstance(obj, torch.Tensor):
+            return None
+        t = obj.detach()
+        nbytes = t.numel() * t.element_size()
+        self.tensors.append((t, self.offset, nbytes))
+        ref = ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), self.offset)
+        self.offset += nbytes
+        return ref
+
+
+class _Unpickler(pickle.Unpickler):
+    """Rebuilds the structure from the payload; refuses every global but OrderedDict, so
+    a snapshot can hold data only, never code (like torch.load(weights_only=True))."""
+
+    def __init__(self, file, payload: memoryview):
+        super().__init__(file)
+        self.payload = payload
+
+    def find_class(self, module, name):
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a snapshot")
+
+    def persistent_load(self, pid):
+        import torch
+
+        kind, dtype_name, shape, offset = pid
+        dtype = getattr(torch, dtype_name, None)
+        if kind != "tensor" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"bad tensor reference {pid!r}")
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self.payload, dtype=dtype, count=numel, offset=offset)
+        return flat.reshape(shape).clone()
+
+
+def serialize(state) -> bytearray:
+    """A flat copy of a state (nested dicts/lists of tensors and plain values): a small
+    pickle of the structure, then every tensor's bytes back to back. Ten times faster than
+    torch.save into a buffer on the tiny model (docs/architecture.md); device tensors are
+    copied straight into the buffer."""
+    import torch
+
+    head = io.BytesIO()
+    pickler = _Pickler(head)
+    pickler.dump(state)
+    structure = head.getvalue()
+    start = len(MAGIC) + _HEAD.size + len(structure)
+    out = bytearray(start + pickler.offset)
+    out[:start] = MAGIC + _HEAD.pack(len(structure)) + structure
+    for t, offset, nbytes in pickler.tensors:
+        if nbytes:
+            dst = torch.frombuffer(out, dtype=torch.uint8, count=nbytes, offset=start + offset)
+            dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return out
+
+
+def deserialize(data) -> dict:
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise ValueError("not a rankguard snapshot")
+    (n,) = _HEAD.unpack(view[len(MAGIC) : len(MAGIC) + _HEAD.size])
+    start = len(MAGIC) + _HEAD.size + n
+    if start > len(view):
+        raise ValueError("truncated snapshot")
+    return _Unpickler(io.BytesIO(view[len(MAGIC) + _HEAD.size : start]), view[start:]).load()
+
+
+def common_steps(per_rank: list[list[int]]) -> list[int]:
+    """Steps every rank can fetch, newest first: a snapshot is usable only when all ranks
+    of its step are present."""
+    if not per_rank:
+        return []
+    common = set(per_rank[0])
+    for steps in per_rank[1:]:
+        common &= set(steps)
+    return sorted(common, reverse=True)
+
+
+class SnapshotClient:
+    def __init__(self, local: str, peers: tuple[str, ...], job: str, rank: int, world: int,
+                 local_world: int, keep: int, timeout: float = 30.0):  # fmt: skip
+        self.local, self.job, self.rank, self.world = local, job, rank, world
+        self.local_world, self.keep, self.timeout = local_world, keep, timeout
+        self.peers = [p for p in peers if p != local]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankguard-snap")
+        self._inflight: Future | None = None
+        self._sock = None
+        self._lock = threading.Lock()
+        self.sent = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.bytes = 0
+
+    # -- save -----------------------------------------------------------------------
+    def save(self, step: int, data: bytes) -> float:
+        """Hand `data` (this rank's state at `step`) to the sender; returns the seconds
+        spent waiting for the previous send."""
+        start = time.perf_counter()
+        self.wait()
+        self._inflight = self._executor.submit(self._send, step, data)
+        return time.perf_counter() - start
+
+    def _send(self, step: int, data: bytes) -> None:
+        header = {"op": "put", "job": self.job, "step": step, "rank": self.rank,
+                  "world": self.world, "local_world": self.local_world, "keep": self.keep,
+                  "checksum": wire.checksum(data)}  # fmt: skip
+        for attempt in (1, 2):  # a holder restarted since the last send: reconnect once
+            try:
+                with self._lock:
+                    if self._sock is None:
+                        self._sock = wire.connect(self.local, self.timeout)
+                    wire.send_frame(self._sock, header, data)
+                    answer, _ = wire.recv_frame(self._sock)
+                if not answer.get("ok"):
+                    raise wire.WireError(str(answer.get("error")))
+                self.sent += 1
+                self.bytes = len(data)
+                return
+            except (OSError, EOFError, wire.WireError) as exc:
+                self._close_socket()
+                if attempt == 2 or isinstance(exc, wire.WireError):
+                    self.failures += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("snapshot of step %d not held: %s", step, self.last_error)
+                    return
+
+    def wait(self) -> None:
+        if self._inflight is not None:
+            self._inflight.result()
+            self._inflight = None
+
+    def _close_socket(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown(wait=True)
+        self._close_socket()
+
+    # -- resume ---------------------------------------------------------------------
+    def holders(self) -> list[str]:
+        """The local holder, its peer (from its status) and the configured peers."""
+        found = [self.local]
+        try:
+            status, _ = wire.request(self.local, {"op": "status"}, timeout=self.timeout)
+            peer = (status.get("replication") or {}).get("peer")
+            if isinstance(peer, str) and peer:
+                found.append(peer)
+        except (OSError, EOFError, ValueError):
+            pass  # the local holder is gone (a lost node): the peers may have a replica
+        return list(dict.fromkeys(found + self.peers))
+
+    def candidates(self) -> dict[int, list[tuple[str, str, str]]]:
+        """step -> [(holder, kind, checksum)] this rank could fetch, local copies first."""
+        out: dict[int, list[tuple[str, str, str]]] = {}
+        for addr in self.holders():
+            try:
+                answer, _ = wire.request(addr, {"op": "list", "job": self.job, "rank": self.rank,
+                                                "world": self.world}, timeout=self.timeout)  # fmt: skip
+            except (OSError, EOFError, ValueError) as exc:
+                log.info("snapshot holder %s not usable: %s", addr, exc)
+                continue
+            for e in answer.get("snapshots", []):
+                if isinstance(e, dict) and isinstance(e.get("step"), int):
+                    out.setdefault(e["step"], []).append((addr, e.get("kind"), e.get("checksum")))
+        for sources in out.values():
+            sources.sort(key=lambda s: s[1] != "local")
+        return out
+
+    def fetch(self, step: int, sources: list[tuple[str, str, str]]) -> tuple[bytearray, str] | None:
+        """The first copy of this rank's `step` whose bytes match the checksum it was saved
+        with, and where it came from ('local', 'replica' + the holder); None if none does."""
+        for addr, kind, expected in sources:
+            try:
+                answer, data = wire.request(addr, {"op": "get", "job": self.job, "step": step,
+                                                   "rank": self.rank, "kind": kind},
+                                            timeout=self.timeout)  # fmt: skip
+            except (OSError, EOFError, ValueError) as exc:
+                log.warning("snapshot step %d from %s: %s", step, addr, exc)
+                continue
+            if wire.checksum(data) != expected or answer.get("checksum") != expected:
+                log.warning("snapshot step %d rank %d at %s (%s): checksum mismatch, refused",
+                            step, self.rank, addr, kind)  # fmt: skip
+                continue
+            where = "holder" if addr == self.local and kind == "local" else f"{kind}@{addr}"
+            return data, where
+        return None
+
+    def truncate(self, after: int) -> None:
+        """Drop this job's snapshots newer than the state just resumed (local holder and, by
+        its replication, the peer): they belong to a past that will not happen."""
+        try:
+            wire.request(self.local, {"op": "truncate", "job": self.job, "after": after},
+                         timeout=self.timeout)  # fmt: skip
+        except (OSError, EOFError, ValueError) as exc:
+            log.warning("snapshot holder %s: truncate failed: %s", self.local, exc)

@@ -1,0 +1,365 @@
+"""Tier 0: the snapshot holder (store, wire, replication) and exact resume across tiers.
+
+The unit tests run holders as threads on real unix sockets; the slow ones run two real
+holder processes (A replicates to B, as two nodes would) beside real torchrun."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import read_json, run_ok, torchrun
+
+from rankguard.agent.snapshot_holder import LOCAL, REPLICA, Held, HolderServer, SnapshotStore
+from rankguard.client.snapshots import SnapshotClient, common_steps
+from rankguard.contract import snapshots as wire
+from rankguard.trainer.config import ConfigError, config_from_args
+
+
+def _held(step: int, rank: int, local_world: int = 2, kind: str = LOCAL) -> Held:
+    data = f"{step}/{rank}".encode() * 10
+    return Held("j", step, rank, 2, local_world, wire.checksum(data), data, kind)
+
+
+# -- the store (pure) -------------------------------------------------------------------
+def test_store_keeps_newest_steps_and_the_newest_complete_one():
+    s = SnapshotStore()
+    for step in (10, 20):
+        for rank in (0, 1):
+            s.put(_held(step, rank), keep=2)
+    assert s.put(_held(30, 0), keep=2) == [10]  # 30 is partial: 20 stays as newest complete
+    # partial 40 and 50: 20 (newest complete) is never pushed out: at most keep + 1 steps
+    assert s.put(_held(40, 0), keep=2) == []
+    assert s.put(_held(50, 0), keep=2) == [30]
+    assert [(e["step"], e["complete"]) for e in s.status()["snapshots"]] == [
+        (20, True),
+        (40, False),
+        (50, False),
+    ]
+    s.put(_held(50, 1), keep=2)  # 50 complete: 20 is no longer needed
+    assert [e["step"] for e in s.status()["snapshots"]] == [40, 50]
+    assert [e["step"] for e in s.listing("j", 1, 2)] == [50]
+    assert s.listing("j", 1, 4) == []  # another world size: not offered
+    assert s.truncate("j", 40) == 1 and [e["step"] for e in s.listing("j", 0, 2)] == [40]
+
+
+def test_store_corrupt_changes_bytes_not_checksum():
+    s = SnapshotStore()
+    s.put(_held(5, 0), keep=2)
+    before = s.get("j", 5, 0)
+    assert s.corrupt("j", 5, 0, LOCAL) and not s.corrupt("j", 5, 0, REPLICA)
+    after = s.get("j", 5, 0)
+    assert after.checksum == before.checksum and wire.checksum(after.data) != after.checksum
+
+
+def test_common_steps_needs_every_rank():
+    assert common_steps([[10, 20, 30], [20, 30], [10, 30]]) == [30]
+    assert common_steps([[10], []]) == []
+
+
+def test_serialize_round_trip_is_exact_and_data_only():
+    import collections
+    import pickle
+
+    import torch
+
+    from rankguard.client.snapshots import _HEAD, MAGIC, deserialize, serialize
+
+    state = {"model": collections.OrderedDict(w=torch.randn(3, 4), b=torch.arange(5)),
+             "optim": {"state": {0: {"step": torch.tensor(7.0), "m": torch.randn(2)}},
+                       "param_groups": [{"betas": (0.9, 0.95), "fused": None, "params": [0]}]},
+             "trainer": {"rng": torch.get_rng_state(), "empty": torch.empty(0, 3),
+                         "half": torch.randn(4).bfloat16(), "loss": float("nan")}}  # fmt: skip
+    back = deserialize(serialize(state))
+    assert isinstance(back["model"], collections.OrderedDict)
+    assert torch.equal(back["model"]["w"], state["model"]["w"])
+    assert (
+        back["model"]["b"].dtype == torch.int64 and back["trainer"]["half"].dtype == torch.bfloat16
+    )
+    assert torch.equal(back["trainer"]["half"], state["trainer"]["half"])
+    assert torch.equal(back["trainer"]["rng"], state["trainer"]["rng"])
+    assert back["trainer"]["empty"].shape == (0, 3) and back["optim"]["param_groups"][0][
+        "betas"
+    ] == (0.9, 0.95)
+    assert back["optim"]["state"][0]["step"].item() == 7.0
+    evil = pickle.dumps({"x": print})  # a global other than OrderedDict: refused
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        deserialize(MAGIC + _HEAD.pack(len(evil)) + evil)
+    with pytest.raises(ValueError, match="not a rankguard snapshot"):
+        deserialize(b"PK\x03\x04" + bytes(100))
+    data = serialize(state)
+    with pytest.raises((ValueError, RuntimeError)):
+        deserialize(data[: len(data) - 8])  # truncated payload
+
+
+def test_restored_model_and_optimizer_continue_bit_identically():
+    """A GPT and its AdamW restored from a snapshot take the next step exactly as the
+    originals do (what exact resume from tier 0 rests on)."""
+    import torch
+
+    from rankguard.client.snapshots import deserialize, serialize
+    from rankguard.trainer.model import GPT
+
+    cfg = config_from_args(["--preset", "tiny"], environ={})
+
+    def build():
+        torch.manual_seed(0)
+        m = GPT(cfg.model)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    def step(m, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=g)
+        m(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    m, opt = build()
+    for seed in range(3):
+        step(m, opt, seed)
+    snap = deserialize(serialize({"model": m.state_dict(), "optim": opt.state_dict()}))
+    m2, opt2 = build()
+    m2.load_state_dict(snap["model"])
+    opt2.load_state_dict(snap["optim"])
+    step(m, opt, 3)
+    step(m2, opt2, 3)
+    for (name, a), b in zip(m.state_dict().items(), m2.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ConfigError, match="needs a holder"):
+        config_from_args(["--snapshot-every", "5"], environ={})
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        config_from_args(["--snapshot-every", "5", "--snapshot-holder", "nohost"], environ={})
+    with pytest.raises(ConfigError, match="fsdp"):
+        config_from_args(["--snapshot-every", "5", "--fsdp"],
+                         environ={"RANKGUARD_SNAPSHOT_HOLDER": "/tmp/x.sock"})  # fmt: skip
+    with pytest.raises(ConfigError, match="keep"):
+        config_from_args(["--snapshot-keep", "0"], environ={})
+    cfg = config_from_args(["--snapshot-every", "3"], environ={
+        "RANKGUARD_SNAPSHOT_HOLDER": "/tmp/a.sock", "RANKGUARD_SNAPSHOT_PEERS": "h2:7000,h3:7000"})  # fmt: skip
+    assert cfg.snapshot.holder == "/tmp/a.sock" and cfg.snapshot.peers == ("h2:7000", "h3:7000")
+
+
+# -- holders on real sockets (threads) ----------------------------------------------------
+def _serve(tmp: Path, name: str, peer: str | None = None) -> tuple[HolderServer, str]:
+    path = str(tmp / f"{name}.sock")
+    server = HolderServer(path, peer=peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, path
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_replication_and_verified_fetch(tmp_path):
+    b, b_path = _serve(tmp_path, "b")
+    a, a_path = _serve(tmp_path, "a", peer=b_path)
+    try:
+        clients = [SnapshotClient(a_path, (), "j", r, 2, 2, keep=2) for r in (0, 1)]
+        for step in (4, 8, 12):
+            for c in clients:
+                c.save(step, f"state {step} rank {c.rank}".encode() * 1000)
+        for c in clients:
+            c.close()
+        _wait(lambda: b.replicator is None and len(b.store.listing("j", 1, 2)) == 2)
+        assert a.status()["replication"]["sent"] == 6
+        # memory bounded by keep: 2 steps of 2 ranks each, locally and as replicas
+        assert [e["step"] for e in a.store.status()["snapshots"]] == [8, 12]
+        assert [e["kind"] for e in b.store.status()["snapshots"]] == [REPLICA, REPLICA]
+        c = SnapshotClient(a_path, (), "j", 1, 2, 2, keep=2)
+        cands = c.candidates()  # the local holder names its peer: both are searched
+        assert sorted(cands) == [8, 12] and [s[1] for s in cands[12]] == [LOCAL, REPLICA]
+        assert c.fetch(12, cands[12]) == (b"state 12 rank 1" * 1000, "holder")
+        a.store.corrupt("j", 12, 1, LOCAL)  # refused; the peer's replica is used
+        data, where = c.fetch(12, cands[12])
+        assert data == b"state 12 rank 1" * 1000 and where == f"replica@{b_path}"
+        b.store.corrupt("j", 12, 1, REPLICA)
+        assert c.fetch(12, cands[12]) is None
+        c.truncate(8)  # replicated to the peer in order
+        _wait(lambda: [e["step"] for e in b.store.listing("j", 1, 2)] == [8])
+        assert [e["step"] for e in a.store.listing("j", 1, 2)] == [8]
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_malformed_requests_are_refused_not_fatal(tmp_path):
+    a, a_path = _serve(tmp_path, "a")
+    try:
+        with pytest.raises(wire.WireError, match="unknown op"):
+            wire.request(a_path, {"op": "drop-everything"})
+        with pytest.raises(wire.WireError, match="step"):
+            wire.request(a_path, {"op": "put", "job": "j", "step": -1, "rank": 0, "world": 1,
+                                  "local_world": 1, "keep": 2, "checksum": "x"}, b"abc")  # fmt: skip
+        with pytest.raises(wire.WireError, match="no such snapshot"):
+            wire.request(a_path, {"op": "get", "job": "j", "step": 1, "rank": 0})
+        with wire.connect(a_path) as sock:  # a header that is not JSON
+            sock.sendall(b"\x00\x00\x00\x03abc")
+            answer, _ = wire.recv_frame(sock)
+        assert not answer["ok"] and "JSON" in answer["error"]
+        assert wire.request(a_path, {"op": "status"})[0]["refused"]["malformed"] == 1
+        assert oct(os.stat(a_path).st_mode & 0o777) == "0o600"
+    finally:
+        a.shutdown()
+
+
+def test_client_survives_an_absent_holder(tmp_path):
+    c = SnapshotClient(str(tmp_path / "none.sock"), (), "j", 0, 1, 1, keep=2)
+    c.save(1, b"x" * 100)
+    c.close()
+    assert c.failures == 1 and c.candidates() == {}
+
+
+def test_cli_status_and_errors(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rankguard.cli.main", "snapshot-holder",
+                           "status", "--socket", str(tmp_path / "none.sock")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "not answering" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "rankguard.cli.main", "snapshot-holder", "run",
+                           "--socket", str(tmp_path / "a.sock"), "--peer", "nohost"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "HOST:PORT" in proc.stderr
+
+
+# -- real holder processes beside real torchrun ---------------------------------------------
+class Holders:
+    """Holder A (the node's own) replicating to holder B (the peer node's), as processes."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.a, self.b = str(tmp / "holder-a.sock"), str(tmp / "holder-b.sock")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.start()
+
+    def _start(self, name: str, path: str, peer: str | None) -> None:
+        args = ["snapshot-holder", "run", "--socket", path] + (["--peer", peer] if peer else [])
+        with open(self.tmp / f"holder-{name}.log", "a") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "rankguard.cli.main", *args], stdout=log, stderr=log
+            )
+        _wait(lambda: self._up(path), 30)
+
+    @staticmethod
+    def _up(path: str) -> bool:
+        try:
+            wire.request(path, {"op": "status"}, timeout=1)
+            return True
+        except (OSError, EOFError):
+            return False
+
+    def start(self) -> None:
+        self._start("b", self.b, None)
+        self._start("a", self.a, self.b)
+
+    def status(self, path: str) -> dict:
+        return wire.request(path, {"op": "status"})[0]
+
+    def kill(self, name: str) -> None:
+        p = self.procs.pop(name)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+
+
+@pytest.fixture
+def holders(tmp_path):
+    h = Holders(tmp_path)
+    yield h
+    h.stop()
+
+
+def _args(tmp: Path, holders: Holders, *extra: str) -> list[str]:
+    return ["--steps", "40", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "10",
+            "--snapshot-every", "5", "--snapshot-holder", holders.a, "--job", "snapjob",
+            "--summary", str(tmp / "s.json"), *extra]  # fmt: skip
+
+
+def _crash_at_27(tmp: Path, holders: Holders) -> None:
+    """A run that dies at step 27 (no restart): snapshot 25 held in A and replicated to B."""
+    proc = torchrun(_args(tmp, holders, "--fault", "crash:step=27:rank=1"), cwd=tmp)
+    assert proc.returncode != 0 and "exitcode: -9" in proc.stderr
+    _wait(lambda: any(e["step"] == 25 and e["complete"]
+                      for e in holders.status(holders.b)["snapshots"]))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tier0_exact_resume_after_sigkill(tmp_path, holders, clean_40):
+    run_ok(_args(tmp_path, holders, "--fault", "crash:step=27:rank=1"), cwd=tmp_path,
+           max_restarts=1)  # fmt: skip
+    s = read_json(tmp_path / "s.json")
+    assert s["restart_count"] == 1 and s["resumed_from"] == 25  # not the disk's 20
+    assert s["resume_source"] == "holder" and s["snapshot_send_failures"] == 0
+    assert s["param_digest"] == clean_40["param_digest"]
+    assert s["final_loss"] == clean_40["final_loss"]
+    st = holders.status(holders.a)
+    assert [e["step"] for e in st["snapshots"]] == [35, 40]  # bounded by --snapshot-keep 2
+    assert st["bytes"] == sum(e["bytes"] for e in st["snapshots"]) > 0
+
+
+@pytest.mark.slow
+def test_node_loss_resumes_from_the_peer_replica(tmp_path, holders, clean_40):
+    _crash_at_27(tmp_path, holders)
+    holders.kill("a")  # the node's holder is gone with its memory
+    run_ok(_args(tmp_path, holders, "--snapshot-peers", holders.b), cwd=tmp_path)
+    s = read_json(tmp_path / "s.json")
+    assert s["resumed_from"] == 25 and s["resume_source"] == f"replica@{holders.b}"
+    assert s["param_digest"] == clean_40["param_digest"]
+
+
+@pytest.mark.slow
+def test_corrupt_snapshots_are_refused(tmp_path, holders, clean_40):
+    _crash_at_27(tmp_path, holders)
+    ask = {"op": "corrupt", "job": "snapjob", "step": 25, "rank": 1}
+    wire.request(holders.a, {**ask, "kind": "local"})
+    wire.request(holders.b, {**ask, "kind": "replica"})  # no good copy of rank 1's step 25
+    wire.request(holders.a, {**ask, "rank": 0, "kind": "local"})
+    run_ok(_args(tmp_path, holders), cwd=tmp_path)
+    s = read_json(tmp_path / "s.json")
+    # step 25 refused (rank 1 has no verifying copy); step 20: tier 0 and disk tie, tier 0 wins
+    assert s["resumed_from"] == 20 and s["resume_source"] == "holder"
+    assert s["param_digest"] == clean_40["param_digest"]
+
+
+@pytest.mark.slow
+def test_tier1_exact_resume_with_tier0_wiped(tmp_path, holders, clean_40):
+    _crash_at_27(tmp_path, holders)
+    holders.stop()
+    holders.start()  # fresh, empty holders
+    run_ok(_args(tmp_path, holders), cwd=tmp_path)
+    s = read_json(tmp_path / "s.json")
+    assert s["resumed_from"] == 20 and s["resume_source"] == "disk"
+    assert s["param_digest"] == clean_40["param_digest"]
+
+
+@pytest.mark.slow
+def test_up_with_snapshots_resumes_from_the_holder(tmp_path):
+    """`rankguard up --snapshot-every 5`: two holders (A replicating to B), the trainer
+    killed at step 33 resumes from snapshot 30, not from the disk's step 20."""
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "40", "--ckpt-every", "20",
+         "--snapshot-every", "5", "--run-dir", str(run),
+         "--trainer-arg=--fault=crash:step=33:rank=1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    assert s["restart_count"] == 1 and s["resumed_from"] == 30
+    assert s["resume_source"] == "holder" and s["final_step"] == 40
+    assert {"holder-a.log", "holder-b.log"} <= set(os.listdir(run))

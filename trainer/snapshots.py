@@ -1,0 +1,126 @@
+"""Tier 0 in the trainer: snapshots into the node's holder, and the resume across tiers.
+
+Save (every `--snapshot-every` steps, after the optimizer step): torch.save of this rank's
+model, optimizer and trainer state into a buffer (training waits for this copy only), then
+the client sends it in the background (client/snapshots.py).
+
+Resume (every start; a collective): each rank lists the snapshot steps it can fetch (local
+holder, its peer, --snapshot-peers); the ranks all-gather the lists with rank 0's newest
+committed disk step, and try the steps every rank has, newest first. A step is taken only
+when every rank fetched a copy whose checksum verifies and that deserializes (all-reduce);
+otherwise the next older one. The disk tier is consulted as soon as its newest committed
+checkpoint is newer than the snapshot step in hand, and wins when its newest validated one
+is newer; at equal steps tier 0 wins (same state, faster to load).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..client import checkpoint_store as store
+from ..client.snapshots import SnapshotClient, common_steps, deserialize, serialize
+from .config import SnapshotConfig
+from .distributed import DistInfo, unwrap
+
+log = logging.getLogger("rankguard.trainer.snapshots")
+
+
+def newest_committed_step(root) -> int | None:
+    """The newest committed (not necessarily valid) step dir: a cheap upper bound of what
+    the disk tier can offer, read without hashing anything."""
+    if root is None:
+        return None
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    steps = [p[0] for p in map(store.parse_step_dir_name, names) if p is not None and not p[1]]
+    return max(steps, default=None)
+
+
+class TierZero:
+    def __init__(self, cfg: SnapshotConfig, info: DistInfo, job: str):
+        self.cfg, self.info = cfg, info
+        self.client = SnapshotClient(cfg.holder, cfg.peers, job, info.rank, info.world_size,
+                                     info.local_world_size, cfg.keep)  # fmt: skip
+        self.saves = 0
+        self.serialize_seconds = 0.0
+
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.every) and step % self.cfg.every == 0
+
+    def save(self, step: int, model, optim, trainer_state: dict) -> float:
+        """Copy this rank's state and hand it to the sender; returns the seconds blocked."""
+        start = time.perf_counter()
+        data = serialize(
+            {"model": unwrap(model).state_dict(), "optim": optim.state_dict(),
+             "trainer": trainer_state}
+        )  # fmt: skip
+        self.serialize_seconds += time.perf_counter() - start
+        self.client.save(step, data)
+        self.saves += 1
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.client.close()
+
+    def forget_after(self, step: int) -> None:
+        """One rank per node drops the newer snapshots of this job from its holder."""
+        if self.info.local_rank == 0:
+            self.client.truncate(step)
+
+    # -- resume -------------------------------------------------------------------
+    def _try(self, step: int, sources, model, optim) -> tuple[dict, str] | None:
+        got = self.client.fetch(step, sources)
+        payload = None
+        if got is not None:
+            try:
+                payload = deserialize(got[0])
+                if not all(k in payload for k in ("model", "optim", "trainer")):
+                    raise ValueError("missing model, optim or trainer state")
+            except Exception as exc:  # a snapshot that verifies but cannot load: refused
+                log.warning("snapshot step %d rank %d refused: %r", step, self.info.rank, exc)
+                payload = None
+        flag = torch.tensor([1 if payload is not None else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not flag.item():
+            if self.info.rank == 0:
+                log.warning("snapshot step %d not usable on every rank: next best state", step)
+            return None
+        unwrap(model).load_state_dict(payload["model"])
+        optim.load_state_dict(payload["optim"])
+        state = payload["trainer"]
+        state["same_world"] = True  # listed for this world size only
+        return state, got[1]
+
+    def resume(self, model, optim, ckpt) -> tuple[dict | None, str | None]:
+        """(trainer state, source) of the newest validated state across tiers, loaded into
+        model and optimizer on every rank; (None, None) when there is none."""
+        cands = self.client.candidates()
+        disk_top = newest_committed_step(ckpt.root) if ckpt and self.info.rank == 0 else None
+        gathered: list = [None] * self.info.world_size
+        dist.all_gather_object(gathered, (sorted(cands), disk_top))
+        disk_top = gathered[0][1]
+        consulted, disk_valid = False, None
+        for step in common_steps([g[0] for g in gathered]):
+            if ckpt and not consulted and disk_top is not None and step < disk_top:
+                consulted = True  # the disk may have something newer: ask it first
+                state = ckpt.resume(model, optim, newer_than=step)
+                if state is not None:
+                    return state, "disk"
+                disk_valid = ckpt.newest_validated
+            if consulted and disk_valid is not None and step < disk_valid:
+                break  # the disk's validated checkpoint is newer than what is left here
+            got = self._try(step, cands[step], model, optim)
+            if got is not None:
+                return got
+        if ckpt:
+            state = ckpt.resume(model, optim)
+            if state is not None:
+                return state, "disk"
+        return None, None
