@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import pytest
+from builders import CFG, T0, hung, nodeobs
 from harness import TOKEN, Daemon, free_port, http_json, start_supervisor, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_detectors import CFG, T0, hung, nodeobs
 
 from rankguard.agent.config import AgentConfigError, load_config
 from rankguard.agent.control import _signal_exact, process_uid

@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from builders import _json, flip_byte, make_ckpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_checkpoint_store import _json, flip_byte, make_ckpt
 from typer.testing import CliRunner
 
 from rankguard.cli.checkpoints import app

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from up_run import Up, left_running, log_has, read_incidents
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PLAIN = ROOT / "examples" / "fsdp_plain.py"
 CLIENT = ROOT / "examples" / "fsdp_client.py"
 

@@ -20,7 +20,7 @@ from rankguard.service.settings import SettingsError, settings_fields, tomllib
 from rankguard.supervisor.config import SupervisorFile, load
 from rankguard.supervisor.detectors import DetectorConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
 
 

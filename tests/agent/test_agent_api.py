@@ -311,7 +311,7 @@ def _wait_state(pid: int, state: str, timeout: float = 5) -> None:
 
 def test_the_agent_exports_process_metrics():
     """CPU, memory and open descriptors of the daemon itself, as every exporter has (the
-    supervisor's: tests/test_http_hardening.py)."""
+    supervisor's: tests/service/test_http_hardening.py)."""
     from prometheus_client import generate_latest
 
     from rankguard.agent.exposition import make_registry

@@ -21,7 +21,7 @@ from rankguard.agent.collectors.network import NetworkCollector
 from rankguard.agent.nvml_double import make_double, write_state
 from rankguard.dashboards import build, promql, rule_tests, rules
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PANEL_TYPES = {"timeseries", "stat", "heatmap", "table"}
 BUILTIN_VARIABLES = {"__rate_interval", "__interval", "__range", "__all"}
 TARGET_LABELS = {"instance", "job"}  # what Prometheus adds to every scraped series

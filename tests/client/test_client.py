@@ -33,7 +33,7 @@ from rankguard.client import (
 )
 from rankguard.contract.telemetry import PHASES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_client.py"
 ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "3"}
 

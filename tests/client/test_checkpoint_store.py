@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from builders import _json, flip_byte, make_ckpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -22,23 +23,6 @@ from rankguard.client.checkpoint_store import CheckpointError, FileEntry
 # --------------------------------------------------------------------------- helpers
 
 
-def make_ckpt(root: Path, step: int, world_size: int = 2, size: int = 4096) -> Path:
-    """A fake DCP checkpoint through the real write path: partial_dir, per-rank hash_file
-    (entries sent to rank 0 as JSON), commit."""
-    partial = cs.partial_dir(root, step)
-    (partial / ".metadata").write_bytes(os.urandom(64))
-    wire: list[str] = []
-    for rank in range(world_size):
-        data = partial / f"__{rank}_0.distcp"
-        data.write_bytes(os.urandom(size))
-        state = partial / f"trainer-state-rank{rank}.pt"
-        state.write_bytes(os.urandom(100 + rank))
-        wire += [json.dumps(cs.hash_file(p).to_dict()) for p in (data, state)]
-    wire.append(json.dumps(cs.hash_file(partial / ".metadata").to_dict()))
-    entries = [FileEntry.from_dict(json.loads(w)) for w in wire]
-    return cs.commit(partial, step, world_size, entries, {"loss": 2.5, "tokens": step * 1000})
-
-
 def data_files(root: Path) -> dict[str, bytes]:
     """Every checkpoint data file under root (anywhere, quarantine included), by name+content."""
     out = {}
@@ -46,14 +30,6 @@ def data_files(root: Path) -> dict[str, bytes]:
         if p.is_file() and p.name != cs.QUARANTINE_RECORD:
             out[f"{p.parent.name.split('.')[0]}/{p.name}"] = p.read_bytes()
     return out
-
-
-def flip_byte(path: Path, offset: int = 100) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def by_step(statuses):
@@ -380,13 +356,6 @@ def test_enospc_during_quarantine_loses_nothing(tmp_path, monkeypatch, name, n):
 
 # --------------------------------------------------------------------------- manifest robustness
 
-_json = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=20,
-)
 _KEYS = ["format", "format_version", "step", "world_size", "created_at", "files", "extra"]
 
 

@@ -226,7 +226,7 @@ def test_1100_slow_connections_at_1024_descriptors_do_not_starve_metrics(tmp_pat
 
 def test_the_units_limit_descriptors_tasks_and_memory():
 
-    units = Path(__file__).parent.parent / "deploy" / "systemd"
+    units = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
     agent = (units / "rankguard-agent.service").read_text()
     supervisor = (units / "rankguard-supervisor.service").read_text()
     assert "\nLimitNOFILE=" in agent and "\nTasksMax=" in agent

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "comm_timing.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "comm_timing.py"
 
 
 @pytest.mark.slow

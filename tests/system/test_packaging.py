@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TORCH_PIN = "torch==2.13.0"  # the local CPU build (never let pip resolve an unpinned torch)
 # Paths an installation creates: docs/deploy.md's `/opt/rankguard/deploy` (rankguard deploy
 # copy) and `/opt/rankguard/.venv` (the virtual environment).

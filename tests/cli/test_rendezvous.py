@@ -2,7 +2,7 @@
 `--rdzv-backend rankguard` against it: real processes, a real TCPStore, real torchrun.
 
 The multi-node case (node 0 lost, the store outside every training node) is in
-tests/test_multinode.py; here the store's own restart, on one machine."""
+tests/system/test_multinode.py; here the store's own restart, on one machine."""
 
 from __future__ import annotations
 

@@ -8,16 +8,16 @@ import json
 import tracemalloc
 
 import pytest
+from builders import node_of as node
+from builders import sup_metric as metric
 from fake_agents import FakeAgent, rank
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client.exposition import generate_latest
 
 from rankguard.contract.answers import RanksAnswer
 from rankguard.supervisor.agents import MAX_ANSWER_BYTES
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.store import IncidentStore
-from rankguard.supervisor.views import make_registry
 
 
 @pytest.fixture
@@ -32,18 +32,6 @@ def cluster(tmp_path):
     store.close()
     honest.close()
     hostile.close()
-
-
-def metric(sup: Supervisor, line_start: str) -> float:
-    text = generate_latest(make_registry(sup)).decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(line_start)]  # fmt: skip
-    assert values, f"{line_start} not on /metrics"
-    return sum(values)
-
-
-def node(sup: Supervisor, url: str):
-    return next(n for n in sup.last_obs.nodes if n.url == url)
 
 
 def deep_json(depth: int) -> bytes:

@@ -9,10 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from builders import node_of as node
+from builders import sup_metric as metric
 from fake_agents import FakeAgent, rank
 from hypothesis import given
 from hypothesis import strategies as st
-from test_hostile_answers import metric, node
 
 from rankguard.contract.answers import Sample
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig

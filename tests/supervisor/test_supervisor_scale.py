@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from rankguard.supervisor.agents import AgentClient, AgentsFile, Poller
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

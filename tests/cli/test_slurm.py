@@ -16,7 +16,7 @@ from harness import free_port, http_json, start_agent
 
 from rankguard.supervisor.agents import AgentsFile
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "deploy/slurm"
 SCRIPTS = sorted(p for p in SLURM.iterdir() if p.is_file())
 

@@ -21,7 +21,7 @@ from rankguard.contract.telemetry import SCHEMA_VERSION
 from rankguard.supervisor.agents import AgentClient, poll_node
 from rankguard.supervisor.windows import NodeWindows
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeRanks:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from harness import free_port, http_json, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ci_runs_exactly_the_readme_test_command():

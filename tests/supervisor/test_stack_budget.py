@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from builders import sup_metric as metric
 from fake_agents import FakeAgent, rank
-from test_hostile_answers import metric
 
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.stacks import StackBudget

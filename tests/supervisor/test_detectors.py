@@ -8,6 +8,7 @@ import math
 import random
 
 import pytest
+from builders import CFG, T0, cluster, hung, nodeobs, rank, sample, samples, trained
 
 from rankguard.supervisor import model
 from rankguard.supervisor.detectors import (
@@ -25,69 +26,9 @@ from rankguard.supervisor.detectors import (
     unreachable,
 )
 from rankguard.supervisor.model import History
-from rankguard.supervisor.state import ClusterObs, NodeObs, RankObs, StepSample
-
-T0 = 1_700_000_000.0
-CFG = DetectorConfig()
-
+from rankguard.supervisor.state import ClusterObs, NodeObs
 
 # -- literal observations ---------------------------------------------------------------
-
-
-def sample(step, *, restart=0, phase="train", seconds=0.1, compute=0.07, comm=0.02, loss=3.0):
-    return StepSample(step, phase, restart, seconds, compute, comm, 0.001, loss)
-
-
-def samples(first, last, **kw):
-    return tuple(sample(s, **kw) for s in range(first, last + 1))
-
-
-def rank(
-    r,
-    *,
-    job="j",
-    node="n0",
-    restart=0,
-    state="alive",
-    step=10,
-    phase="train",
-    age=0.05,
-    exited_at=None,
-    loss=3.0,
-    ckpt=None,
-    cpu=None,
-    recent=(),
-    world=2,
-):
-    return RankObs(
-        node=node, job=job, rank=r, world_size=world, pid=1000 + 100 * restart + r,
-        restart=restart, state=state, step=step, phase=phase, heartbeat_age_seconds=age,
-        exited_at=exited_at, step_seconds=0.1, compute_seconds=0.07, comm_seconds=0.02,
-        comm_compute_ratio=0.3, loss=loss, checkpoint_step=ckpt, cpu_utilization=cpu,
-        recent=tuple(recent),
-    )  # fmt: skip
-
-
-def nodeobs(*ranks, name="n0", url=None, reasons=(), at=T0, status="healthy"):
-    return NodeObs(
-        node=name, url=url or f"http://{name}:9400", reachable=True, observed_at=at,
-        status=status, reasons=tuple(reasons), ranks=tuple(ranks),
-    )  # fmt: skip
-
-
-def cluster(*ranks, time=T0, nodes=()):
-    return ClusterObs(time=time, nodes=((nodeobs(*ranks, at=time),) if ranks else ()) + nodes)
-
-
-def trained(n=2, *, steps=30, **kw):
-    """A healthy job: n ranks at step `steps`, each with its timed samples."""
-    return [rank(r, step=steps, recent=samples(max(1, steps - 63), steps), **kw) for r in range(n)]
-
-
-def hung(n=2, *, age=10.0, steps=30, **kw):
-    return [
-        dataclasses.replace(r, heartbeat_age_seconds=age) for r in trained(n, steps=steps, **kw)
-    ]
 
 
 def kinds(findings):

@@ -1,0 +1,135 @@
+"""Shared builders for the tests: literal observations for the supervisor's pure parts, a
+supervisor's /metrics read in process, and checkpoints made through the real write path.
+(Fixtures live in conftest.py; processes and HTTP helpers in harness.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from hypothesis import strategies as st
+from prometheus_client.exposition import generate_latest
+
+from rankguard.client import checkpoint_store as cs
+from rankguard.client.checkpoint_store import FileEntry
+from rankguard.supervisor.detectors import DetectorConfig
+from rankguard.supervisor.reconcile import Supervisor
+from rankguard.supervisor.state import ClusterObs, NodeObs, RankObs, StepSample
+from rankguard.supervisor.views import make_registry
+
+# -- literal observations (supervisor detectors and lifecycle) ------------------------------
+
+T0 = 1_700_000_000.0
+
+
+CFG = DetectorConfig()
+
+
+def sample(step, *, restart=0, phase="train", seconds=0.1, compute=0.07, comm=0.02, loss=3.0):
+    return StepSample(step, phase, restart, seconds, compute, comm, 0.001, loss)
+
+
+def samples(first, last, **kw):
+    return tuple(sample(s, **kw) for s in range(first, last + 1))
+
+
+def rank(
+    r,
+    *,
+    job="j",
+    node="n0",
+    restart=0,
+    state="alive",
+    step=10,
+    phase="train",
+    age=0.05,
+    exited_at=None,
+    loss=3.0,
+    ckpt=None,
+    cpu=None,
+    recent=(),
+    world=2,
+):
+    return RankObs(
+        node=node, job=job, rank=r, world_size=world, pid=1000 + 100 * restart + r,
+        restart=restart, state=state, step=step, phase=phase, heartbeat_age_seconds=age,
+        exited_at=exited_at, step_seconds=0.1, compute_seconds=0.07, comm_seconds=0.02,
+        comm_compute_ratio=0.3, loss=loss, checkpoint_step=ckpt, cpu_utilization=cpu,
+        recent=tuple(recent),
+    )  # fmt: skip
+
+
+def nodeobs(*ranks, name="n0", url=None, reasons=(), at=T0, status="healthy"):
+    return NodeObs(
+        node=name, url=url or f"http://{name}:9400", reachable=True, observed_at=at,
+        status=status, reasons=tuple(reasons), ranks=tuple(ranks),
+    )  # fmt: skip
+
+
+def cluster(*ranks, time=T0, nodes=()):
+    return ClusterObs(time=time, nodes=((nodeobs(*ranks, at=time),) if ranks else ()) + nodes)
+
+
+def trained(n=2, *, steps=30, **kw):
+    """A healthy job: n ranks at step `steps`, each with its timed samples."""
+    return [rank(r, step=steps, recent=samples(max(1, steps - 63), steps), **kw) for r in range(n)]
+
+
+def hung(n=2, *, age=10.0, steps=30, **kw):
+    return [
+        dataclasses.replace(r, heartbeat_age_seconds=age) for r in trained(n, steps=steps, **kw)
+    ]
+
+
+# -- a supervisor's own /metrics and observation, in process -------------------------------
+
+
+def sup_metric(sup: Supervisor, line_start: str) -> float:
+    text = generate_latest(make_registry(sup)).decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(line_start)]  # fmt: skip
+    assert values, f"{line_start} not on /metrics"
+    return sum(values)
+
+
+def node_of(sup: Supervisor, url: str):
+    return next(n for n in sup.last_obs.nodes if n.url == url)
+
+
+# -- checkpoints through the real write path ------------------------------------------------
+
+
+def make_ckpt(root: Path, step: int, world_size: int = 2, size: int = 4096) -> Path:
+    """A fake DCP checkpoint through the real write path: partial_dir, per-rank hash_file
+    (entries sent to rank 0 as JSON), commit."""
+    partial = cs.partial_dir(root, step)
+    (partial / ".metadata").write_bytes(os.urandom(64))
+    wire: list[str] = []
+    for rank in range(world_size):
+        data = partial / f"__{rank}_0.distcp"
+        data.write_bytes(os.urandom(size))
+        state = partial / f"trainer-state-rank{rank}.pt"
+        state.write_bytes(os.urandom(100 + rank))
+        wire += [json.dumps(cs.hash_file(p).to_dict()) for p in (data, state)]
+    wire.append(json.dumps(cs.hash_file(partial / ".metadata").to_dict()))
+    entries = [FileEntry.from_dict(json.loads(w)) for w in wire]
+    return cs.commit(partial, step, world_size, entries, {"loss": 2.5, "tokens": step * 1000})
+
+
+def flip_byte(path: Path, offset: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=20,
+)
