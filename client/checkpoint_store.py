@@ -1723,12 +1723,14 @@ def _remove_copy(part_fd: int, rels: Iterable[str]) -> None:
             _rmdir_beneath(part_fd, sub)
 
 
-def _lower_priority() -> None:
-    """This thread to the lowest CPU (nice 19) and best-effort I/O class level 7: it then runs
-    in the time training leaves idle. Linux applies both per thread (tid)."""
+def _lower_priority(cpu: bool = True) -> None:
+    """This thread to best-effort I/O class level 7 and, with `cpu`, the lowest CPU priority
+    (nice 19): it then runs in the time training leaves idle. Linux applies both per thread
+    (tid)."""
     tid = threading.get_native_id()
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    if cpu:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
     with contextlib.suppress(Exception):
         import ctypes
         import platform

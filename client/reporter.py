@@ -296,7 +296,7 @@ class Reporter:
             step = self.last_step + 1
         s = Step(self, step, tokens)
         try:
-            self.timer.begin(step)
+            self.timer.begin(step, s._host_start)  # one start for the step and its data wait
             self.timer.mark("compute_start")
             self._open = s
         except Exception:

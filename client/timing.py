@@ -133,8 +133,9 @@ class StepTimer:
         self._chained: list = []
 
     # -- hot path ---------------------------------------------------------------
-    def begin(self, step: int) -> None:
-        self._current = _PendingStep(step, time.perf_counter())
+    def begin(self, step: int, start: float | None = None) -> None:
+        """Open `step`, started at `start` (perf_counter; now by default)."""
+        self._current = _PendingStep(step, time.perf_counter() if start is None else start)
         self._chained = []
 
     def mark(self, name: str) -> None:

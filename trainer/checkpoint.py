@@ -6,7 +6,7 @@ Save (every `--ckpt-every` steps, at most one in flight):
   staging       a background copy of the tensors (device -> host); the trainer waits for
                 it only just before the next optimizer step changes the weights
                 (`wait_staged`). Training blocks only for these two waits.
-  our thread    at nice 19 and the lowest best-effort I/O priority: `dcp.save` of the
+  our thread    at the lowest best-effort I/O priority: `dcp.save` of the
                 staged copy (this rank's shard files, rank 0 the metadata), then fsync +
                 checksum of this rank's own files (CRC-32, or SHA-256 with a key); all ranks
                 exchange the entries over a dedicated gloo group; rank 0 commits (manifest
@@ -14,11 +14,12 @@ Save (every `--ckpt-every` steps, at most one in flight):
                 applies retention and hands the checkpoint to the backup worker (tier 2,
                 `--ckpt-backup`); every rank then learns the newest validated step.
 So a checkpoint is visible as committed only after every rank's data is durable.
-Why one low-priority thread rather than `dcp.async_save`: measured on 2 CPU ranks
-(bench/checkpoint_overhead.py), the write and hash threads at normal priority took CPU
-from the training threads of both ranks, which wait for each other every step, so async
-saves cost more than blocking ones. At nice 19 the work runs in the time training leaves
-idle (collective waits, data waits).
+Why one thread rather than `dcp.async_save`: measured on 2 CPU ranks
+(bench/checkpoint_overhead.py), its separate write and hash threads took CPU from the
+training threads of both ranks, which wait for each other every step. The thread keeps
+normal CPU priority: at nice 19 (tried) a busy CPU starved it, so a checkpoint was not
+committed before a fault five steps later and the restart lost its whole interval. The
+backup tier's copies, which nothing waits for, run at nice 19.
 
 Resume (at every start, every torchrun restart): rank 0 picks the newest validated
 checkpoint across the tiers (`checkpoint_store.select_resume_tiers`: disk, then backup),
@@ -97,7 +98,10 @@ class AsyncCheckpointer:
         self.info = info
         self.faults = faults
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="rankguard-ckpt", initializer=store.lower_priority
+            max_workers=1,
+            thread_name_prefix="rankguard-ckpt",
+            initializer=store.lower_priority,
+            initargs=(False,),
         )
         self._inflight: Future | None = None
         self._staging: Future | None = None

@@ -151,7 +151,7 @@ def test_a_copy_that_reads_back_wrong_is_quarantined_never_validated(tmp_path, m
         real(src_fd, part_fd, entry, chunk)
         if entry.path == "__1_0.distcp":
             fd = os.open(entry.path, os.O_RDWR, dir_fd=part_fd)
-            os.pwrite(fd, b"\xff", 100)
+            os.pwrite(fd, bytes([os.pread(fd, 1, 100)[0] ^ 0xFF]), 100)  # always a change
             os.close(fd)
 
     monkeypatch.setattr(cs, "_copy_one", bad_target)

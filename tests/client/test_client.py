@@ -105,7 +105,9 @@ def test_steps_phases_loss_tokens_reach_the_listener(sock_dir):
         assert r.data_wait_seconds >= 0.02 and r.compute_seconds >= 0.03
         assert r.optimizer_seconds >= 0.01 and r.checkpoint_block_seconds >= 0.01
         parts = r.data_wait_seconds + r.compute_seconds + r.optimizer_seconds
-        assert parts + r.checkpoint_block_seconds <= r.step_seconds + 1e-6
+        # nothing counted twice (a phase's end mark and the next phase's start are two
+        # clock reads, microseconds apart: a loaded machine may put more between them)
+        assert parts + r.checkpoint_block_seconds <= r.step_seconds + 1e-3
         assert r.tokens_per_second == pytest.approx(1000 / r.step_seconds)
         assert r.mfu == pytest.approx(10.0 * r.tokens_per_second / 1e9)
         assert r.comm_seconds == 0.0
