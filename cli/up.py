@@ -39,6 +39,14 @@ def parse_inject(spec: str) -> dict:
     return out
 
 
+def _local_supervisor_config(run_dir: Path) -> Path:
+    """One machine, not a cluster: a hardware fault here must not drain this node in a
+    scheduler that may be running on it (Slurm); the job's processes are still stopped."""
+    path = run_dir / "supervisor.toml"
+    path.write_text("[scheduler]\ndrain = false\n")
+    return path
+
+
 def _get(url: str) -> dict | None:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -319,7 +327,8 @@ def up(
                           run_dir, agent_url + "/healthz", daemon_env))  # fmt: skip
         kept.append(_keep("supervisor", ["supervisor", "--agents", agent_url, "--db", str(db),
                                          "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
-                                         "--process-idle-seconds", str(process_idle_seconds)],
+                                         "--process-idle-seconds", str(process_idle_seconds),
+                                         "--config", str(_local_supervisor_config(run_dir))],
                           run_dir, sup_url + "/healthz", daemon_env))  # fmt: skip
         # torchrun's rendezvous store in its own process, not inside torchrun: the job
         # survives its restart (trainer/rendezvous.py), as on a cluster's control node

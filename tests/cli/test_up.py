@@ -26,6 +26,8 @@ def test_up_trains_through_an_injected_kill(tmp_path):
     with sqlite3.connect(run / "rankguard.db") as db:
         kinds = [k for (k,) in db.execute("SELECT kind FROM incidents")]
     assert "rank_dead" in kinds
+    # one machine: its supervisor never drains this node in a scheduler
+    assert "drain = false" in (run / "supervisor.toml").read_text()
 
 
 def test_up_rejects_a_bad_inject_spec(tmp_path):
