@@ -4,11 +4,14 @@ supervisor's /metrics read in process, and checkpoints made through the real wri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import subprocess
 from pathlib import Path
 
+import pytest
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
@@ -133,3 +136,19 @@ _json = st.recursive(
     ),
     max_leaves=20,
 )
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A tmpfs of our own at `path` (skips without root): filling it touches nothing else."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

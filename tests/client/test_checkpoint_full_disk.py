@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from builders import small_tmpfs
 from harness import http_json, read_json, trainer_command, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_harness import prometheus_bin
@@ -32,16 +33,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def small_fs(tmp_path):
     """A 32 MiB tmpfs of our own: filling it touches nothing else."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "ckfs"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path / "ckfs", "32m") as mnt:
+        yield mnt
 
 
 def fill(directory: Path) -> Path:

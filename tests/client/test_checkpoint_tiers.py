@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from builders import small_tmpfs
 from harness import read_json, run_ok, torchrun
 from typer.testing import CliRunner
 
@@ -183,16 +183,8 @@ def test_client_store_backs_up_and_resumes_from_backup_when_disk_is_gone(tmp_pat
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A 512 KiB tmpfs of our own: a backup target that is full at once."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "tinyfs"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path / "tinyfs", "512k") as mnt:
+        yield mnt
 
 
 def test_full_backup_target_is_counted_and_leaves_no_copy(tmp_path, tiny_fs):
