@@ -13,6 +13,7 @@ machine a second holder), which keeps it as a replica. It never imports torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -84,6 +85,18 @@ class SnapshotStore:
                                     "bytes": len(h.data)})  # fmt: skip
         return sorted(out, key=lambda e: (-e["step"], e["kind"]))
 
+    def listing_all(self, job: str) -> list[dict]:
+        """Every rank's snapshots of a job, any world size (a resume at another world size
+        loads another rank's state: under DDP every rank holds the same model)."""
+        out = []
+        with self._lock:
+            for kind in (LOCAL, REPLICA):
+                for step, ranks in self._held.get((job, kind), {}).items():
+                    for rank, h in ranks.items():
+                        out.append({"step": step, "rank": rank, "world": h.world, "kind": kind,
+                                    "checksum": h.checksum, "bytes": len(h.data)})  # fmt: skip
+        return sorted(out, key=lambda e: (-e["step"], e["rank"], e["kind"]))
+
     def get(self, job: str, step: int, rank: int, kind: str | None = None) -> Held | None:
         with self._lock:
             for k in (kind,) if kind else (LOCAL, REPLICA):
@@ -118,18 +131,16 @@ class SnapshotStore:
 
     def status(self) -> dict:
         with self._lock:
-            jobs = []
-            total = 0
+            held = []
             for (job, kind), steps in sorted(self._held.items()):
                 for step in sorted(steps):
                     ranks = steps[step]
-                    size = sum(len(h.data) for h in ranks.values())
-                    total += size
-                    jobs.append({"job": job, "kind": kind, "step": step,
-                                 "ranks": sorted(ranks), "complete": _complete(ranks),
-                                 "bytes": size})  # fmt: skip
-            return {"bytes": total, "snapshots": jobs, "keep": dict(self._keep),
-                    "max_keep": self.max_keep, "evicted": self.evicted}  # fmt: skip
+                    held.append(wire.StepHeld(job, kind, step, tuple(sorted(ranks)),
+                                              _complete(ranks),
+                                              sum(len(h.data) for h in ranks.values())))  # fmt: skip
+            return {"bytes": sum(s.bytes for s in held), "snapshots": tuple(held),
+                    "keep": dict(self._keep), "max_keep": self.max_keep,
+                    "evicted": self.evicted}  # fmt: skip
 
 
 def _complete(ranks: dict[int, Held]) -> bool:
@@ -140,11 +151,15 @@ def _complete(ranks: dict[int, Held]) -> bool:
 class Replicator(threading.Thread):
     """Forwards local snapshots (and truncations) to the peer holder, in order, on one
     connection. A slow or absent peer never blocks the ranks: the queue is bounded and the
-    oldest waiting snapshot is dropped (counted) to make room."""
+    oldest waiting snapshot is dropped (counted) to make room. With several peers (the
+    next nodes of the ring), a peer that fails is left for the next one: a lost node's
+    successor keeps getting replicas."""
 
-    def __init__(self, peer: str, depth: int = 16):
+    def __init__(self, peers: list[str], depth: int = 16, token: str | None = None):
         super().__init__(name="rankguard-replicator", daemon=True)
-        self.peer = peer
+        self.peers = list(peers)
+        self.token = token
+        self._current = 0
         self._q: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self.depth = depth
@@ -153,6 +168,10 @@ class Replicator(threading.Thread):
         self.failures = 0
         self.last_error: str | None = None
         self._sock: socket.socket | None = None
+
+    @property
+    def peer(self) -> str:
+        return self.peers[self._current]
 
     def submit(self, header: dict, data=b"") -> None:
         with self._cv:
@@ -174,9 +193,9 @@ class Replicator(threading.Thread):
                 header, data = self._q[0]
             try:
                 if self._sock is None:
-                    self._sock = wire.connect(self.peer)
+                    self._sock = wire.connect(self.peer, token=self.token)
                 wire.send_frame(self._sock, header, data)
-                answer, _ = wire.recv_frame(self._sock)
+                answer, _ = wire.recv_frame(self._sock, max_payload=0)
                 if not answer.get("ok"):
                     raise wire.WireError(str(answer.get("error")))
                 self.sent += header["op"] == "put"
@@ -189,6 +208,7 @@ class Replicator(threading.Thread):
                 if self._sock is not None:
                     self._sock.close()
                     self._sock = None
+                self._current = (self._current + 1) % len(self.peers)
                 with self._cv:  # this one is not retried forever: the next is newer
                     if self._q and self._q[0][0] is header:
                         self._q.popleft()
@@ -201,42 +221,38 @@ class Replicator(threading.Thread):
                 "last_error": self.last_error}  # fmt: skip
 
 
-def _str(h: dict, name: str) -> str:
-    v = h.get(name)
-    if not isinstance(v, str) or not v or len(v) > 256:
-        raise wire.WireError(f"{name}: expected a non-empty string")
-    return v
-
-
-def _int(h: dict, name: str, low: int = 0) -> int:
-    v = h.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise wire.WireError(f"{name}: expected an integer >= {low}")
-    return v
+DEFAULT_MAX_SNAPSHOT_BYTES = 16 * 1024**3
 
 
 class HolderServer:
-    """Serves the store on a unix socket and optionally on TCP (for peers on other nodes)."""
+    """Serves the store on a unix socket (owner-only) and optionally on TCP, for peers on
+    other nodes; TCP needs the cluster's snapshot token (contract/snapshots.py)."""
 
     def __init__(self, socket_path: str | None, bind: tuple[str, int] | None = None,
-                 peer: str | None = None, max_keep: int = 8):  # fmt: skip
+                 peer: str | list[str] | None = None, max_keep: int = 8,
+                 token: str | None = None,
+                 max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES):  # fmt: skip
+        if bind and not token:
+            raise ValueError("a holder on TCP needs a token (--token-file)")
+        peers = [peer] if isinstance(peer, str) else list(peer or [])
         self.store = SnapshotStore(max_keep)
-        self.replicator = Replicator(peer) if peer else None
+        self.token = token
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self.replicator = Replicator(peers, token=token) if peers else None
         self.started = time.time()
         self.requests = collections.Counter()
         self.refused = collections.Counter()
         self._servers: list[socketserver.BaseServer] = []
-        handler = self._handler()
         if socket_path:
             if os.path.exists(socket_path):
                 os.unlink(socket_path)  # a stale socket of a dead holder
             old = os.umask(0o177)  # only this user's ranks may talk to it
             try:
-                self._servers.append(_UnixServer(socket_path, handler))
+                self._servers.append(_UnixServer(socket_path, self._handler(tcp=False)))
             finally:
                 os.umask(old)
         if bind:
-            self._servers.append(_TCPServer(bind, handler))
+            self._servers.append(_TCPServer(bind, self._handler(tcp=True)))
         if not self._servers:
             raise ValueError("a snapshot holder needs a socket path or a TCP address")
 
@@ -247,27 +263,38 @@ class HolderServer:
                 return s.server_address[1]
         return None
 
-    def _handler(self):
+    def _handler(self, tcp: bool):
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 sock = self.request
                 sock.settimeout(300)
+                # a TCP peer proves the token before anything else (no payload until then)
+                shake = wire.ServerHandshake(server.token) if tcp else None
                 while True:
+                    unread = 0  # payload bytes still on the socket
                     try:
-                        header, data = wire.recv_frame(sock)
+                        header = wire.recv_header(sock)
+                        unread = header.get("size", 0)
+                        if shake is not None and not shake.done:
+                            if header.get("size", 0):
+                                raise wire.WireError("authenticate first", "unauthenticated")
+                            answer, payload, data = shake.answer(header), b"", None
+                        else:
+                            req = wire.parse_request(header, server.max_snapshot_bytes)
+                            data = wire.recv_payload(sock, header)  # size checked above
+                            unread = 0
+                            answer, payload = server.dispatch(req, data)
                     except (EOFError, OSError):
                         return
                     except wire.WireError as exc:
-                        server.refused["malformed"] += 1
-                        wire.send_frame(sock, {"ok": False, "error": str(exc)})
-                        return
-                    try:
-                        answer, payload = server.dispatch(header, data)
-                    except wire.WireError as exc:
-                        server.refused[str(header.get("op"))] += 1
-                        answer, payload = {"ok": False, "error": str(exc)}, b""
+                        server.refused[exc.reason] += 1
+                        with contextlib.suppress(OSError):
+                            wire.send_frame(sock, {"ok": False, "error": str(exc)})
+                        if exc.reason == "bad_request" and not unread:
+                            continue  # the frame was read whole: the connection is in step
+                        return  # unread payload, or an untrusted peer: hang up
                     try:
                         wire.send_frame(sock, answer, payload)
                     except OSError:
@@ -275,55 +302,53 @@ class HolderServer:
 
         return Handler
 
-    def dispatch(self, h: dict, data: bytearray) -> tuple[dict, bytes]:
-        op = h.get("op")
-        self.requests[str(op)[:32]] += 1
-        if op == "put":
-            held = Held(job=_str(h, "job"), step=_int(h, "step"), rank=_int(h, "rank"),
-                        world=_int(h, "world", 1), local_world=_int(h, "local_world", 1),
-                        checksum=_str(h, "checksum"), data=bytes(data),
-                        kind=REPLICA if h.get("replica") else LOCAL)  # fmt: skip
-            keep = _int(h, "keep", 1)
-            evicted = self.store.put(held, keep)
+    def dispatch(self, req: wire.Request, data: bytearray) -> tuple[dict, bytes]:
+        self.requests[req.op] += 1
+        if req.op == "put":
+            held = Held(job=req.job, step=req.step, rank=req.rank, world=req.world,
+                        local_world=req.local_world, checksum=req.checksum, data=bytes(data),
+                        kind=REPLICA if req.replica else LOCAL)  # fmt: skip
+            evicted = self.store.put(held, req.keep)
             if self.replicator and held.kind == LOCAL:
-                fwd = {k: v for k, v in h.items() if k != "size"}
-                self.replicator.submit({**fwd, "replica": True}, held.data)
+                self.replicator.submit({"op": "put", "job": req.job, "step": req.step,
+                                        "rank": req.rank, "world": req.world,
+                                        "local_world": req.local_world, "keep": req.keep,
+                                        "checksum": req.checksum, "replica": True},
+                                       held.data)  # fmt: skip
             return {"ok": True, "evicted": evicted}, b""
-        if op == "list":
-            return {"ok": True, "snapshots": self.store.listing(
-                _str(h, "job"), _int(h, "rank"), _int(h, "world", 1))}, b""  # fmt: skip
-        if op == "get":
-            held = self.store.get(_str(h, "job"), _int(h, "step"), _int(h, "rank"), h.get("kind"))
+        if req.op == "list":
+            if req.all_ranks:
+                return {"ok": True, "snapshots": self.store.listing_all(req.job)}, b""
+            return {"ok": True, "snapshots": self.store.listing(req.job, req.rank, req.world)}, b""
+        if req.op == "get":
+            held = self.store.get(req.job, req.step, req.rank, req.kind)
             if held is None:
                 raise wire.WireError("no such snapshot")
             return {"ok": True, "checksum": held.checksum, "kind": held.kind}, held.data
-        if op == "truncate":
-            job, after = _str(h, "job"), _int(h, "after")
-            dropped = self.store.truncate(job, after)
-            if self.replicator and not h.get("replica"):
-                self.replicator.submit({"op": "truncate", "job": job, "after": after,
+        if req.op == "truncate":
+            dropped = self.store.truncate(req.job, req.after)
+            if self.replicator and not req.replica:
+                self.replicator.submit({"op": "truncate", "job": req.job, "after": req.after,
                                         "replica": True})  # fmt: skip
             return {"ok": True, "dropped": dropped}, b""
-        if op == "corrupt":
-            kind = h.get("kind", LOCAL)
-            if kind not in (LOCAL, REPLICA):
-                raise wire.WireError("kind: local or replica")
-            if not self.store.corrupt(_str(h, "job"), _int(h, "step"), _int(h, "rank"), kind):
+        if req.op == "corrupt":
+            if not self.store.corrupt(req.job, req.step, req.rank, req.kind):
                 raise wire.WireError("no such snapshot")
             return {"ok": True}, b""
-        if op == "status":
-            return {"ok": True, **self.status()}, b""
-        raise wire.WireError(f"unknown op {op!r}")
+        if req.op == "status":
+            return self.status_model().to_json(), b""
+        raise wire.WireError(f"{req.op}: not expected now")  # hello/auth after the handshake
+
+    def status_model(self) -> wire.HolderStatus:
+        return wire.HolderStatus(
+            pid=os.getpid(), uptime_seconds=round(time.time() - self.started, 1),
+            **self.store.status(),
+            replication=self.replicator.status() if self.replicator else None,
+            requests=dict(self.requests), refused=dict(self.refused),
+        )  # fmt: skip
 
     def status(self) -> dict:
-        return {
-            "pid": os.getpid(),
-            "uptime_seconds": round(time.time() - self.started, 1),
-            **self.store.status(),
-            "replication": self.replicator.status() if self.replicator else None,
-            "requests": dict(self.requests),
-            "refused": dict(self.refused),
-        }
+        return self.status_model().to_json()
 
     def serve_forever(self) -> None:
         if self.replicator:

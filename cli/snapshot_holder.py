@@ -6,10 +6,12 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from ..agent.snapshot_holder import DEFAULT_MAX_SNAPSHOT_BYTES
 from ..contract import snapshots as wire
 
 Opt = typer.Option
@@ -38,9 +40,20 @@ def run(
         str,
         Opt(
             help="the peer holder (socket path or HOST:PORT): every local snapshot is "
-            "replicated there (ring: node i -> node i+1)"
+            "replicated there (ring: node i -> node i+1); a comma-separated list: the next "
+            "one takes over while a peer fails (a lost node's successor)"
         ),  # fmt: skip
     ] = None,
+    token_file: Annotated[
+        Path,
+        Opt(
+            help="the cluster's snapshot token (owner-only file, >= 16 chars): TCP peers "
+            "prove it by HMAC; needed with --bind or a HOST:PORT peer"
+        ),  # fmt: skip
+    ] = None,
+    max_snapshot_bytes: Annotated[
+        int, Opt(help="refuse one rank's snapshot larger than this [16 GiB]", min=1)
+    ] = DEFAULT_MAX_SNAPSHOT_BYTES,
     max_keep: Annotated[
         int, Opt(help="upper bound on the ranks' --snapshot-keep (steps held per job)", min=1)
     ] = 8,
@@ -51,19 +64,23 @@ def run(
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")  # fmt: skip
-    address = None
+    address, token = None, None
+    peers = [p.strip() for p in (peer or "").split(",") if p.strip()]
     try:
         if bind:
             family, address = wire.parse_address(bind)
             if family != wire.socket.AF_INET:
                 raise ValueError(f"--bind {bind!r}: expected HOST:PORT")
-        if peer:
-            wire.parse_address(peer)
+        tcp_peer = any(wire.parse_address(p)[0] == wire.socket.AF_INET for p in peers)
+        if token_file is not None:
+            token = wire.read_token(token_file)
+        elif bind or tcp_peer:
+            raise ValueError("TCP (--bind or a HOST:PORT peer) needs --token-file")
     except ValueError as exc:
         raise _fail(str(exc)) from None
     socket_path = socket_path or wire.default_address()
     try:
-        server = HolderServer(socket_path, address, peer, max_keep)
+        server = HolderServer(socket_path, address, peers, max_keep, token, max_snapshot_bytes)
     except (OSError, ValueError) as exc:
         raise _fail(f"cannot listen: {exc}") from None
 
@@ -75,6 +92,7 @@ def run(
         x for x in (socket_path, address and f"{address[0]}:{server.tcp_port}") if x
     )
     typer.echo(f"snapshot holder on {where}; peer {peer or 'none'}", err=True)
+    sys.stderr.flush()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -83,13 +101,14 @@ def run(
         server.shutdown()
 
 
-def _ask(address: str | None, header: dict) -> dict:
+def _ask(address: str | None, header: dict, token_file: Path | None = None) -> dict:
     address = address or wire.default_address()
     if not address:
         raise _fail("no holder: give --socket or set RANKGUARD_SNAPSHOT_HOLDER")
     try:
-        answer, _ = wire.request(address, header)
-    except ValueError as exc:  # bad address, or WireError: the holder's reason
+        token = wire.read_token(token_file) if token_file else None
+        answer, _ = wire.request(address, header, token=token)
+    except (ValueError, wire.WireError) as exc:  # bad address or token; the holder's reason
         raise _fail(str(exc)) from None
     except (OSError, EOFError) as exc:
         raise _fail(f"{address}: not answering ({exc})") from None
@@ -100,14 +119,15 @@ def _ask(address: str | None, header: dict) -> dict:
 def status(
     socket_path: Annotated[str, Opt("--socket", help="holder socket path or HOST:PORT")] = None,
     as_json: Annotated[bool, Opt("--json", help="the raw status object")] = False,
+    token_file: Annotated[Path, Opt(help="the snapshot token, for a holder on TCP")] = None,
 ) -> None:
     """What a holder keeps: bytes, snapshots per job and step (complete or not), replication."""
-    s = _ask(socket_path, {"op": "status"})
+    s = _ask(socket_path, {"op": "status"}, token_file)
     if as_json:
         typer.echo(json.dumps(s, indent=2))
         return
     typer.echo(f"holder pid {s['pid']}, {s['bytes']} bytes held, keep {s['keep'] or '-'}, "
-               f"evicted {s['evicted']}")  # fmt: skip
+               f"evicted {s['evicted']}, refused {s['refused'] or '-'}")  # fmt: skip
     for e in s["snapshots"]:
         state = "complete" if e["complete"] else "partial"
         typer.echo(f"  {e['job']} {e['kind']:7} step {e['step']:>8} ranks {e['ranks']} "
@@ -125,8 +145,10 @@ def corrupt(
     rank: Annotated[int, Opt(help="rank", min=0)],
     socket_path: Annotated[str, Opt("--socket", help="holder socket path or HOST:PORT")] = None,
     replica: Annotated[bool, Opt(help="the replica copy, not the local one")] = False,
+    token_file: Annotated[Path, Opt(help="the snapshot token, for a holder on TCP")] = None,
 ) -> None:
     """Fault injection: flip one byte of a held snapshot (a resume must refuse it)."""
     kind = "replica" if replica else "local"
-    _ask(socket_path, {"op": "corrupt", "job": job, "step": step, "rank": rank, "kind": kind})
+    _ask(socket_path, {"op": "corrupt", "job": job, "step": step, "rank": rank, "kind": kind},
+         token_file)  # fmt: skip
     typer.echo(f"corrupted {kind} snapshot of {job} step {step} rank {rank}")

@@ -114,6 +114,32 @@ def deserialize(data) -> dict:
     return _Unpickler(io.BytesIO(view[len(MAGIC) + _HEAD.size : start]), view[start:]).load()
 
 
+def usable_steps(views: list[dict], world: int) -> list[tuple[int, int]]:
+    """(step, saved world size) of every snapshot step whose ranks are all listed by some
+    holder that some rank can reach, newest first. `views` holds each rank's view,
+    {step: {world: [ranks]}}; their union decides (a lost node's ranks survive only as
+    replicas, which some ranks cannot reach). At a step saved at several world sizes the
+    current one is preferred. Pure: every rank computes the same plan from the same views."""
+    union: dict[int, dict[int, set[int]]] = {}
+    for view in views:
+        for step, worlds in view.items():
+            for w, ranks in worlds.items():
+                union.setdefault(int(step), {}).setdefault(int(w), set()).update(ranks)
+    out = []
+    for step in sorted(union, reverse=True):
+        complete = [w for w, ranks in union[step].items() if ranks >= set(range(w))]
+        if complete:
+            out.append((step, world if world in complete else max(complete)))
+    return out
+
+
+def source_rank(rank: int, world: int, saved_world: int) -> int:
+    """The saved rank whose snapshot `rank` loads. The same world: its own. Another world
+    (nodes lost or added): rank r takes saved rank r mod saved_world; under DDP every rank
+    holds the same model and optimizer state, so any copy is the state of that step."""
+    return rank if world == saved_world else rank % saved_world
+
+
 def common_steps(per_rank: list[list[int]]) -> list[int]:
     """Steps every rank can fetch, newest first: a snapshot is usable only when all ranks
     of its step are present."""
@@ -127,9 +153,11 @@ def common_steps(per_rank: list[list[int]]) -> list[int]:
 
 class SnapshotClient:
     def __init__(self, local: str, peers: tuple[str, ...], job: str, rank: int, world: int,
-                 local_world: int, keep: int, timeout: float = 30.0):  # fmt: skip
+                 local_world: int, keep: int, timeout: float = 30.0,
+                 token: str | None = None):  # fmt: skip
         self.local, self.job, self.rank, self.world = local, job, rank, world
         self.local_world, self.keep, self.timeout = local_world, keep, timeout
+        self.token = token  # for holders on TCP (a lost node's replica on another node)
         self.peers = [p for p in peers if p != local]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankguard-snap")
         self._inflight: Future | None = None
@@ -157,7 +185,7 @@ class SnapshotClient:
             try:
                 with self._lock:
                     if self._sock is None:
-                        self._sock = wire.connect(self.local, self.timeout)
+                        self._sock = wire.connect(self.local, self.timeout, self.token)
                     wire.send_frame(self._sock, header, data)
                     answer, _ = wire.recv_frame(self._sock)
                 if not answer.get("ok"):
@@ -194,11 +222,12 @@ class SnapshotClient:
         """The local holder, its peer (from its status) and the configured peers."""
         found = [self.local]
         try:
-            status, _ = wire.request(self.local, {"op": "status"}, timeout=self.timeout)
+            status, _ = wire.request(self.local, {"op": "status"}, timeout=self.timeout,
+                                     token=self.token)  # fmt: skip
             peer = (status.get("replication") or {}).get("peer")
             if isinstance(peer, str) and peer:
                 found.append(peer)
-        except (OSError, EOFError, ValueError):
+        except (OSError, EOFError, ValueError, wire.WireError):
             pass  # the local holder is gone (a lost node): the peers may have a replica
         return list(dict.fromkeys(found + self.peers))
 
@@ -208,8 +237,9 @@ class SnapshotClient:
         for addr in self.holders():
             try:
                 answer, _ = wire.request(addr, {"op": "list", "job": self.job, "rank": self.rank,
-                                                "world": self.world}, timeout=self.timeout)  # fmt: skip
-            except (OSError, EOFError, ValueError) as exc:
+                                                "world": self.world}, timeout=self.timeout,
+                                         token=self.token)  # fmt: skip
+            except (OSError, EOFError, ValueError, wire.WireError) as exc:
                 log.info("snapshot holder %s not usable: %s", addr, exc)
                 continue
             for e in answer.get("snapshots", []):
@@ -219,20 +249,44 @@ class SnapshotClient:
             sources.sort(key=lambda s: s[1] != "local")
         return out
 
-    def fetch(self, step: int, sources: list[tuple[str, str, str]]) -> tuple[bytearray, str] | None:
-        """The first copy of this rank's `step` whose bytes match the checksum it was saved
-        with, and where it came from ('local', 'replica' + the holder); None if none does."""
+    def inventory(self) -> list[tuple[str, int, int, int, str, str]]:
+        """Every rank's snapshots of this job on every holder this rank can reach, as
+        (holder, step, rank, world, kind, checksum); this node's own copies first."""
+        out = []
+        for addr in self.holders():
+            try:
+                answer, _ = wire.request(addr, {"op": "list", "job": self.job, "all_ranks": True},
+                                         timeout=self.timeout, token=self.token)  # fmt: skip
+            except (OSError, EOFError, ValueError, wire.WireError) as exc:
+                log.info("snapshot holder %s not usable: %s", addr, exc)
+                continue
+            for e in answer.get("snapshots", []):
+                try:
+                    out.append((addr, wire._int(e, "step"), wire._int(e, "rank"),
+                                wire._int(e, "world", 1), e["kind"], wire._str(e, "checksum")))  # fmt: skip
+                except (wire.WireError, KeyError, TypeError, AttributeError):
+                    log.warning("snapshot holder %s: bad listing entry %.200r", addr, e)
+        out.sort(key=lambda e: (e[0] != self.local, e[4] != "local"))
+        return out
+
+    def fetch(
+        self, step: int, sources: list[tuple[str, str, str]], rank: int | None = None
+    ) -> tuple[bytearray, str] | None:
+        """The first copy of `rank`'s (this rank's by default) `step` whose bytes match the
+        checksum it was saved with, and where it came from ('holder' for this node's own
+        copy, else kind@holder); None if none does."""
+        rank = self.rank if rank is None else rank
         for addr, kind, expected in sources:
             try:
                 answer, data = wire.request(addr, {"op": "get", "job": self.job, "step": step,
-                                                   "rank": self.rank, "kind": kind},
-                                            timeout=self.timeout)  # fmt: skip
-            except (OSError, EOFError, ValueError) as exc:
+                                                   "rank": rank, "kind": kind},
+                                            timeout=self.timeout, token=self.token)  # fmt: skip
+            except (OSError, EOFError, ValueError, wire.WireError) as exc:
                 log.warning("snapshot step %d from %s: %s", step, addr, exc)
                 continue
             if wire.checksum(data) != expected or answer.get("checksum") != expected:
                 log.warning("snapshot step %d rank %d at %s (%s): checksum mismatch, refused",
-                            step, self.rank, addr, kind)  # fmt: skip
+                            step, rank, addr, kind)  # fmt: skip
                 continue
             where = "holder" if addr == self.local and kind == "local" else f"{kind}@{addr}"
             return data, where
@@ -243,6 +297,6 @@ class SnapshotClient:
         its replication, the peer): they belong to a past that will not happen."""
         try:
             wire.request(self.local, {"op": "truncate", "job": self.job, "after": after},
-                         timeout=self.timeout)  # fmt: skip
-        except (OSError, EOFError, ValueError) as exc:
+                         timeout=self.timeout, token=self.token)  # fmt: skip
+        except (OSError, EOFError, ValueError, wire.WireError) as exc:
             log.warning("snapshot holder %s: truncate failed: %s", self.local, exc)

@@ -134,9 +134,12 @@ class SnapshotConfig:
     keep: int = 2  # steps the holder keeps per job (plus the newest complete one)
     holder: str | None = None  # this node's holder: socket path or HOST:PORT
     peers: tuple[str, ...] = ()  # other holders searched at resume (a lost node's replica)
+    token_file: Path | None = None  # the cluster's snapshot token, for holders on TCP
 
     def __post_init__(self) -> None:
-        from ..contract.snapshots import parse_address
+        import socket
+
+        from ..contract.snapshots import parse_address, read_token
 
         if self.every < 0:
             raise ConfigError("--snapshot-every must be >= 0")
@@ -147,12 +150,23 @@ class SnapshotConfig:
                 "--snapshot-every needs a holder: --snapshot-holder or $RANKGUARD_SNAPSHOT_HOLDER"
                 " (start one with `rankguard snapshot-holder run --socket PATH`)"
             )
+        tcp = False
         for addr in (self.holder, *self.peers):
             if addr:
                 try:
-                    parse_address(addr)
+                    tcp |= parse_address(addr)[0] == socket.AF_INET
                 except ValueError as exc:
                     raise ConfigError(str(exc)) from None
+        if self.every and tcp and self.token_file is None:
+            raise ConfigError(
+                "a snapshot holder on HOST:PORT needs the snapshot token: --snapshot-token-file"
+                " or $RANKGUARD_SNAPSHOT_TOKEN_FILE"
+            )
+        if self.every and self.token_file is not None:
+            try:
+                read_token(self.token_file)
+            except ValueError as exc:
+                raise ConfigError(f"--snapshot-token-file: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -256,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--snapshot-peers",
         default=None,
         help="comma-separated other holders searched at resume (default $RANKGUARD_SNAPSHOT_PEERS)",
+    )
+    p.add_argument(
+        "--snapshot-token-file",
+        type=Path,
+        default=None,
+        help="the cluster's snapshot token (owner-only file), for holders on HOST:PORT"
+        " (default $RANKGUARD_SNAPSHOT_TOKEN_FILE)",
     )
     p.add_argument("--data", type=Path, help="token shards from `rankguard trainer prepare`")
     p.add_argument("--seed", type=int, default=1234)
@@ -380,5 +401,7 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
                 )
                 if p
             ),
+            token_file=args.snapshot_token_file
+            or (Path(t) if (t := environ.get("RANKGUARD_SNAPSHOT_TOKEN_FILE")) else None),
         ),
     )

@@ -4,11 +4,14 @@ Save (every `--snapshot-every` steps, after the optimizer step): torch.save of t
 model, optimizer and trainer state into a buffer (training waits for this copy only), then
 the client sends it in the background (client/snapshots.py).
 
-Resume (every start; a collective): each rank lists the snapshot steps it can fetch (local
-holder, its peer, --snapshot-peers); the ranks all-gather the lists with rank 0's newest
-committed disk step, and try the steps every rank has, newest first. A step is taken only
-when every rank fetched a copy whose checksum verifies and that deserializes (all-reduce);
-otherwise the next older one. The disk tier is consulted as soon as its newest committed
+Resume (every start; a collective): each rank lists every rank's snapshots on the holders
+it can reach (local holder, its peer, --snapshot-peers); the ranks all-gather what they
+saw with rank 0's newest committed disk step, and try the steps whose saved ranks are all
+present somewhere, newest first. Each rank loads its own saved rank's copy, or at another
+world size (a node lost) saved rank `rank % saved_world` (`source_rank`: under DDP every
+rank holds the same state), which may exist only as the lost node's replica on its peer.
+A step is taken only when every rank fetched a copy whose checksum verifies and that
+deserializes (all-reduce); otherwise the next older one. The disk tier is consulted as soon as its newest committed
 checkpoint is newer than the snapshot step in hand, and wins when its newest validated one
 is newer; at equal steps tier 0 wins (same state, faster to load).
 """
@@ -23,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..client import checkpoint_store as store
-from ..client.snapshots import SnapshotClient, common_steps, deserialize, serialize
+from ..client.snapshots import SnapshotClient, deserialize, serialize, source_rank, usable_steps
+from ..contract.snapshots import read_token
 from .config import SnapshotConfig
 from .distributed import DistInfo, unwrap
 
@@ -46,8 +50,9 @@ def newest_committed_step(root) -> int | None:
 class TierZero:
     def __init__(self, cfg: SnapshotConfig, info: DistInfo, job: str):
         self.cfg, self.info = cfg, info
+        token = read_token(cfg.token_file) if cfg.token_file else None
         self.client = SnapshotClient(cfg.holder, cfg.peers, job, info.rank, info.world_size,
-                                     info.local_world_size, cfg.keep)  # fmt: skip
+                                     info.local_world_size, cfg.keep, token=token)  # fmt: skip
         self.saves = 0
         self.serialize_seconds = 0.0
 
@@ -75,8 +80,11 @@ class TierZero:
             self.client.truncate(step)
 
     # -- resume -------------------------------------------------------------------
-    def _try(self, step: int, sources, model, optim) -> tuple[dict, str] | None:
-        got = self.client.fetch(step, sources)
+    def _try(self, step: int, saved_world: int, inventory, model, optim) -> tuple[dict, str] | None:
+        src = source_rank(self.info.rank, self.info.world_size, saved_world)
+        sources = [(addr, kind, cs) for addr, s, r, w, kind, cs in inventory
+                   if (s, r, w) == (step, src, saved_world)]  # fmt: skip
+        got = self.client.fetch(step, sources, rank=src)
         payload = None
         if got is not None:
             try:
@@ -84,7 +92,7 @@ class TierZero:
                 if not all(k in payload for k in ("model", "optim", "trainer")):
                     raise ValueError("missing model, optim or trainer state")
             except Exception as exc:  # a snapshot that verifies but cannot load: refused
-                log.warning("snapshot step %d rank %d refused: %r", step, self.info.rank, exc)
+                log.warning("snapshot step %d rank %d refused: %r", step, src, exc)
                 payload = None
         flag = torch.tensor([1 if payload is not None else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -95,19 +103,22 @@ class TierZero:
         unwrap(model).load_state_dict(payload["model"])
         optim.load_state_dict(payload["optim"])
         state = payload["trainer"]
-        state["same_world"] = True  # listed for this world size only
-        return state, got[1]
+        state["same_world"] = saved_world == self.info.world_size  # else: RNG reseeded
+        return state, got[1] if src == self.info.rank else f"{got[1]} (rank {src})"
 
     def resume(self, model, optim, ckpt) -> tuple[dict | None, str | None]:
         """(trainer state, source) of the newest validated state across tiers, loaded into
         model and optimizer on every rank; (None, None) when there is none."""
-        cands = self.client.candidates()
+        inventory = self.client.inventory()
+        view: dict[int, dict[int, list[int]]] = {}
+        for _, step, rank, world, _, _ in inventory:
+            view.setdefault(step, {}).setdefault(world, []).append(rank)
         disk_top = newest_committed_step(ckpt.root) if ckpt and self.info.rank == 0 else None
         gathered: list = [None] * self.info.world_size
-        dist.all_gather_object(gathered, (sorted(cands), disk_top))
+        dist.all_gather_object(gathered, (view, disk_top))
         disk_top = gathered[0][1]
         consulted, disk_valid = False, None
-        for step in common_steps([g[0] for g in gathered]):
+        for step, saved_world in usable_steps([g[0] for g in gathered], self.info.world_size):
             if ckpt and not consulted and disk_top is not None and step < disk_top:
                 consulted = True  # the disk may have something newer: ask it first
                 state = ckpt.resume(model, optim, newer_than=step)
@@ -116,7 +127,7 @@ class TierZero:
                 disk_valid = ckpt.newest_validated
             if consulted and disk_valid is not None and step < disk_valid:
                 break  # the disk's validated checkpoint is newer than what is left here
-            got = self._try(step, cands[step], model, optim)
+            got = self._try(step, saved_world, inventory, model, optim)
             if got is not None:
                 return got
         if ckpt:

@@ -129,6 +129,7 @@ class Trainer:
         self.ckpt = AsyncCheckpointer(cfg.ckpt, info, self.faults) if cfg.ckpt.dir else None
         self.snap = TierZero(cfg.snapshot, info, cfg.job) if cfg.snapshot.every else None
         self.resume_source: str | None = None  # holder, replica@ADDR or disk
+        self.resume_sources: list[str | None] = []  # every rank's, with tier 0
         self.peak_flops = peak_flops(info.device, cfg.peak_flops)
         self.telemetry.flops_per_token = self.flops_per_token  # for MFU
         self.telemetry.peak_flops = self.peak_flops
@@ -213,6 +214,9 @@ class Trainer:
         if self.snap:  # every tier: tier 0 (in memory), then the disk
             state, self.resume_source = self.snap.resume(self.model, self.optim, self.ckpt)
             self.snap.forget_after(state["step"] if state else 0)
+            # where every rank's state came from (a lost node's replica is on some rank only)
+            self.resume_sources = [None] * self.info.world_size
+            dist.all_gather_object(self.resume_sources, self.resume_source)
         else:
             state = self.ckpt.resume(self.model, self.optim)
             self.resume_source = "disk" if state else None
@@ -375,6 +379,7 @@ class Trainer:
             "checkpoint_block_seconds": self.checkpoint_block_seconds,
             **(self.ckpt.stats() if self.ckpt else {}),
             "resume_source": self.resume_source,
+            "resume_sources": self.resume_sources,
             "snapshot_saves": self.snap.saves if self.snap else 0,
             "snapshot_serialize_seconds": self.snap.serialize_seconds if self.snap else 0.0,
             "snapshot_send_failures": self.snap.client.failures if self.snap else 0,

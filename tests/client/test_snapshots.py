@@ -37,13 +37,13 @@ def test_store_keeps_newest_steps_and_the_newest_complete_one():
     # partial 40 and 50: 20 (newest complete) is never pushed out: at most keep + 1 steps
     assert s.put(_held(40, 0), keep=2) == []
     assert s.put(_held(50, 0), keep=2) == [30]
-    assert [(e["step"], e["complete"]) for e in s.status()["snapshots"]] == [
+    assert [(e.step, e.complete) for e in s.status()["snapshots"]] == [
         (20, True),
         (40, False),
         (50, False),
     ]
     s.put(_held(50, 1), keep=2)  # 50 complete: 20 is no longer needed
-    assert [e["step"] for e in s.status()["snapshots"]] == [40, 50]
+    assert [e.step for e in s.status()["snapshots"]] == [40, 50]
     assert [e["step"] for e in s.listing("j", 1, 2)] == [50]
     assert s.listing("j", 1, 4) == []  # another world size: not offered
     assert s.truncate("j", 40) == 1 and [e["step"] for e in s.listing("j", 0, 2)] == [40]
@@ -133,7 +133,7 @@ def test_restored_model_and_optimizer_continue_bit_identically():
         assert torch.equal(a, b), name
 
 
-def test_config_errors_are_clear():
+def test_config_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="needs a holder"):
         config_from_args(["--snapshot-every", "5"], environ={})
     with pytest.raises(ConfigError, match="HOST:PORT"):
@@ -143,9 +143,24 @@ def test_config_errors_are_clear():
                          environ={"RANKGUARD_SNAPSHOT_HOLDER": "/tmp/x.sock"})  # fmt: skip
     with pytest.raises(ConfigError, match="keep"):
         config_from_args(["--snapshot-keep", "0"], environ={})
-    cfg = config_from_args(["--snapshot-every", "3"], environ={
-        "RANKGUARD_SNAPSHOT_HOLDER": "/tmp/a.sock", "RANKGUARD_SNAPSHOT_PEERS": "h2:7000,h3:7000"})  # fmt: skip
+    env = {
+        "RANKGUARD_SNAPSHOT_HOLDER": "/tmp/a.sock",
+        "RANKGUARD_SNAPSHOT_PEERS": "h2:7000,h3:7000",
+    }
+    with pytest.raises(ConfigError, match="needs the snapshot token"):  # peers on TCP
+        config_from_args(["--snapshot-every", "3"], environ=env)
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        config_from_args(
+            ["--snapshot-every", "3", "--snapshot-token-file", str(token)], environ=env
+        )
+    token.chmod(0o600)
+    cfg = config_from_args(["--snapshot-every", "3"],
+                           environ={**env, "RANKGUARD_SNAPSHOT_TOKEN_FILE": str(token)})  # fmt: skip
     assert cfg.snapshot.holder == "/tmp/a.sock" and cfg.snapshot.peers == ("h2:7000", "h3:7000")
+    assert cfg.snapshot.token_file == token
 
 
 # -- holders on real sockets (threads) ----------------------------------------------------
@@ -179,8 +194,8 @@ def test_replication_and_verified_fetch(tmp_path):
         replication = a.status()["replication"]
         assert replication["sent"] + replication["dropped"] == 6 and replication["sent"] >= 2
         # memory bounded by keep: 2 steps of 2 ranks each, locally and as replicas
-        assert [e["step"] for e in a.store.status()["snapshots"]] == [8, 12]
-        assert [e["kind"] for e in b.store.status()["snapshots"]] == [REPLICA, REPLICA]
+        assert [e.step for e in a.store.status()["snapshots"]] == [8, 12]
+        assert [e.kind for e in b.store.status()["snapshots"]] == [REPLICA, REPLICA]
         c = SnapshotClient(a_path, (), "j", 1, 2, 2, keep=2)
         cands = c.candidates()  # the local holder names its peer: both are searched
         assert sorted(cands) == [8, 12] and [s[1] for s in cands[12]] == [LOCAL, REPLICA]
