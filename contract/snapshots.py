@@ -18,8 +18,9 @@ the holder's limit) *before* the holder reads or allots memory for its payload
 
 **TCP is authenticated** (holders on other nodes, ranks fetching a lost node's replica):
 both ends prove they hold the cluster's snapshot token without sending it, by HMAC-SHA256
-over fresh nonces (client `hello` with its nonce; the server answers its nonce and its
-proof; the client checks it and sends its own proof in `auth`). Until then the holder
+over fresh nonces (client `hello` with its nonce, the server answers its own; the client
+sends its proof in `auth`, the server checks it and answers its proof, which the client
+checks). Until then the holder
 takes no other op and no payload. The unix socket is owner-only (mode 0600): no token.
 
 `HolderStatus` is the holder's `status` answer as a typed model; the agent reads it to show
@@ -118,26 +119,28 @@ def _nonce(h: Mapping[str, Any], name: str) -> str:
 
 def client_handshake(sock: socket.socket, token: str) -> None:
     """Prove the token to a holder on TCP and check the holder's proof; WireError if
-    either side does not hold it."""
+    either side does not hold it. The client proves first, so a holder counts every peer
+    with a wrong token."""
     mine = secrets.token_hex(16)
     send_frame(sock, {"op": "hello", "nonce": mine})
     answer, _ = recv_frame(sock, max_payload=0)
     if not answer.get("ok"):
         raise WireError(str(answer.get("error", "refused")), "auth_failed")
     theirs = _nonce(answer, "nonce")
+    send_frame(sock, {"op": "auth", "proof": proof(token, "client", theirs, mine)})
+    answer, _ = recv_frame(sock, max_payload=0)
+    if not answer.get("ok"):
+        raise WireError(str(answer.get("error", "refused")), "auth_failed")
     got = answer.get("proof")
     if not isinstance(got, str) or not hmac.compare_digest(
         got, proof(token, "server", mine, theirs)
     ):
         raise WireError("the holder did not prove the snapshot token", "auth_failed")
-    send_frame(sock, {"op": "auth", "proof": proof(token, "client", theirs, mine)})
-    answer, _ = recv_frame(sock, max_payload=0)
-    if not answer.get("ok"):
-        raise WireError(str(answer.get("error", "refused")), "auth_failed")
 
 
 class ServerHandshake:
-    """The holder's side of the handshake on one connection (pure: frames in, frames out)."""
+    """The holder's side of the handshake on one connection (pure: frames in, frames out):
+    `hello` (the client's nonce) -> our nonce; `auth` (the client's proof) -> our proof."""
 
     def __init__(self, token: str):
         self.token = token
@@ -151,15 +154,14 @@ class ServerHandshake:
         op = h.get("op")
         if op == "hello" and self.client_nonce is None:
             self.client_nonce = _nonce(h, "nonce")
-            return {"ok": True, "nonce": self.nonce,
-                    "proof": proof(self.token, "server", self.client_nonce, self.nonce)}  # fmt: skip
+            return {"ok": True, "nonce": self.nonce}
         if op == "auth" and self.client_nonce is not None:
             got = h.get("proof")
             want = proof(self.token, "client", self.nonce, self.client_nonce)
             if not isinstance(got, str) or not hmac.compare_digest(got, want):
                 raise WireError("authentication failed", "auth_failed")
             self.done = True
-            return {"ok": True}
+            return {"ok": True, "proof": proof(self.token, "server", self.client_nonce, self.nonce)}
         raise WireError("authenticate first (hello, auth)", "unauthenticated")
 
 
@@ -299,7 +301,7 @@ def parse_request(h: Mapping[str, Any], max_payload: int = MAX_PAYLOAD) -> Reque
     op = h.get("op")
     if op not in OPS:
         raise WireError(f"unknown op {str(op)[:32]!r}")
-    size = h.get("size", 0)
+    size = _int(h, "size", 0, MAX_PAYLOAD) if "size" in h else 0
     if op != "put" and size:
         raise WireError(f"{op}: carries no payload")
     kind = h.get("kind")

@@ -154,7 +154,7 @@ def run_collector(collector: Collector) -> CollectorRun:
 
 def load_all() -> dict[str, type[Collector]]:
     """Import every collector module so it registers itself."""
-    from . import backup, gpu, host, network, ranks, storage  # noqa: F401
+    from . import backup, gpu, host, network, ranks, snapshots, storage  # noqa: F401
 
     return REGISTRY
 

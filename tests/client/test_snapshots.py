@@ -63,6 +63,21 @@ def test_common_steps_needs_every_rank():
     assert common_steps([[10], []]) == []
 
 
+def test_usable_steps_take_the_union_of_the_ranks_views():
+    from rankguard.client.snapshots import source_rank, usable_steps
+
+    # 3 saved ranks; saved rank 1 (a lost node's) only as a replica that rank 1 can reach
+    views = [{40: {3: [0, 2]}, 30: {3: [0, 1, 2]}}, {40: {3: [1, 2]}}]
+    assert usable_steps(views, 2) == [(40, 3), (30, 3)]
+    assert usable_steps([{40: {3: [0, 2]}}], 2) == []  # saved rank 1 nowhere: not usable
+    # a step saved at two world sizes: the current one first
+    assert usable_steps([{50: {2: [0, 1], 3: [0, 1, 2]}}], 2) == [(50, 2)]
+    assert usable_steps([{50: {2: [0, 1], 3: [0, 1, 2]}}], 4) == [(50, 3)]
+    assert [source_rank(r, 2, 3) for r in (0, 1)] == [0, 1]
+    assert [source_rank(r, 4, 2) for r in range(4)] == [0, 1, 0, 1]
+    assert source_rank(2, 3, 3) == 2
+
+
 def test_serialize_round_trip_is_exact_and_data_only():
     import collections
     import pickle

@@ -185,11 +185,12 @@ def test_a_collector_turned_off_is_not_run_and_gpu_off_leaves_the_verdict_alone(
                              "telemetry_socket": str(tmp_path / "t.sock")})  # fmt: skip
     agent = Agent(cfg)
     try:
-        assert [c.name for c in agent.collectors] == ["backup", "host", "ranks", "storage"]
+        assert [c.name for c in agent.collectors] == ["backup", "host", "ranks", "snapshots",
+                                                      "storage"]  # fmt: skip
         storage = next(c for c in agent.collectors if c.name == "storage")
         assert storage.statvfs_timeout_s == 0.5
         runs = agent.collect_once()
-        assert {r.name for r in runs} == {"backup", "host", "ranks", "storage"}
+        assert {r.name for r in runs} == {"backup", "host", "ranks", "snapshots", "storage"}
         # 8 GPUs expected and no NVML here: unhealthy if the gpu collector ran, but it is off
         assert agent.node_view()["status"] == "healthy", agent.node_view()["reasons"]
     finally:
@@ -204,7 +205,7 @@ def test_a_collector_turned_off_is_not_run_and_gpu_off_leaves_the_verdict_alone(
 
 def test_every_collector_builds_its_own_settings():
     settings = settings_for(None)
-    assert set(settings) == {"backup", "gpu", "host", "network", "ranks", "storage"}
+    assert set(settings) == {"backup", "gpu", "host", "network", "ranks", "snapshots", "storage"}
     assert type(settings["gpu"]).__name__ == "GpuConfig"
     assert all(s.enabled for s in settings.values())
     assert AgentConfig().collectors == {}  # empty: every collector with its defaults
