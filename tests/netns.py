@@ -37,6 +37,7 @@ PREFIX_BASE = "rgmn"
 OWNERS = Path("/run/rankguard-netns-tests")
 AGENT_PORT = 9400
 RDZV_PORT = 29400
+HOLDER_PORT = 7410
 HEAD = 254  # the root namespace's host number on the bridge
 
 
@@ -172,6 +173,9 @@ class Node:
         self.nvml_state = cluster.tmp / f"{self.name}-nvml.json"
         self.agent: NodeProc | None = None
         self.torchrun: NodeProc | None = None
+        self.holder: NodeProc | None = None  # tier-0 snapshot holder (start_holders)
+        self.holder_socket = cluster.tmp / f"{self.name}-holder.sock"
+        self.holder_addr = f"{self.addr}:{HOLDER_PORT}"
 
     def exec(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         return sh("ip", "netns", "exec", self.ns, *cmd, check=check)
@@ -243,6 +247,29 @@ class Cluster:
                 60, f"agent of {node.name} ({node.agent.tail()})",
             )  # fmt: skip
 
+    def start_holders(self) -> None:
+        """A snapshot holder per node (unix socket for its ranks, TCP on its address with
+        the cluster token), replicating to the next node of the ring, then the one after
+        (which takes over while the next is lost)."""
+        n = len(self.nodes)
+        for node in self.nodes:
+            ring = [self.nodes[(node.index + k) % n].holder_addr for k in range(1, n)]
+            node.holder = self.spawn(node, [
+                sys.executable, "-m", "rankguard.cli.main", "snapshot-holder", "run",
+                "--socket", str(node.holder_socket), "--bind", node.holder_addr,
+                "--peer", ",".join(ring), "--token-file", str(self.token_file),
+            ], f"holder-{node.name}.log")  # fmt: skip
+        for node in self.nodes:
+            wait_until(lambda nd=node: "snapshot holder on" in nd.holder.tail(), 60,
+                       f"snapshot holder of {node.name} ({node.holder.tail()})")  # fmt: skip
+
+    def holder_env(self, node: Node) -> dict:
+        """The trainer's tier-0 settings on `node`: its own holder, every other as a peer."""
+        others = [n.holder_addr for n in self.nodes if n is not node]
+        return {"RANKGUARD_SNAPSHOT_HOLDER": str(node.holder_socket),
+                "RANKGUARD_SNAPSHOT_PEERS": ",".join(others),
+                "RANKGUARD_SNAPSHOT_TOKEN_FILE": str(self.token_file)}  # fmt: skip
+
     def start_rendezvous(self) -> NodeProc:
         """`rankguard rendezvous` in the root namespace, reached by every node at the head
         address: torchrun then uses `--rdzv-backend rankguard` and no node hosts the store.
@@ -286,6 +313,7 @@ class Cluster:
             *trainer_args,
         ]  # fmt: skip
         env = {
+            **(self.holder_env(node) if node.holder else {}),
             "OMP_NUM_THREADS": "1",
             "GLOO_SOCKET_IFNAME": node.if_name,
             "RANKGUARD_TELEMETRY_SOCKET": str(node.socket) if node.agent else "off",

@@ -296,3 +296,35 @@ def test_lost_rank0_node_job_continues_with_rendezvous_on_the_control_node(
         assert victim.agent_url in gone["summary"], gone
     finally:
         rig.close()
+
+
+def test_lost_node_resumes_from_its_snapshot_replica_not_from_disk(tmp_path, resumed_reference):
+    """Tier 0 across nodes: a snapshot holder per node (TCP between nodes, token-checked),
+    each replicating to the next. The node holding rank 1 is lost with its holder; the other
+    two go on at world size 2 from the newest snapshot, which they can only complete with
+    rank 1's replica on the lost node's successor; it is newer than the newest disk
+    checkpoint, and the run ends exactly as a clean 2-node run resumed from that step."""
+    rig = Rig(tmp_path, control_rendezvous=True)
+    try:
+        rig.cluster.start_holders()
+        # from step 41 every step is 0.25 s slower (incarnation 0 only: the fault file names
+        # the job-wide incarnation), so the kill lands between disk checkpoints 30 and 60
+        faults = tmp_path / "faults"
+        faults.write_text("comm-delay:step=41:seconds=0.25:rank=0\n")
+        rig.train("--ckpt-every", "30", "--snapshot-every", "10", "--fault-file", str(faults))
+        seen = rig.when(rig.nodes[0], lambda r: (r["step"] or 0) >= 42, "step 42")
+        (victim,) = [n for n in rig.nodes if any(r["rank"] == 1 for r in rig.ranks(n))]
+        disk_at_kill = seen["checkpoint_step"]
+        rig.cluster.kill_node(victim)
+        rcs = rig.wait(lost(rig, victim))
+        assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
+        s = assert_shrunk_exactly(rig, resumed_reference)
+        assert disk_at_kill == 30 and s["resumed_from"] in (40, 50), (disk_at_kill, s)
+        # new rank 1 loaded saved rank 1's state: only the lost node's replica had it
+        assert s["resume_sources"][1].startswith("replica@"), s["resume_sources"]
+        successor = rig.nodes[(victim.index + 1) % 3]
+        assert successor.holder_addr in s["resume_sources"][1] or (
+            s["resume_sources"][1] == f"replica@{successor.holder_socket}"
+        ), s["resume_sources"]
+    finally:
+        rig.close()
