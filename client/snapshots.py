@@ -48,11 +48,21 @@ class _Pickler(pickle.Pickler):
         if not isinstance(obj, torch.Tensor):
             return None
         t = obj.detach()
+        if _is_dtensor(t):  # FSDP2: this rank's shard (rebuilt against the model at load)
+            t = t.to_local()
         nbytes = t.numel() * t.element_size()
         self.tensors.append((t, self.offset, nbytes))
         ref = ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), self.offset)
         self.offset += nbytes
         return ref
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 class _Unpickler(pickle.Unpickler):

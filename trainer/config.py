@@ -193,8 +193,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
-        if self.snapshot.every and self.fsdp:
-            raise ConfigError("--snapshot-every: not supported with --fsdp yet (DDP only)")
         if self.log_every < 0:
             raise ConfigError("--log-every must be >= 0")
 

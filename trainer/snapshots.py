@@ -34,6 +34,31 @@ from .distributed import DistInfo, unwrap
 log = logging.getLogger("rankguard.trainer.snapshots")
 
 
+def _as_dtensor(local, like):
+    """`local` (a shard as saved) as a DTensor laid out like `like` (the live parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor) or isinstance(local, DTensor):
+        return local
+    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements,
+                              run_check=False, shape=like.shape, stride=like.stride())  # fmt: skip
+
+
+def reshard_state(payload: dict, model, optim) -> dict:
+    """FSDP2: a snapshot holds each rank's local shards as plain tensors; rebuild the
+    DTensors against the live model (same world size and layout: shards are per rank).
+    DDP states pass through unchanged."""
+    template = unwrap(model).state_dict()
+    payload["model"] = {k: _as_dtensor(v, template.get(k)) for k, v in payload["model"].items()}
+    params = [p for group in optim.param_groups for p in group["params"]]
+    for index, state in payload["optim"].get("state", {}).items():
+        p = params[index] if isinstance(index, int) and index < len(params) else None
+        for key, v in list(state.items()):
+            if key != "step" and p is not None and isinstance(v, torch.Tensor) and v.dim():
+                state[key] = _as_dtensor(v, p)
+    return payload
+
+
 def newest_committed_step(root) -> int | None:
     """The newest committed (not necessarily valid) step dir: a cheap upper bound of what
     the disk tier can offer, read without hashing anything."""
@@ -48,8 +73,9 @@ def newest_committed_step(root) -> int | None:
 
 
 class TierZero:
-    def __init__(self, cfg: SnapshotConfig, info: DistInfo, job: str):
+    def __init__(self, cfg: SnapshotConfig, info: DistInfo, job: str, sharded: bool = False):
         self.cfg, self.info = cfg, info
+        self.sharded = sharded  # FSDP: shards are per rank, so only the same world size
         token = read_token(cfg.token_file) if cfg.token_file else None
         self.client = SnapshotClient(cfg.holder, cfg.peers, job, info.rank, info.world_size,
                                      info.local_world_size, cfg.keep, token=token)  # fmt: skip
@@ -94,6 +120,12 @@ class TierZero:
             except Exception as exc:  # a snapshot that verifies but cannot load: refused
                 log.warning("snapshot step %d rank %d refused: %r", step, src, exc)
                 payload = None
+        if payload is not None and self.sharded:
+            try:
+                payload = reshard_state(payload, model, optim)
+            except Exception as exc:  # a shard that does not fit this layout: refused
+                log.warning("snapshot step %d rank %d refused: %r", step, src, exc)
+                payload = None
         flag = torch.tensor([1 if payload is not None else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if not flag.item():
@@ -119,6 +151,8 @@ class TierZero:
         disk_top = gathered[0][1]
         consulted, disk_valid = False, None
         for step, saved_world in usable_steps([g[0] for g in gathered], self.info.world_size):
+            if self.sharded and saved_world != self.info.world_size:
+                continue  # FSDP shards of another world size: the disk tier reshards
             if ckpt and not consulted and disk_top is not None and step < disk_top:
                 consulted = True  # the disk may have something newer: ask it first
                 state = ckpt.resume(model, optim, newer_than=step)

@@ -127,7 +127,9 @@ class Trainer:
             self.optim, lambda s: lr_schedule(s, cfg.steps, o.warmup_steps, o.min_lr_ratio)
         )
         self.ckpt = AsyncCheckpointer(cfg.ckpt, info, self.faults) if cfg.ckpt.dir else None
-        self.snap = TierZero(cfg.snapshot, info, cfg.job) if cfg.snapshot.every else None
+        self.snap = (
+            TierZero(cfg.snapshot, info, cfg.job, sharded=cfg.fsdp) if cfg.snapshot.every else None
+        )
         self.resume_source: str | None = None  # holder, replica@ADDR or disk
         self.resume_sources: list[str | None] = []  # every rank's, with tier 0
         self.peak_flops = peak_flops(info.device, cfg.peak_flops)

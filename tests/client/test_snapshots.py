@@ -153,9 +153,6 @@ def test_config_errors_are_clear(tmp_path):
         config_from_args(["--snapshot-every", "5"], environ={})
     with pytest.raises(ConfigError, match="HOST:PORT"):
         config_from_args(["--snapshot-every", "5", "--snapshot-holder", "nohost"], environ={})
-    with pytest.raises(ConfigError, match="fsdp"):
-        config_from_args(["--snapshot-every", "5", "--fsdp"],
-                         environ={"RANKGUARD_SNAPSHOT_HOLDER": "/tmp/x.sock"})  # fmt: skip
     with pytest.raises(ConfigError, match="keep"):
         config_from_args(["--snapshot-keep", "0"], environ={})
     env = {
@@ -395,3 +392,19 @@ def test_up_with_snapshots_resumes_from_the_holder(tmp_path):
     assert s["restart_count"] == 1 and s["resumed_from"] == 30
     assert s["resume_source"] == "holder" and s["final_step"] == 40
     assert {"holder-a.log", "holder-b.log"} <= set(os.listdir(run))
+
+
+@pytest.mark.slow
+def test_fsdp2_tier0_exact_resume(tmp_path, holders):
+    """FSDP2 (fully_shard, gloo on CPU): each rank snapshots its own shards (the DTensors'
+    local tensors) and a SIGKILLed run resumes from them bit-identically to the
+    uninterrupted FSDP run (same world size: shards are per rank)."""
+    args = ["--steps", "12", "--fsdp", "--snapshot-every", "5", "--snapshot-holder", holders.a]
+    run_ok([*args, "--job", "fsdp-clean", "--summary", str(tmp_path / "clean.json")],
+           cwd=tmp_path)  # fmt: skip
+    run_ok([*args, "--job", "fsdp", "--summary", str(tmp_path / "s.json"),
+            "--fault", "crash:step=8:rank=1"], cwd=tmp_path, max_restarts=1)  # fmt: skip
+    clean, s = read_json(tmp_path / "clean.json"), read_json(tmp_path / "s.json")
+    assert s["restart_count"] == 1 and s["resumed_from"] == 5 and s["resume_source"] == "holder"
+    assert s["resume_sources"] == ["holder", "holder"]
+    assert s["param_digest"] == clean["param_digest"] and s["final_step"] == 12
