@@ -261,6 +261,11 @@ def test_cli_status_and_errors(tmp_path):
                            "--socket", str(tmp_path / "a.sock"), "--peer", "nohost"],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and "HOST:PORT" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "rankguard.cli.main", "snapshot-holder", "run",
+                           "--socket", str(tmp_path / "a.sock"), "--bind", "127.0.0.1:7999"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "needs --token-file" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 # -- real holder processes beside real torchrun ---------------------------------------------
