@@ -11,9 +11,11 @@ present somewhere, newest first. Each rank loads its own saved rank's copy, or a
 world size (a node lost) saved rank `rank % saved_world` (`source_rank`: under DDP every
 rank holds the same state), which may exist only as the lost node's replica on its peer.
 A step is taken only when every rank fetched a copy whose checksum verifies and that
-deserializes (all-reduce); otherwise the next older one. The disk tier is consulted as soon as its newest committed
-checkpoint is newer than the snapshot step in hand, and wins when its newest validated one
-is newer; at equal steps tier 0 wins (same state, faster to load).
+deserializes (all-reduce); otherwise the next older one. The disk tier is consulted as
+soon as its newest committed checkpoint is newer than the snapshot step in hand, and wins
+when its newest validated one is newer; at equal steps tier 0 wins (same state, faster to
+load). FSDP2 (`sharded`): each rank's local shards, rebuilt as DTensors at load; same
+world size only.
 """
 
 from __future__ import annotations
