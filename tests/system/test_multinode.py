@@ -307,19 +307,21 @@ def test_lost_node_resumes_from_its_snapshot_replica_not_from_disk(tmp_path, res
     rig = Rig(tmp_path, control_rendezvous=True)
     try:
         rig.cluster.start_holders()
-        # from step 41 every step is 0.25 s slower (incarnation 0 only: the fault file names
-        # the job-wide incarnation), so the kill lands between disk checkpoints 30 and 60
+        # from step 31 every step is 0.5 s slower (incarnation 0 only: the fault file names
+        # the job-wide incarnation), so the kill lands after snapshot 30 and well before
+        # disk checkpoint 50; resuming from 30 shares the other tests' 2-node reference
         faults = tmp_path / "faults"
-        faults.write_text("comm-delay:step=41:seconds=0.25:rank=0\n")
-        rig.train("--ckpt-every", "30", "--snapshot-every", "10", "--fault-file", str(faults))
-        seen = rig.when(rig.nodes[0], lambda r: (r["step"] or 0) >= 42, "step 42")
+        faults.write_text("comm-delay:step=31:seconds=0.5:rank=0\n")
+        rig.train("--ckpt-every", "25", "--snapshot-every", "10", "--fault-file", str(faults))
+        seen = rig.when(rig.nodes[0], lambda r: (r["step"] or 0) >= 32
+                        and (r["checkpoint_step"] or 0) >= 25, "step 32")  # fmt: skip
         (victim,) = [n for n in rig.nodes if any(r["rank"] == 1 for r in rig.ranks(n))]
         disk_at_kill = seen["checkpoint_step"]
         rig.cluster.kill_node(victim)
         rcs = rig.wait(lost(rig, victim))
         assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
         s = assert_shrunk_exactly(rig, resumed_reference)
-        assert disk_at_kill == 30 and s["resumed_from"] in (40, 50), (disk_at_kill, s)
+        assert disk_at_kill == 25 and s["resumed_from"] in (30, 40), (disk_at_kill, s)
         # new rank 1 loaded saved rank 1's state: only the lost node's replica had it
         assert s["resume_sources"][1].startswith("replica@"), s["resume_sources"]
         successor = rig.nodes[(victim.index + 1) % 3]
