@@ -24,7 +24,10 @@ Rules:
   wire a non-finite loss is a string (``contract/numbers.py``), as everywhere else;
 * ``client_errors`` (optional) is the client library's own failure counters: at most
   :data:`MAX_CLIENT_ERRORS` entries, each a reason (``[a-z][a-z0-9_]*``, at most
-  :data:`MAX_REASON_CHARS` characters) and a count; the agent shows them per rank.
+  :data:`MAX_REASON_CHARS` characters) and a count; the agent shows them per rank;
+* ``flops`` (optional) is the model FLOPs the step did and ``peak_flops`` (optional) the
+  rank's peak FLOP/s, finite and ``>= 0``: the agent counts FLOPs done
+  (``rankguard_rank_flops_total``), so MFU over any window is a ``rate()`` over the peak.
 
 Unknown extra fields in a datagram are ignored (forward compatible within a schema
 version); a different ``v`` is refused with reason ``wrong_version``.
@@ -247,6 +250,8 @@ class TelemetryRecord:
     loss: float | None
     checkpoint_step: int | None
     client_errors: Mapping[str, int] | None = None
+    flops: float | None = None
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
@@ -298,6 +303,9 @@ class TelemetryRecord:
         cs = self.checkpoint_step
         out["checkpoint_step"] = None if cs is None else _check_int("checkpoint_step", cs)
         out["client_errors"] = _check_client_errors(self.client_errors)
+        for name in OPTIONAL_FLOAT_FIELDS:
+            value = getattr(self, name)
+            out[name] = None if value is None else _check_nonneg_float(name, value)
         return out
 
     @property
@@ -305,10 +313,11 @@ class TelemetryRecord:
         return comm_compute_ratio(self.comm_seconds, self.compute_seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the fields, in schema order (``client_errors`` only when set)."""
+        """Plain dict of the fields, in schema order (the optional ones only when set)."""
         out = {name: getattr(self, name) for name in REQUIRED_FIELDS}
-        if self.client_errors is not None:
-            out["client_errors"] = self.client_errors
+        for name in OPTIONAL_FIELDS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
@@ -330,13 +339,17 @@ class TelemetryRecord:
                 "missing_field", f"missing field(s): {', '.join(missing)}", missing[0]
             )
         return cls(
-            **{name: obj[name] for name in REQUIRED_FIELDS}, client_errors=obj.get("client_errors")
+            **{name: obj[name] for name in REQUIRED_FIELDS},
+            **{name: obj.get(name) for name in OPTIONAL_FIELDS},
         )
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TelemetryRecord))
-#: Every field but the optional ones (``client_errors``).
-REQUIRED_FIELDS: tuple[str, ...] = FIELD_NAMES[:-1]
+#: Fields a record may leave out (added within schema version 1).
+OPTIONAL_FLOAT_FIELDS: tuple[str, ...] = ("flops", "peak_flops")
+OPTIONAL_FIELDS: tuple[str, ...] = ("client_errors", *OPTIONAL_FLOAT_FIELDS)
+#: Every field but the optional ones.
+REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if n not in OPTIONAL_FIELDS)
 
 
 def encode(record: TelemetryRecord, *, validate: bool = True) -> bytes:
