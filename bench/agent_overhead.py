@@ -147,7 +147,7 @@ def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200)
                     by_group.get(group, 0.0) + (spent - threads0.get(tid, 0.0)) / elapsed
                 )
             records = (ranks["telemetry"]["accepted"] - accepted0) / elapsed
-            latencies, sizes = {}, {}
+            latencies, sizes, served = {}, {}, {}
             for label, headers in SCRAPES.items():
                 request = urllib.request.Request(base + "/metrics", headers=headers)
                 times = []
@@ -157,11 +157,13 @@ def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200)
                         body = resp.read()
                         encoded = resp.headers.get("Content-Encoding")
                     times.append(time.perf_counter() - start)
-                assert (encoded == "gzip") == ("gzip" in label), (label, encoded)
+                served[label] = resp.headers.get("Content-Type", "").split(";")[0] + (
+                    " gzip" if encoded == "gzip" else ""
+                )
                 times.sort()
                 latencies[label] = (times[len(times) // 2], times[int(len(times) * 0.99)])
                 sizes[label] = len(body)
-            text = gzip.decompress(body) if encoded else body
+            text = gzip.decompress(body) if encoded == "gzip" else body
             gpus = json.loads(urllib.request.urlopen(base + "/v1/node").read())
             gpus = gpus.get("facts", {}).get("gpu", {}).get("count")
         finally:
@@ -176,6 +178,7 @@ def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200)
         "records_per_second": records,
         "scrape_ms": {k: (1e3 * a, 1e3 * b) for k, (a, b) in latencies.items()},
         "metrics_bytes": sizes,
+        "served": served,
         "series": sum(1 for ln in text.splitlines() if ln and not ln.startswith(b"#")),
         "ranks_seen": len(ranks["ranks"]),
         "gpus": gpus,
@@ -220,6 +223,8 @@ def cost_table(costs: list[dict], gpu_desc: str, seconds: float) -> list[str]:
         row(f"/metrics {label} p99 (ms)", [c["scrape_ms"][label][1] for c in costs], ".2f", "< 10")
         row(f"/metrics {label} size (bytes)", [c["metrics_bytes"][label] for c in costs], ",.0f")
     row("/metrics series", [c["series"] for c in costs], ",.0f")
+    lines.append("")
+    lines.append("Served as: " + "; ".join(f"{k}: {v}" for k, v in costs[0]["served"].items()))
     return lines
 
 
