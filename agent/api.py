@@ -7,8 +7,6 @@ happens. Plumbing (limits, errors, counting) lives in httpd.py, shared with the 
 
 from __future__ import annotations
 
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-
 from ..contract.answers import API_VERSION
 from ..contract.cursor import CursorError
 from ..service.httpd import Raw, Service, serve
@@ -18,12 +16,14 @@ from .control import ControlError
 def agent_service(agent) -> Service:
     service = Service(API_VERSION, "agent", token=agent.token)
     service.get_routes.update({
-        "/metrics": lambda: Raw(generate_latest(agent.registry), CONTENT_TYPE_LATEST),
+        "/metrics": lambda headers: Raw(*agent.metrics_page.render(
+            headers.get("Accept", ""), headers.get("Accept-Encoding", ""))),
         "/v1/node": agent.node_view,
         "/v1/ranks": agent.ranks_view,
         "/healthz": lambda: {"ok": True},
         "/v1": lambda: {"endpoints": sorted(service.get_routes) + sorted(service.post_routes)},
     })  # fmt: skip
+    service.header_routes.add("/metrics")  # Accept (OpenMetrics), Accept-Encoding (gzip)
     service.query_routes.add("/v1/ranks")  # ?after=<cursor>: incremental reads
     service.post_routes.update({
         "/v1/control/signal": agent.control_signal,

@@ -26,7 +26,7 @@ from .collectors import (
 from .config import AgentConfig, AgentConfigError, load_tls, read_token
 from .control import dump_stacks, send_signal, stop_job
 from .discovery import WorkerScanner
-from .exposition import collector_meta, make_registry
+from .exposition import MetricsPage, collector_meta, make_registry
 from .health import SEVERITIES, node_verdict
 from .nvml_double import load_nvml
 from .ranks import RankTable
@@ -70,7 +70,8 @@ class Agent:
         ]
         self._lock = threading.Lock()
         self._runs: list[CollectorRun] = []
-        self.registry = make_registry(self.metrics_snapshot)
+        self.registry = make_registry(self.metrics_snapshot)  # everything, in one registry
+        self.metrics_page = MetricsPage(self._collected_metrics, self._own_metrics)  # /metrics
         self.service = agent_service(self)
         self._stop = threading.Event()
         self._server = None
@@ -94,6 +95,7 @@ class Agent:
         runs = [run_collector(c) for c in self.collectors]
         with self._lock:
             self._runs = runs
+        self.metrics_page.bump()  # /metrics renders the new snapshot once, at its next scrape
         return runs
 
     def _latest(self) -> tuple[list[CollectorRun], dict]:
@@ -108,13 +110,16 @@ class Agent:
 
     def metrics_snapshot(self) -> list[Metric]:
         """Everything /metrics shows, from the last collection (one consistent snapshot)."""
+        return self._collected_metrics() + self._own_metrics()
+
+    def _collected_metrics(self) -> list[Metric]:
+        """The last collection's metrics: they change only when a collection swaps in."""
         runs, _ = self._latest()
         metrics: list[Metric] = []
         for run in runs:
             if run.result is not None:
                 metrics.extend(run.result.metrics)
         metrics.extend(collector_meta(runs))
-        metrics.extend(self._own_metrics())
         return metrics
 
     def _own_metrics(self) -> list[Metric]:

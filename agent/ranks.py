@@ -47,6 +47,7 @@ from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
 from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
 from ..contract.telemetry import SPLIT_FIELDS, TelemetryRecord
 from .control import launcher_identity, launcher_pid, process_uid, stand_in_pid
+from .rank_counters import RankCounters
 from .stand_ins import StandIn, stand_in_state
 
 __all__ = [
@@ -413,6 +414,7 @@ class _Rank:
         self.first_seen = self.last_seen = now
         self.records_received = 0
         self.process_changes = 0
+        self.counters = RankCounters()  # for rates: steps, tokens, step time, FLOPs
         self.history: deque[HistoryEntry] = deque(maxlen=history)
         self.start_process(record.pid, stat, now)
         # Ownership (docs/security.md): the kernel-verified uid and the launcher (pid,
@@ -448,6 +450,7 @@ class _Rank:
             self.step_record = record
         self.last_seen = now
         self.records_received += 1
+        self.counters.observe(record)
         self.history.append(HistoryEntry.of(record, now, seq))
 
     def dead_state(self, zombie: bool) -> str:
@@ -1075,6 +1078,15 @@ class RankTable:
         if abs(offset - self._offset) > 1.0:
             self._offset = offset
         return self._offset
+
+    def counters(self) -> list[tuple[str, int, RankCounters]]:
+        """(job, rank, a copy of its counters) of every telemetry rank, sorted."""
+        with self._lock:
+            return [
+                (job, rank, r.counters.copy())
+                for (job, rank), r in sorted(self._ranks.items())
+                if r.source == "telemetry"
+            ]
 
     def processes(self) -> list[tuple[str, int, int]]:
         """(job, rank, pid) of every live (alive or stopped) rank."""

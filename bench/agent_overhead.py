@@ -1,11 +1,13 @@
 """Agent overhead: its own CPU use, /metrics scrape latency, and training speed with and
 without an agent listening, side by side in one run.
 
-    python bench/agent_overhead.py [--seconds 30] [--repeats 3] [--out FILE]
+    python bench/agent_overhead.py [--seconds 30] [--rates 10 100] [--repeats 3] [--out FILE]
 
 Part 1 starts `rankguard agent` (1 s interval, an NVML double with 8 GPUs) and 8 fake
-rank processes that each send a valid telemetry record 10 times a second, then measures
-the agent's CPU time over a window and the latency of repeated /metrics scrapes.
+rank processes that each send a valid telemetry record RATE times a second, then measures
+the agent's CPU time over a window, split by thread (where the time goes: the telemetry
+receiver, the collectors on the main thread, HTTP), and the latency of repeated /metrics
+scrapes as text, gzipped text and OpenMetrics. One column per rate, side by side.
 Part 2 runs the real trainer under torchrun (2 ranks) alternately with an agent
 receiving its telemetry and with no listener at all, and compares throughput.
 """
@@ -13,8 +15,11 @@ receiving its telemetry and with no listener at all, and compares throughput.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -33,6 +38,7 @@ import os, sys, time
 from rankguard.client import TelemetrySender
 from rankguard.contract.telemetry import SCHEMA_VERSION
 sender, rank, step = TelemetrySender(sys.argv[1]), int(sys.argv[2]), 0
+period, next_at = 1.0 / float(sys.argv[3]), time.monotonic()
 while True:
     step += 1
     sender.send(dict(v=SCHEMA_VERSION, job="bench", rank=rank, local_rank=rank, world_size=8,
@@ -40,9 +46,49 @@ while True:
         step_seconds=0.1, data_wait_seconds=0.001, compute_seconds=0.07, comm_seconds=0.02,
         comm_exposed_seconds=0.01, optimizer_seconds=0.01, checkpoint_block_seconds=0.0,
         tokens_per_second=50000.0, mfu=0.45, peak_memory_bytes=70 * 2**30, loss=2.0,
-        checkpoint_step=None))
-    time.sleep(0.1)
+        checkpoint_step=None, flops=5e12, peak_flops=1e15))
+    next_at += period
+    time.sleep(max(0.0, next_at - time.monotonic()))
 """
+SCRAPES = {  # label -> request headers
+    "text": {},
+    "text, gzip": {"Accept-Encoding": "gzip"},
+    "OpenMetrics": {"Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"},
+}
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each of the process's threads, by thread id."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Python thread names by thread id, from `py-spy dump` (empty without py-spy)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    try:
+        dump = subprocess.run([spy, "dump", "-p", str(pid)], capture_output=True, text=True,
+                              timeout=30).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {int(m[1]): m[2] for m in re.finditer(r'Thread (\d+) \(\w+\): "([^"]+)"', dump)}
+
+
+def thread_group(name: str) -> str:
+    if "receiver" in name:
+        return "telemetry receiver"
+    if name == "MainThread":
+        return "collectors (main thread)"
+    if "http" in name or name.startswith("Thread-"):
+        return "HTTP"
+    return "other (watchers, XID events)"
 
 
 def free_port() -> int:
@@ -73,25 +119,51 @@ def start_agent(tmp: Path, gpus: int | None) -> tuple[subprocess.Popen, str, Pat
     return proc, base, sock
 
 
-def agent_cost(seconds: float, real_nvml: bool) -> dict:
+def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:
         agent, base, sock = start_agent(Path(tmp), gpus=None if real_nvml else 8)
         senders = [
-            subprocess.Popen([sys.executable, "-c", SENDER, str(sock), str(r)]) for r in range(8)
+            subprocess.Popen([sys.executable, "-c", SENDER, str(sock), str(r), str(rate)])
+            for r in range(8)
         ]
         try:
             time.sleep(3)  # let the ranks register and the collectors warm up
+            names = thread_names(agent.pid)
             p = psutil.Process(agent.pid)
-            before, t0 = p.cpu_times(), time.monotonic()
+            ranks_url = base + "/v1/ranks"
+            accepted0 = json.loads(urllib.request.urlopen(ranks_url).read())["telemetry"][
+                "accepted"
+            ]
+            before, threads0, t0 = p.cpu_times(), thread_cpu(agent.pid), time.monotonic()
             time.sleep(seconds)
-            after, elapsed = p.cpu_times(), time.monotonic() - t0
+            after, threads1 = p.cpu_times(), thread_cpu(agent.pid)
+            elapsed = time.monotonic() - t0
+            ranks = json.loads(urllib.request.urlopen(ranks_url).read())
             cpu = (after.user + after.system - before.user - before.system) / elapsed
-            latencies = []
-            for _ in range(200):
-                start = time.perf_counter()
-                body = urllib.request.urlopen(base + "/metrics", timeout=5).read()
-                latencies.append(time.perf_counter() - start)
-            ranks = json.loads(urllib.request.urlopen(base + "/v1/ranks").read())["ranks"]
+            by_group: dict[str, float] = {}
+            for tid, spent in threads1.items():
+                group = thread_group(names.get(tid, ""))
+                by_group[group] = (
+                    by_group.get(group, 0.0) + (spent - threads0.get(tid, 0.0)) / elapsed
+                )
+            records = (ranks["telemetry"]["accepted"] - accepted0) / elapsed
+            latencies, sizes, served = {}, {}, {}
+            for label, headers in SCRAPES.items():
+                request = urllib.request.Request(base + "/metrics", headers=headers)
+                times = []
+                for _ in range(scrapes):
+                    start = time.perf_counter()
+                    with urllib.request.urlopen(request, timeout=5) as resp:
+                        body = resp.read()
+                        encoded = resp.headers.get("Content-Encoding")
+                    times.append(time.perf_counter() - start)
+                served[label] = resp.headers.get("Content-Type", "").split(";")[0] + (
+                    " gzip" if encoded == "gzip" else ""
+                )
+                times.sort()
+                latencies[label] = (times[len(times) // 2], times[int(len(times) * 0.99)])
+                sizes[label] = len(body)
+            text = gzip.decompress(body) if encoded == "gzip" else body
             gpus = json.loads(urllib.request.urlopen(base + "/v1/node").read())
             gpus = gpus.get("facts", {}).get("gpu", {}).get("count")
         finally:
@@ -99,16 +171,61 @@ def agent_cost(seconds: float, real_nvml: bool) -> dict:
                 s.kill()
             agent.terminate()
             agent.wait()
-    latencies.sort()
     return {
+        "rate": rate,
         "cpu_fraction_of_one_core": cpu,
-        "scrape_p50_ms": 1e3 * latencies[len(latencies) // 2],
-        "scrape_p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)],
-        "metrics_bytes": len(body),
-        "ranks_seen": len(ranks),
+        "by_thread": by_group,
+        "records_per_second": records,
+        "scrape_ms": {k: (1e3 * a, 1e3 * b) for k, (a, b) in latencies.items()},
+        "metrics_bytes": sizes,
+        "served": served,
+        "series": sum(1 for ln in text.splitlines() if ln and not ln.startswith(b"#")),
+        "ranks_seen": len(ranks["ranks"]),
         "gpus": gpus,
         "window_seconds": seconds,
     }
+
+
+def cost_table(costs: list[dict], gpu_desc: str, seconds: float) -> list[str]:
+    """The cost measures with one column per record rate, and the ratio of the last to the
+    first."""
+    head = " | ".join(f"{c['rate']:g} records/s/rank" for c in costs)
+    lines = [
+        f"Agent cost: 1 s interval, {gpu_desc}, 8 ranks, {seconds:.0f} s window per rate",
+        "",
+        f"| measure | {head} | ratio | target |",
+        "|---|" + "---|" * len(costs) + "---|---|",
+    ]
+
+    def row(name: str, values: list[float], fmt: str, target: str = "") -> None:
+        cells = " | ".join(format(v, fmt) for v in values)
+        ratio = f"{values[-1] / values[0]:.2f}x" if values[0] else ""
+        lines.append(f"| {name} | {cells} | {ratio} | {target} |")
+
+    row("records received per second", [c["records_per_second"] for c in costs], ",.0f")
+    targets = {10: "< 0.01", 100: "< 0.05"}
+    cells = " | ".join(
+        f"{c['cpu_fraction_of_one_core']:.4f} (target {targets.get(int(c['rate']), '-')})"
+        for c in costs
+    )
+    ratio = costs[-1]["cpu_fraction_of_one_core"] / max(1e-9, costs[0]["cpu_fraction_of_one_core"])
+    lines.append(f"| agent CPU, fraction of one core | {cells} | {ratio:.2f}x | |")
+    groups = sorted({g for c in costs for g in c["by_thread"]})
+    for g in groups:
+        row(f"&nbsp;&nbsp;{g}", [c["by_thread"].get(g, 0.0) for c in costs], ".4f")
+    row(
+        "CPU per record (µs), whole agent",
+        [1e6 * c["cpu_fraction_of_one_core"] / max(1.0, c["records_per_second"]) for c in costs],
+        ".0f",
+    )
+    for label in SCRAPES:
+        row(f"/metrics {label} p50 (ms)", [c["scrape_ms"][label][0] for c in costs], ".2f")
+        row(f"/metrics {label} p99 (ms)", [c["scrape_ms"][label][1] for c in costs], ".2f", "< 10")
+        row(f"/metrics {label} size (bytes)", [c["metrics_bytes"][label] for c in costs], ",.0f")
+    row("/metrics series", [c["series"] for c in costs], ",.0f")
+    lines.append("")
+    lines.append("Served as: " + "; ".join(f"{k}: {v}" for k, v in costs[0]["served"].items()))
+    return lines
 
 
 def train(with_agent: bool, tmp: Path, steps: int) -> float:
@@ -141,6 +258,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--seconds", type=float, default=30)
+    p.add_argument("--rates", type=float, nargs="+", default=[10.0, 100.0],
+                   help="records per second per rank, one column each")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--out", type=Path)
@@ -149,25 +268,18 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    print("part 1: agent cost ...", file=sys.stderr, flush=True)
-    cost = agent_cost(args.seconds, args.real_nvml)
+    costs = []
+    for rate in args.rates:
+        print(f"part 1: agent cost at {rate:g} records/s/rank ...", file=sys.stderr, flush=True)
+        costs.append(agent_cost(args.seconds, args.real_nvml, rate))
     runs: dict[str, list[float]] = {"without agent": [], "with agent": []}
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:
         for i in range(args.repeats):
             for label in runs:
                 print(f"part 2 [{i + 1}/{args.repeats}] {label} ...", file=sys.stderr, flush=True)
                 runs[label].append(train(label == "with agent", Path(tmp), args.steps))
-    gpu_desc = f"{cost['gpus']} GPU(s), real NVML" if args.real_nvml else "8 GPUs (NVML double)"
-    lines = [
-        f"Agent cost: 1 s interval, {gpu_desc}, 8 ranks x 10 records/s, {args.seconds:.0f} s window",
-        "",
-        "| measure | value | target |",
-        "|---|---|---|",
-        f"| agent CPU, fraction of one core | {cost['cpu_fraction_of_one_core']:.4f} | < 0.01 |",
-        f"| /metrics scrape p50 | {cost['scrape_p50_ms']:.2f} ms | < 10 ms |",
-        f"| /metrics scrape p99 | {cost['scrape_p99_ms']:.2f} ms | |",
-        f"| /metrics size | {cost['metrics_bytes']:,} bytes | |",
-    ]
+    gpu_desc = f"{costs[0]['gpus']} GPU(s), real NVML" if args.real_nvml else "8 GPUs (NVML double)"
+    lines = cost_table(costs, gpu_desc, args.seconds)
     if args.repeats:
         lines += [
             "",

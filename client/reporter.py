@@ -509,6 +509,10 @@ class Reporter:
                 peak_memory_bytes=self.peak_memory_bytes(), loss=loss,
                 checkpoint_step=self.checkpoint_step,
             )  # fmt: skip
+            if t and tokens and self.flops_per_token > 0:  # FLOPs done: the agent's counter
+                record["flops"] = float(self.flops_per_token * tokens)
+            if self.peak_flops > 0:
+                record["peak_flops"] = float(self.peak_flops)
         except Exception as exc:
             self._count("record")
             self.sender.count_drop("invalid", exc)

@@ -24,7 +24,10 @@ Rules:
   wire a non-finite loss is a string (``contract/numbers.py``), as everywhere else;
 * ``client_errors`` (optional) is the client library's own failure counters: at most
   :data:`MAX_CLIENT_ERRORS` entries, each a reason (``[a-z][a-z0-9_]*``, at most
-  :data:`MAX_REASON_CHARS` characters) and a count; the agent shows them per rank.
+  :data:`MAX_REASON_CHARS` characters) and a count; the agent shows them per rank;
+* ``flops`` (optional) is the model FLOPs the step did and ``peak_flops`` (optional) the
+  rank's peak FLOP/s, finite and ``>= 0``: the agent counts FLOPs done
+  (``rankguard_rank_flops_total``), so MFU over any window is a ``rate()`` over the peak.
 
 Unknown extra fields in a datagram are ignored (forward compatible within a schema
 version); a different ``v`` is refused with reason ``wrong_version``.
@@ -60,6 +63,7 @@ __all__ = [
     "comm_compute_ratio",
     "decode",
     "encode",
+    "fast_record",
     "is_reason_name",
     "socket_path_from_env",
 ]
@@ -247,6 +251,8 @@ class TelemetryRecord:
     loss: float | None
     checkpoint_step: int | None
     client_errors: Mapping[str, int] | None = None
+    flops: float | None = None
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
@@ -298,6 +304,9 @@ class TelemetryRecord:
         cs = self.checkpoint_step
         out["checkpoint_step"] = None if cs is None else _check_int("checkpoint_step", cs)
         out["client_errors"] = _check_client_errors(self.client_errors)
+        for name in OPTIONAL_FLOAT_FIELDS:
+            value = getattr(self, name)
+            out[name] = None if value is None else _check_nonneg_float(name, value)
         return out
 
     @property
@@ -305,10 +314,11 @@ class TelemetryRecord:
         return comm_compute_ratio(self.comm_seconds, self.compute_seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the fields, in schema order (``client_errors`` only when set)."""
+        """Plain dict of the fields, in schema order (the optional ones only when set)."""
         out = {name: getattr(self, name) for name in REQUIRED_FIELDS}
-        if self.client_errors is not None:
-            out["client_errors"] = self.client_errors
+        for name in OPTIONAL_FIELDS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
@@ -330,13 +340,17 @@ class TelemetryRecord:
                 "missing_field", f"missing field(s): {', '.join(missing)}", missing[0]
             )
         return cls(
-            **{name: obj[name] for name in REQUIRED_FIELDS}, client_errors=obj.get("client_errors")
+            **{name: obj[name] for name in REQUIRED_FIELDS},
+            **{name: obj.get(name) for name in OPTIONAL_FIELDS},
         )
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TelemetryRecord))
-#: Every field but the optional ones (``client_errors``).
-REQUIRED_FIELDS: tuple[str, ...] = FIELD_NAMES[:-1]
+#: Fields a record may leave out (added within schema version 1).
+OPTIONAL_FLOAT_FIELDS: tuple[str, ...] = ("flops", "peak_flops")
+OPTIONAL_FIELDS: tuple[str, ...] = ("client_errors", *OPTIONAL_FLOAT_FIELDS)
+#: Every field but the optional ones.
+REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if n not in OPTIONAL_FIELDS)
 
 
 def encode(record: TelemetryRecord, *, validate: bool = True) -> bytes:
@@ -385,6 +399,58 @@ def _json_depth(text: str) -> int:
     return deepest
 
 
+_FAST_FLOATS = (*_NONNEG_FLOAT_FIELDS, "mfu")
+
+
+def fast_record(obj: dict) -> TelemetryRecord | None:
+    """The common record (exact types, every value in range) built without the
+    field-by-field checks, which cost more than parsing the JSON; None for anything else,
+    which then goes through :meth:`TelemetryRecord.from_dict` and its named errors. It
+    accepts only what ``from_dict`` accepts, with equal values (a property test)."""
+    try:
+        if obj["v"] != SCHEMA_VERSION or type(obj["v"]) is not int:
+            return None
+        values = {}
+        for name in _INT_FIELDS:
+            x = obj[name]
+            if type(x) is not int or not 0 <= x < MAX_INT:
+                return None
+            values[name] = x
+        if values["world_size"] < 1 or values["pid"] < 1:
+            return None
+        if values["rank"] >= values["world_size"] or values["local_rank"] >= values["world_size"]:
+            return None
+        for name in _FAST_FLOATS:
+            x = obj[name]
+            if type(x) is not float or not 0.0 <= x < math.inf:
+                return None
+            values[name] = x
+        if values["mfu"] > 1.0:
+            return None
+        job, phase, loss, cs = obj["job"], obj["phase"], obj["loss"], obj["checkpoint_step"]
+        if type(job) is not str or not 1 <= len(job) <= MAX_JOB_CHARS or not job.isprintable():
+            return None
+        if type(phase) is not str or phase not in PHASES:
+            return None
+        if loss is not None and type(loss) is not float:
+            return None  # ints, and non-finite losses in their wire spelling: the full path
+        if cs is not None and (type(cs) is not int or not 0 <= cs < MAX_INT):
+            return None
+        if obj.get("client_errors") is not None:
+            return None
+        for name in OPTIONAL_FLOAT_FIELDS:
+            x = obj.get(name)
+            if x is not None and (type(x) is not float or not 0.0 <= x < math.inf):
+                return None
+            values[name] = x
+    except KeyError:
+        return None
+    values.update(job=job, phase=phase, loss=loss, checkpoint_step=cs, client_errors=None)
+    record = object.__new__(TelemetryRecord)
+    record.__dict__.update(values)  # frozen: no __setattr__, but a plain instance dict
+    return record
+
+
 def decode(data: bytes) -> TelemetryRecord:
     """Parse and validate one datagram.
 
@@ -411,4 +477,4 @@ def decode(data: bytes) -> TelemetryRecord:
         raise TelemetryError(
             "not_object", f"datagram is a JSON {type(obj).__name__}, not an object"
         )
-    return TelemetryRecord.from_dict(obj)
+    return fast_record(obj) or TelemetryRecord.from_dict(obj)

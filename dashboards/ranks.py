@@ -71,13 +71,18 @@ def build():
                                "checkpoint blocking = step time (overlapped communication is "
                                "inside compute)."),
         table("Step time split per rank (mean, 5m)",
-              [Query(with_node(f'avg_over_time(rankguard_rank_phase_seconds{{{JOB}}}[5m])'),
+              [Query(with_node(f"rate(rankguard_rank_step_phase_seconds_total{{{JOB}}}[5m]) / ignoring (phase) "
+                               f"group_left rate(rankguard_rank_steps_total{{{JOB}}}[5m])"),
                      instant=True, table=True)],
               "s", hide_columns=("Time", "instance", "job", "__name__"),
               description="One row per rank and phase: compare a rank with its peers."),
-        timeseries("Tokens/s per rank", [Query(_per_rank("rankguard_rank_tokens_per_second"), RANK)], TOKENS_PER_SECOND),
-        timeseries("MFU per rank", [Query(_per_rank("rankguard_rank_mfu_ratio"), RANK)], "percentunit",
-                   max_value=1),
+        # counters for rates (issue 16): the recording rules' rate() over every step
+        timeseries("Tokens/s per rank",
+                   [Query(with_node(f"rankguard:rank_tokens_per_second:rate1m{{{JOB}}}"), RANK)],
+                   TOKENS_PER_SECOND, description="rate() of the rank's token counter over 1m."),
+        timeseries("MFU per rank", [Query(with_node(f"rankguard:rank_mfu:ratio1m{{{JOB}}}"), RANK)],
+                   "percentunit", max_value=1,
+                   description="FLOPs done over 1m (a counter) over the device's peak FLOP/s."),
     ]  # fmt: skip
     memory = [
         timeseries("Peak GPU memory per rank",

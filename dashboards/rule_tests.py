@@ -240,26 +240,51 @@ def _cases(t: Targets) -> list[dict]:
 # Recording rules checked with literal inputs and outputs.
 def _record_cases() -> list[dict]:
     r = {**AGENT, "training_job": "llm"}
-    compute = "rankguard_rank_phase_seconds"
+    compute = "rankguard_rank_step_phase_seconds_total"
     return [
-        {"name": "straggler score: compute over the job's median; dead ranks left out",
-         "series": [s("rankguard_rank_up", {**r, "rank": str(i)}, "1x5" if i < 3 else "0x5") for i in range(4)]
-                   + [s(compute, {**r, "rank": "0", "phase": "compute"}, "0.5x5"),
-                      s(compute, {**r, "rank": "1", "phase": "compute"}, "0.5x5"),
-                      s(compute, {**r, "rank": "2", "phase": "compute"}, "0.75x5"),
-                      s(compute, {**r, "rank": "3", "phase": "compute"}, "9x5")],
-         "promql": [("4m", "rankguard:rank_straggler_score:ratio",
+        {"name": "straggler score: compute per step over the job's median; dead ranks left out",
+         "interval": "15s",
+         "series": [s("rankguard_rank_up", {**r, "rank": str(i)}, "1x12" if i < 3 else "0x12") for i in range(4)]
+                   + [s("rankguard_rank_steps_total", {**r, "rank": str(i)}, "0+10x12") for i in range(4)]
+                   + [s(compute, {**r, "rank": "0", "phase": "compute"}, "0+5x12"),
+                      s(compute, {**r, "rank": "1", "phase": "compute"}, "0+5x12"),
+                      s(compute, {**r, "rank": "2", "phase": "compute"}, "0+7.5x12"),
+                      s(compute, {**r, "rank": "3", "phase": "compute"}, "0+90x12")],
+         "promql": [("2m", "rankguard:rank_straggler_score:ratio",
                      [({**r, "rank": "0"}, 1), ({**r, "rank": "1"}, 1), ({**r, "rank": "2"}, 1.5)])]},
-        {"name": "tokens/s per GPU and MFU over live ranks; the node name per agent",
-         "series": [node_info(), s("rankguard_rank_up", {**r, "rank": "0"}, "1x3"),
-                    s("rankguard_rank_up", {**r, "rank": "1"}, "0x3"),
-                    s("rankguard_rank_tokens_per_second", {**r, "rank": "0"}, "1000x3"),
-                    s("rankguard_rank_tokens_per_second", {**r, "rank": "1"}, "5x3"),
-                    s("rankguard_rank_mfu_ratio", {**r, "rank": "0"}, "0.4x3"),
-                    s("rankguard_rank_mfu_ratio", {**r, "rank": "1"}, "0x3")],
-         "promql": [("2m", "rankguard:job_tokens_per_second_per_gpu:avg", [({"training_job": "llm"}, 1000)]),
-                    ("2m", "rankguard:job_mfu:avg", [({"training_job": "llm"}, 0.4)]),
+        # Counters for rates: rank 0 runs at 1,000 tokens/s and restarts at 75 s (its
+        # counters reset: rate() carries on), rank 1 is dead (left out), rank 2 is alive
+        # but stalled (flat counters: 0, silent rather than its last step's rate).
+        {"name": "tokens/s, step time and MFU from counters; a reset, a dead and a stalled rank",
+         "interval": "15s",
+         "series": [node_info(values="1x12"),
+                    s("rankguard_rank_up", {**r, "rank": "0"}, "1x12"),
+                    s("rankguard_rank_up", {**r, "rank": "1"}, "0x12"),
+                    s("rankguard_rank_up", {**r, "rank": "2"}, "1x12"),
+                    s("rankguard_rank_tokens_total", {**r, "rank": "0"}, "0+15000x4 15000+15000x6"),
+                    s("rankguard_rank_tokens_total", {**r, "rank": "1"}, "0+75x10"),
+                    s("rankguard_rank_tokens_total", {**r, "rank": "2"}, "5000x10"),
+                    s("rankguard_rank_step_seconds_sum", {**r, "rank": "0"}, "0+15x10"),
+                    s("rankguard_rank_step_seconds_count", {**r, "rank": "0"}, "0+10x10"),
+                    s("rankguard_rank_flops_total", {**r, "rank": "0"}, "0+6e12x10"),
+                    s("rankguard_rank_flops_total", {**r, "rank": "2"}, "6e12x10"),
+                    s("rankguard_rank_peak_flops", {**r, "rank": "0"}, "1e12x10"),
+                    s("rankguard_rank_peak_flops", {**r, "rank": "2"}, "1e12x10")],
+         "promql": [("2m", "rankguard:rank_tokens_per_second:rate1m",
+                     [({**r, "rank": "0"}, 1000), ({**r, "rank": "2"}, 0)]),
+                    ("2m", "rankguard:job_tokens_per_second:sum", [({"training_job": "llm"}, 1000)]),
+                    ("2m", "rankguard:job_tokens_per_second_per_gpu:avg", [({"training_job": "llm"}, 500)]),
+                    ("2m", "rankguard:rank_step_seconds:mean1m", [({**r, "rank": "0"}, 1.5)]),
+                    ("2m", "rankguard:rank_mfu:ratio1m", [({**r, "rank": "0"}, 0.4), ({**r, "rank": "2"}, 0)]),
+                    ("2m", "rankguard:job_mfu:ratio", [({"training_job": "llm"}, 0.2)]),
                     ("2m", "rankguard:agent_node:info", [({"instance": "n1:9407", "node": "node-1"}, 1)])]},
+        # Silent: before two samples there is no rate, so no series at all (not a 0).
+        {"name": "rates are silent until a counter has two samples",
+         "interval": "15s",
+         "series": [s("rankguard_rank_up", {**r, "rank": "0"}, "1x4"),
+                    s("rankguard_rank_tokens_total", {**r, "rank": "0"}, "_x2 100 200")],
+         "promql": [("15s", "rankguard:rank_tokens_per_second:rate1m", []),
+                    ("15s", "rankguard:job_tokens_per_second:sum", [])]},
     ]  # fmt: skip
 
 
@@ -294,7 +319,7 @@ def promtool_tests(rules_file: str, targets: Targets | None = None) -> dict:
     for case in _record_cases():
         tests.append({
             "name": case["name"],
-            "interval": "1m",
+            "interval": case.get("interval", "1m"),
             "input_series": case["series"],
             "promql_expr_test": [
                 {"expr": expr, "eval_time": at, "exp_samples": [

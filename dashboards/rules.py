@@ -75,18 +75,45 @@ def named_mount(expr: str) -> str:
     return f"{named} or on (instance, role) {expr}"
 
 
+# -- counters for rates (issue 16): the agent counts every timed step, and these rules
+# turn the counters into means over RATE_WINDOW. A last-step gauge sampled every 15 s
+# saw one step in hundreds.
+RATE_WINDOW = "1m"
+
+
+def rate(counter: str, window: str = RATE_WINDOW) -> str:
+    return f"rate({counter}[{window}])"
+
+
+def rank_rate_rules() -> list[Record]:
+    """Per-rank and per-job throughput, step time and MFU from the agent's counters."""
+    tokens = live(rate("rankguard_rank_tokens_total"))
+    flops = live(rate("rankguard_rank_flops_total"))
+    peak = live("rankguard_rank_peak_flops")
+    return [
+        Record("rankguard:rank_tokens_per_second:rate1m", tokens),
+        Record("rankguard:rank_step_seconds:mean1m",
+               live(f"{rate('rankguard_rank_step_seconds_sum')} / "
+                    f"{rate('rankguard_rank_step_seconds_count')}")),
+        # FLOPs done over the device's peak: the MFU of the whole window, idle time included
+        Record("rankguard:rank_mfu:ratio1m", f"{flops} / {peak}"),
+        Record("rankguard:job_tokens_per_second:sum", f"sum by (training_job) ({tokens})"),
+        Record("rankguard:job_tokens_per_second_per_gpu:avg", f"avg by (training_job) ({tokens})"),
+        Record("rankguard:job_mfu:ratio",
+               f"sum by (training_job) ({flops}) / sum by (training_job) ({peak})"),
+    ]  # fmt: skip
+
+
 def recording_rules() -> list[Record]:
+    # mean compute time per step over 2 minutes, from the counters
     compute = (
-        'sum without (phase) (avg_over_time(rankguard_rank_phase_seconds{phase="compute"}[2m]))'
+        'sum without (phase) (rate(rankguard_rank_step_phase_seconds_total{phase="compute"}[2m]))'
+        " / rate(rankguard_rank_steps_total[2m])"
     )
     return [
         # One series per agent naming its node: every per-node panel and alert joins on it.
         Record(NODE_INFO, "max by (instance, node) (rankguard_agent_info)"),
-        Record("rankguard:job_tokens_per_second:sum",
-               f"sum by (training_job) ({live('rankguard_rank_tokens_per_second')})"),
-        Record("rankguard:job_tokens_per_second_per_gpu:avg",
-               f"avg by (training_job) ({live('rankguard_rank_tokens_per_second')})"),
-        Record("rankguard:job_mfu:avg", f"avg by (training_job) ({live('rankguard_rank_mfu_ratio')})"),
+        *rank_rate_rules(),
         Record("rankguard:job_comm_step_ratio:max",
                f"max by (training_job) ({live('rankguard_rank_comm_step_ratio')})"),
         Record("rankguard:job_data_wait_ratio:max",

@@ -82,10 +82,12 @@ def parse_query(raw: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Raw:
-    """A non-JSON response body (e.g. Prometheus text)."""
+    """A non-JSON response body (e.g. Prometheus text), with extra headers (e.g.
+    Content-Encoding)."""
 
     body: bytes
     content_type: str
+    headers: dict | None = None
 
 
 class RequestStats:
@@ -114,6 +116,7 @@ class Service:
         self.token = token
         self.get_routes: dict[str, Callable[..., Any]] = {}
         self.query_routes: set[str] = set()  # GET routes called with the parsed query
+        self.header_routes: set[str] = set()  # GET routes called with the request headers
         self.post_routes: dict[str, Callable[[dict, str], dict]] = {}
         self.auth_failures = 0
         self.stats = RequestStats(())
@@ -185,7 +188,7 @@ def make_handler(service: Service, domain_errors: tuple[type[Exception], ...] = 
 
         def _respond(self, payload) -> None:
             if isinstance(payload, Raw):
-                self._send(200, payload.body, payload.content_type)
+                self._send(200, payload.body, payload.content_type, payload.headers)
             else:
                 self._json(200, payload)
 
@@ -245,6 +248,8 @@ def make_handler(service: Service, domain_errors: tuple[type[Exception], ...] = 
                 if path in service.query_routes:
                     query = parse_query(self.path.partition("?")[2])
                     return self._respond(service.get_routes[path](query))
+                if path in service.header_routes:  # content negotiation (/metrics)
+                    return self._respond(service.get_routes[path](self.headers))
                 return self._respond(service.get_routes[path]())
             if method == "POST" and path in service.post_routes:
                 service.check_token(self.headers.get("Authorization", ""))

@@ -26,20 +26,25 @@ from ...contract.metrics import JOB_LABEL, RANK_LABELS  # noqa: F401
 
 log = logging.getLogger("rankguard.agent.collectors")
 
-METRIC_KINDS = ("gauge", "counter", "info")
+METRIC_KINDS = ("gauge", "counter", "info", "histogram")
 
 
 @dataclass
 class Metric:
     """One metric family: name (with the `rankguard_` prefix; counters end in `_total`),
     kind, help, label names, and samples as (label values, value). For `info` families
-    the name ends in `_info` and every sample's value is 1."""
+    the name ends in `_info` and every sample's value is 1. A `histogram` keeps its
+    series in `buckets` instead: (label values, cumulative (le, count) pairs with `+Inf`
+    last, sum)."""
 
     name: str
     kind: str
     help: str
     labels: tuple[str, ...] = ()
     samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
+    buckets: list[tuple[tuple[str, ...], list[tuple[str, float]], float]] = field(
+        default_factory=list
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in METRIC_KINDS:
@@ -52,10 +57,19 @@ class Metric:
             raise ValueError(f"{self.name}: info metrics end in _info")
 
     def add(self, label_values: tuple[str, ...] | list[str], value: float = 1.0) -> Metric:
-        values = tuple(str(v) for v in label_values)
+        values = tuple(map(str, label_values))  # ~1,000 calls a collection: no generator
         if len(values) != len(self.labels):
             raise ValueError(f"{self.name}: expected labels {self.labels}, got {values}")
         self.samples.append((values, float(value)))
+        return self
+
+    def add_histogram(
+        self, label_values: tuple[str, ...], buckets: list[tuple[str, float]], total: float
+    ) -> Metric:
+        values = tuple(str(v) for v in label_values)
+        if self.kind != "histogram" or len(values) != len(self.labels):
+            raise ValueError(f"{self.name}: not a histogram with labels {self.labels}")
+        self.buckets.append((values, buckets, float(total)))
         return self
 
 
@@ -65,6 +79,10 @@ def gauge(name: str, help: str, labels: tuple[str, ...] = ()) -> Metric:
 
 def counter(name: str, help: str, labels: tuple[str, ...] = ()) -> Metric:
     return Metric(name, "counter", help, labels)
+
+
+def histogram(name: str, help: str, labels: tuple[str, ...] = ()) -> Metric:
+    return Metric(name, "histogram", help, labels)
 
 
 def info(name: str, help: str, labels: tuple[str, ...]) -> Metric:

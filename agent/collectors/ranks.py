@@ -15,6 +15,7 @@ from ...contract.answers import RankAnswer
 from ...contract.metrics import CLIENT_ERRORS, RANK_INFO, RANK_UP, REASON_LABEL
 from ...contract.states import RANK_STATES
 from ...contract.telemetry import PHASES, SPLIT_FIELDS
+from ..rank_counters import PHASE_NAMES, RankCounters
 from ..ranks import RankTable
 from ..receiver import RECEIVER_REASONS, TelemetryReceiver
 from . import (
@@ -26,6 +27,7 @@ from . import (
     Metric,
     counter,
     gauge,
+    histogram,
     info,
     register,
 )
@@ -33,17 +35,17 @@ from . import (
 RANK = RANK_LABELS
 
 # rankguard_rank_<name>: (snapshot key, help). Omitted for a rank while the key is None.
+# Gauges only where a gauge is the honest shape (a position, an age, a level); what the
+# rank does per step (steps, tokens, step time, FLOPs) is counted (rank_counters.py), so
+# rate() sees every step and not the one a scrape happens to catch.
 _PER_RANK_GAUGES = (
     ("step", "step", "Newest step the rank reported."),
     ("heartbeat_age_seconds", "heartbeat_age_seconds",
      "Seconds since the agent last received a record from the rank."),
     ("last_heartbeat_timestamp_seconds", "last_heartbeat_at",
      "Unix time the agent last received a record from the rank."),
-    ("step_seconds", "step_seconds", "Wall time of the rank's last timed step."),
     ("comm_compute_ratio", "comm_compute_ratio",
      "Communication time over compute time of the last timed step (may exceed 1)."),
-    ("tokens_per_second", "tokens_per_second", "Tokens per second of the last timed step."),
-    ("mfu_ratio", "mfu", "Model FLOPs utilization of the last timed step, 0..1."),
     ("loss", "loss", "Newest training loss the rank reported (NaN when it diverged)."),
     ("peak_memory_bytes", "peak_memory_bytes", "Peak accelerator memory of the rank."),
     ("checkpoint_step", "checkpoint_step", "Step of the newest validated checkpoint the rank knows."),
@@ -78,6 +80,8 @@ class RanksCollector(Collector):
                 counts[r.state] += 1
         stats = self.receiver.stats() if self.receiver is not None else None
         metrics = rank_metrics(ranks) + node_metrics(counts, stats)
+        if self.table is not None:
+            metrics += counter_metrics(self.table.counters())
         facts: dict[str, Any] = {"ranks": counts, "receiver": stats}
         if self.table is not None:
             facts["table"] = self.table.stats()
@@ -127,6 +131,37 @@ def rank_metrics(ranks: list[RankAnswer]) -> list[Metric]:
             client.add((*key, reason), count)
     return [rank_info, up, state, phase, *simple.values(), split, comm_step, data_wait, cpu,
             client]  # fmt: skip
+
+
+def counter_metrics(ranks: list[tuple[str, int, RankCounters]]) -> list[Metric]:
+    """Per-rank counters for rate(): one series per (job, rank) entry of the table."""
+    p = "rankguard_rank_"
+    steps = counter(f"{p}steps_total", "Timed steps the agent received from the rank.", RANK)
+    tokens = counter(f"{p}tokens_total", "Tokens the rank processed in those steps.", RANK)
+    step = histogram(f"{p}step_seconds", "Wall time of the rank's timed steps.", RANK)
+    # not rank_phase_seconds_total: in OpenMetrics that counter is the family
+    # rankguard_rank_phase_seconds, the last-step gauge's name
+    phase = counter(f"{p}step_phase_seconds_total",
+                    "Step time by part (data wait, compute, ...), summed over timed steps.",
+                    (*RANK, "phase"))  # fmt: skip
+    flops = counter(f"{p}flops_total",
+                    "Model FLOPs the rank's steps did (the client's flops_per_token x tokens).",
+                    RANK)  # fmt: skip
+    peak = gauge(f"{p}peak_flops",
+                 "Peak FLOP/s of the rank's device, as the rank reports it (MFU's denominator).",
+                 RANK)  # fmt: skip
+    for job, rank, c in ranks:
+        key = (job, rank)
+        steps.add(key, c.steps)
+        tokens.add(key, c.tokens)
+        step.add_histogram(key, c.buckets(), c.step_seconds)
+        for name, seconds in zip(PHASE_NAMES, c.phase_seconds, strict=True):
+            phase.add((*key, name), seconds)
+        if c.flops is not None:
+            flops.add(key, c.flops)
+        if c.peak_flops is not None:
+            peak.add(key, c.peak_flops)
+    return [steps, tokens, step, phase, flops, peak]
 
 
 def node_metrics(counts: dict[str, int], stats: dict[str, Any] | None) -> list[Metric]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -119,6 +120,52 @@ def test_metrics_pass_promtool_and_carry_collector_meta(agent, rank_child):
         pytest.skip("promtool not installed (Debian package prometheus)")
     check = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True)
     assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+
+
+def test_metrics_negotiate_gzip_and_openmetrics_and_render_once_per_collection(agent, rank_child):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    agent.collect_once()
+    status, plain, headers = request(agent, "/metrics")
+    assert status == 200 and "Content-Encoding" not in headers
+    renders = agent.metrics_page.renders
+    status, body, headers = request(agent, "/metrics", headers={"Accept-Encoding": "gzip"})
+    assert headers["Content-Encoding"] == "gzip" and "Accept-Encoding" in headers["Vary"]
+    text = gzip.decompress(body).decode()
+    assert len(body) < len(plain) / 4
+    # the rank child's one step (0.5 s at 1,000 tokens/s), counted
+    rank = 'rank="1",training_job="j"'
+    for needle in (
+        f"rankguard_rank_steps_total{{{rank}}} 1.0",
+        f"rankguard_rank_tokens_total{{{rank}}} 500.0",
+        f'rankguard_rank_step_seconds_bucket{{le="0.25",{rank}}} 0.0',
+        f'rankguard_rank_step_seconds_bucket{{le="0.5",{rank}}} 1.0',
+        f"rankguard_rank_step_seconds_count{{{rank}}} 1.0",
+        f"rankguard_rank_step_seconds_sum{{{rank}}} 0.5",
+    ):
+        assert needle in text, needle
+    # the collectors' part was rendered once for this collection, not per scrape
+    assert agent.metrics_page.renders == renders
+    agent.collect_once()
+    request(agent, "/metrics")
+    assert agent.metrics_page.renders == renders + 1
+    # the agent's own series are fresh on every scrape: the request counter moves
+    count = 'rankguard_agent_http_requests_total{code="200",route="/metrics"}'
+    before = next(ln for ln in request(agent, "/metrics")[1].decode().splitlines()
+                  if ln.startswith(count))  # fmt: skip
+    after = next(ln for ln in request(agent, "/metrics")[1].decode().splitlines()
+                 if ln.startswith(count))  # fmt: skip
+    assert float(after.split()[-1]) == float(before.split()[-1]) + 1
+
+    om = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    status, body, headers = request(agent, "/metrics", headers={"Accept": om})
+    assert headers["Content-Type"].startswith("application/openmetrics-text")
+    text = body.decode()
+    assert text.endswith("# EOF\n") and text.count("# EOF") == 1
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # strict parser
+    assert families["rankguard_rank_steps"].type == "counter"
+    assert families["rankguard_rank_step_seconds"].type == "histogram"
+    assert "process_cpu_seconds" in families and "rankguard_agent_info" in families
 
 
 def test_node_view_reports_verdict_and_facts(agent):

@@ -505,6 +505,34 @@ def test_a_rank_without_client_errors_shows_none(table):
 # --------------------------------------------------------------------------- collector
 
 
+def test_counters_for_rates(table):
+    """Steps, tokens, step time (histogram), phase time and FLOPs add up over every timed
+    step; heartbeats add nothing; peak FLOP/s is a gauge."""
+    table.update(rec(step_seconds=0.04, tokens_per_second=1000.0, flops=6e9), os.getpid())
+    table.update(rec(step_seconds=2.0, tokens_per_second=500.0, flops=4e9, peak_flops=1e12),
+                 os.getpid())  # fmt: skip
+    table.update(rec(phase="checkpoint_save", step_seconds=0.0, data_wait_seconds=0.0,
+                     compute_seconds=0.0, comm_seconds=0.0, comm_exposed_seconds=0.0,
+                     optimizer_seconds=0.0), os.getpid())  # heartbeat  # fmt: skip
+    table.update(rec(rank=1, local_rank=1, step_seconds=0.3), os.getpid())  # no flops sent
+    res = RanksCollector(CollectorContext(), table=table).collect()
+    key = ("llama", "0")
+    assert samples(res, "rankguard_rank_steps_total") == {key: 2, ("llama", "1"): 1}
+    assert samples(res, "rankguard_rank_tokens_total")[key] == pytest.approx(40 + 1000)
+    assert samples(res, "rankguard_rank_flops_total") == {key: 1e10}  # rank 1 sent none
+    assert samples(res, "rankguard_rank_peak_flops") == {key: 1e12}
+    phase = samples(res, "rankguard_rank_step_phase_seconds_total")
+    assert phase[(*key, "compute")] == pytest.approx(2.4) and phase[(*key, "comm")] == 1.0
+    hist = next(m for m in res.metrics if m.name == "rankguard_rank_step_seconds")
+    assert hist.kind == "histogram"
+    (labels, buckets, total), *_ = hist.buckets
+    cumulative = dict(buckets)
+    assert labels == key and total == pytest.approx(2.04)
+    assert cumulative["0.025"] == 0 and cumulative["0.05"] == 1 and cumulative["1.0"] == 1
+    assert cumulative["2.5"] == 2 and cumulative["+Inf"] == 2
+    assert list(cumulative.values()) == sorted(cumulative.values())  # cumulative
+
+
 def samples(result, name):
     metric = next(m for m in result.metrics if m.name == name)
     return {labels: value for labels, value in metric.samples}
@@ -541,9 +569,9 @@ def test_collector_metrics(table, receiver, tmp_path):
         0.5 / 1.2
     )
     assert samples(res, "rankguard_rank_step")[("llama", "1")] == 10
-    assert samples(res, "rankguard_rank_step_seconds")[("llama", "0")] == 2.0
-    assert samples(res, "rankguard_rank_tokens_per_second")[("llama", "0")] == 1000.0
-    assert samples(res, "rankguard_rank_mfu_ratio")[("llama", "0")] == 0.4
+    # last-step rates are counters now (test_counters_for_rates); no such gauges remain
+    assert not names & {"rankguard_rank_tokens_per_second", "rankguard_rank_mfu_ratio"}
+    assert samples(res, "rankguard_rank_steps_total")[("llama", "0")] == 1
     assert math.isnan(samples(res, "rankguard_rank_loss")[("llama", "0")])
     assert samples(res, "rankguard_rank_checkpoint_step") == {("llama", "1"): 900.0}
     assert samples(res, "rankguard_rank_peak_memory_bytes")[("llama", "0")] == 2**30

@@ -103,6 +103,8 @@ def test_constants():
     assert [f.name for f in dataclasses.fields(TelemetryRecord)] == [
         *valid_fields(),
         "client_errors",
+        "flops",
+        "peak_flops",
     ]
 
 
@@ -656,3 +658,39 @@ def test_sender_close_is_idempotent_and_drops_after(sock_dir):
         assert "sent=1" in repr(sender)
     finally:
         rx.close()
+
+
+@FAST
+@given(
+    records(),
+    st.dictionaries(
+        st.sampled_from([*valid_fields(), "flops", "peak_flops", "client_errors"]),
+        json_values | st.sampled_from([-0.0, 1.0, 2**63, 2**64, True, "NaN", 1e308]),
+        max_size=3,
+    ),
+)
+def test_property_fast_path_accepts_only_what_the_full_check_does(rec, replace):
+    """decode's fast path (the common record, no field-by-field checks) and the agent's
+    orjson parser: the same record or the same refusal as json.loads + from_dict."""
+    from rankguard.agent.receiver import decode_record
+
+    obj = {**rec.to_dict(), **replace}
+    if isinstance(obj.get("loss"), float) and not math.isfinite(obj["loss"]):
+        obj["loss"] = tm.encode_float(obj["loss"])
+    data = json.dumps(obj).encode()
+    try:
+        full = TelemetryRecord.from_dict(json.loads(data))
+    except TelemetryError as e:
+        full = e.reason
+    fast = tm.fast_record(json.loads(data))
+    if fast is not None:
+        assert not isinstance(full, str), full
+        assert_same(fast, full)
+    try:
+        agent = decode_record(data)
+    except TelemetryError as e:
+        agent = e.reason
+    if isinstance(full, str):
+        assert agent == full
+    else:
+        assert_same(agent, full)

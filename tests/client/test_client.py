@@ -97,11 +97,13 @@ def test_steps_phases_loss_tokens_reach_the_listener(sock_dir):
         assert not sink.errors
     init, s1, s2, done = records
     assert (init.phase, init.step, init.step_seconds) == ("init", 0, 0.0)
+    assert init.flops is None and init.peak_flops == 1e9  # a heartbeat did no FLOPs
     assert (done.phase, done.step, done.checkpoint_step) == ("done", 2, 2)
     for r, n in ((s1, 1), (s2, 2)):
         assert (r.job, r.rank, r.local_rank, r.world_size) == ("myjob", 1, 1, 2)
         assert (r.restart, r.pid, r.phase, r.step) == (3, os.getpid(), "train", n)
         assert r.loss == pytest.approx(2.5 / n)
+        assert (r.flops, r.peak_flops) == (10.0 * 1000, 1e9)  # the agent's FLOPs counter
         assert r.data_wait_seconds >= 0.02 and r.compute_seconds >= 0.03
         assert r.optimizer_seconds >= 0.01 and r.checkpoint_block_seconds >= 0.01
         parts = r.data_wait_seconds + r.compute_seconds + r.optimizer_seconds

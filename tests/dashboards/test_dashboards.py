@@ -230,7 +230,8 @@ for step in range(1, 10**6):
         pid=os.getpid(), restart=0, step=step, phase="train", time=time.time(),
         step_seconds=0.05, data_wait_seconds=0.001, compute_seconds=0.04, comm_seconds=0.01,
         comm_exposed_seconds=0.002, optimizer_seconds=0.005, checkpoint_block_seconds=0.0,
-        tokens_per_second=1000.0, mfu=0.1, peak_memory_bytes=2**30, loss=2.0, checkpoint_step=10))
+        tokens_per_second=1000.0, mfu=0.1, peak_memory_bytes=2**30, loss=2.0, checkpoint_step=10,
+        flops=5e7, peak_flops=1e12))
     time.sleep(0.05)
 """
 
