@@ -60,7 +60,9 @@ DEPRECATED = {"crash": "kill"}
 KEYS = ("rank", "step", "at", "factor", "seconds", "restart")
 DEFAULT_FACTOR = 1.5  # slow: a straggler the detector names (a 20% one is within noise on CI)
 _NAME = re.compile(r"^[a-z][a-z-]*$")
-_SECONDS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)s?$")
+_NUMBER = r"[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"  # what repr() of a float can print
+_SECONDS = re.compile(rf"^({_NUMBER})s?$")
+_PLAIN = re.compile(rf"^({_NUMBER})$")
 
 
 class FaultError(ValueError):
@@ -109,11 +111,11 @@ def _int(spec: str, key: str, value: str) -> int:
 
 
 def _float(spec: str, key: str, value: str, unit: str = "") -> float:
-    m = _SECONDS.match(value) if unit == "s" else re.match(r"^[0-9]+(?:\.[0-9]+)?$", value)
+    m = (_SECONDS if unit == "s" else _PLAIN).match(value)
     if not m:
         hint = f" (seconds: {key}=30s or {key}=30)" if unit == "s" else ""
         raise FaultError(f"{spec!r}: {key} takes a number{hint}, got {value!r}")
-    x = float(m.group(1) if unit == "s" else value)
+    x = float(m.group(1))
     if not math.isfinite(x):
         raise FaultError(f"{spec!r}: {key} must be finite")
     return x
