@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Annotated
@@ -42,6 +43,18 @@ def _agent_rank(agent: str, job: str | None, rank: int) -> dict:
         raise InjectError(f"no single live rank {rank}" + (f" of job {job}" if job else "")
                           + f" on {agent} (jobs there: {', '.join(jobs) or 'none'})")  # fmt: skip
     return live[0]
+
+
+LEAD_SECONDS = 2.0  # a trainer fault fires this long after it is written (at least 2 steps)
+
+
+def _next_step(rank: dict) -> int:
+    """The step a trainer fault fires at: about LEAD_SECONDS ahead of the rank's newest
+    step, so the rank cannot have passed it by the time it reads the fault file (a tiny
+    model trains tens of steps a second)."""
+    seconds = rank.get("step_seconds")
+    lead = 2 if not seconds or seconds <= 0 else max(2, math.ceil(LEAD_SECONDS / seconds))
+    return (rank["step"] or 0) + lead
 
 
 def corrupt_newest_checkpoint(ckpt_dir: Path) -> dict:
@@ -100,8 +113,9 @@ def inject(
 
     kill / stop: SIGKILL / SIGSTOP the rank through its node agent (any script).
     hang, spin, slow, nan, exception, comm-delay, ckpt-delay: written to the job's fault
-    file, which the trainer re-reads every step; they fire at --step (default two steps
-    after the rank's current one), in the rank's current incarnation.
+    file, which the trainer re-reads every step; they fire at --step (default: about two
+    seconds ahead of the rank's current step, at least two steps), in the rank's current
+    incarnation.
     corrupt-checkpoint: flip a byte in the newest validated checkpoint (no rank).
     `rankguard inject kill --rank 1` and `rankguard inject kill:rank=1` are the same.
 
@@ -150,7 +164,7 @@ def inject(
                     "($RANKGUARD_FAULT_FILE)"
                 )
             target = _agent_rank(agent, job, fault.rank)
-            at = fault.step if fault.step is not None else (target["step"] or 0) + 2
+            at = fault.step if fault.step is not None else _next_step(target)
             line = grammar.Fault(fault.kind, rank=fault.rank, step=at, factor=fault.factor,
                                  seconds=fault.seconds, restart=target["restart"]).text()  # fmt: skip
             with open(fault_file, "a") as f:

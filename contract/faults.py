@@ -189,14 +189,14 @@ def for_up(f: Fault, script: bool) -> Fault:
     """`up --inject`: a rank where one is hit; at=SECONDS (up runs `rankguard inject` then)
     or step=N (passed to the bundled trainer's --fault). A script of the user's own only
     takes what is done to its processes from outside."""
-    if f.spec.by != (CHECKPOINT,) and f.rank is None:
-        raise FaultError(f"{f.text()!r}: which rank? add rank=N")
-    if f.at is None and f.step is None:
-        raise FaultError(f"{f.text()!r}: when? add at=SECONDS (after training starts) or step=N")
     if script and (f.step is not None or PROCESS not in f.spec.by):
         done = ", ".join(k.name for k in KINDS.values() if PROCESS in k.by)
         raise FaultError(f"{f.text()!r}: with a script only {done} at=SECONDS (done to the "
                          "process; the others need the bundled trainer)")  # fmt: skip
+    if f.spec.by != (CHECKPOINT,) and f.rank is None:
+        raise FaultError(f"{f.text()!r}: which rank? add rank=N")
+    if f.at is None and f.step is None:
+        raise FaultError(f"{f.text()!r}: when? add at=SECONDS (after training starts) or step=N")
     return f
 
 
