@@ -34,8 +34,8 @@ def parse_inject(spec: str, script: bool = False):
 
     try:
         fault = grammar.for_up(grammar.parse(spec), script)
-    except grammar.FaultError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--inject'") from None
+    except grammar.FaultError as exc:  # one line, not click's usage box
+        raise typer.Exit(_fail(f"--inject {exc}")) from None
     if fault.note:
         typer.echo(f"rankguard up: {fault.note}", err=True)
     return fault
