@@ -109,10 +109,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _step(value) -> str:
-    return "-" if value is None else str(value)
-
-
 def _keep(name: str, args: list[str], run_dir: Path, health: str, env: dict) -> KeptDaemon:
     """Start a daemon (exit 2 when it cannot start) and keep it running: a restart appends
     to the same log and reuses the same arguments (port, database, token)."""
