@@ -25,6 +25,22 @@ Opt = typer.Option
 
 EXIT_STOPPED = 3  # the supervisor stopped the job (crash loop): distinct from a plain failure
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
+EXIT_TERMINATED = 143  # SIGTERM: 128 + 15
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, taken like Ctrl-C: up ends what it started (a default SIGTERM would leave
+    the daemons and torchrun running without it)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Terminated()
+
+
+def _interruption(exc: KeyboardInterrupt) -> tuple[str, int]:
+    if isinstance(exc, _Terminated):
+        return "terminated (SIGTERM)", EXIT_TERMINATED
+    return "interrupted (Ctrl-C)", EXIT_INTERRUPTED
 
 
 def parse_inject(spec: str, script: bool = False):
@@ -263,7 +279,8 @@ def up(
     loss, the communication share, checkpoint progress for the crash-loop guard.
 
     Exit codes: 0 training completed; 1 training failed; 2 could not start;
-    3 the supervisor stopped the job (crash loop: see `rankguard incidents`).
+    3 the supervisor stopped the job (crash loop: see `rankguard incidents`); 130 Ctrl-C,
+    143 SIGTERM (training stopped, everything up started ended, the summary printed).
     """
     given = {"--preset": preset, "--steps": steps, "--ckpt-every": ckpt_every,
              "--trainer-arg": trainer_arg or None, "--warm-start": warm_start or None,
@@ -303,6 +320,7 @@ def up(
     timers: list[threading.Timer] = []
     db = run_dir / "rankguard.db"
     daemon_env = dict(env)  # as started: later additions are for the trainer only
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         kept.append(_keep("agent", ["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
                                     "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"],
@@ -366,14 +384,16 @@ def up(
             timers.append(t)
         try:
             stuck_after_training = watch.run(trainer)
-        except KeyboardInterrupt:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup
+        except KeyboardInterrupt as exc:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut the cleanup
+                signal.signal(sig, signal.SIG_IGN)
+            how, code = _interruption(exc)
             display.close()
-            typer.echo("rankguard up: interrupted (Ctrl-C): stopping training", err=True)
+            typer.echo(f"rankguard up: {how}: stopping training", err=True)
             _end(trainer)
-            _print_summary(display, "interrupted (Ctrl-C)", db, run_dir)
+            _print_summary(display, how, db, run_dir)
             typer.echo(f"rankguard up: incidents: rankguard incidents --db {db}")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+            raise typer.Exit(code) from None
         for t in timers:
             t.cancel()
         display.look()
@@ -412,10 +432,12 @@ def up(
         # the supervisor ends with `up`: point at its database, not at its URL
         typer.echo(f"rankguard up: incidents: rankguard incidents --db {db}")
         raise typer.Exit(code)
-    except KeyboardInterrupt:  # before training started: nothing to summarize
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        typer.echo("rankguard up: interrupted (Ctrl-C) while starting", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as exc:  # before training started: nothing to summarize
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        how, code = _interruption(exc)
+        typer.echo(f"rankguard up: {how} while starting", err=True)
+        raise typer.Exit(code) from None
     finally:
         for t in timers:
             t.cancel()

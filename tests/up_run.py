@@ -179,7 +179,10 @@ class UpPty:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.terminate()  # up ends what it started (its SIGTERM handler)
             self.proc.wait(timeout=60)
+        for pid in left_running(self.run):  # a safety net: tests assert there are none
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
         with contextlib.suppress(OSError):
             os.close(self._master)
