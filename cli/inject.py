@@ -90,7 +90,7 @@ def inject(
         int, Opt(help="the rank to hit (required but for corrupt-checkpoint)", min=0)
     ] = None,
     step: Annotated[
-        int, Opt(help="trainer faults: the step it fires at [the rank's step + 2]", min=0)
+        int, Opt(help="trainer faults: the step it fires at (default: about 2 s ahead)", min=0)
     ] = None,
     job: Annotated[str, Opt(help="the job (needed when the node runs several)")] = None,
     agent: Annotated[
