@@ -49,7 +49,7 @@ class Run:
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 
-    def training(self, timeout: float = 180) -> list[dict]:
+    def training(self, timeout: float = 90) -> list[dict]:
         """Both ranks training past a checkpoint newer than any before the last fault."""
 
         def ready():
@@ -64,7 +64,7 @@ class Run:
         self.checkpoint = min(r["checkpoint_step"] for r in rows)
         return rows
 
-    def recovered(self, kind: str, rank: int, timeout: float = 180) -> dict:
+    def recovered(self, kind: str, rank: int, timeout: float = 90) -> dict:
         """The next incident: of this kind and rank, resolved (the job trains again)."""
 
         def resolved():
