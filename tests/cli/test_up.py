@@ -16,15 +16,13 @@ def test_up_trains_through_an_injected_kill(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "200", "--ckpt-every", "20",
-         "--run-dir", str(run), "--inject", "kill:rank=1:at=8s", "--inject", "stop:rank=0:at=900s",
+         "--run-dir", str(run), "--inject", "kill:rank=1:at=8s",
          "--trainer-arg=--d-model=128", "--trainer-arg=--n-layer=4", "--trainer-arg=--n-head=4"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "training completed: step 200" in proc.stdout
     assert "injected kill: SIGKILL to rank 1" in proc.stdout
-    # the stop timer (900 s) ended with the run: not injected, and up did not wait for it
-    assert "injected stop" not in proc.stdout
     # not a terminal: plain lines, no escape codes, and the closing summary
     assert "\x1b[" not in proc.stdout
     plain = re.findall(r"^ +[0-9]+:[0-9]{2} \[\w+\] job \S+ \| step \S+ .*\| tokens/s \S+ \| "
