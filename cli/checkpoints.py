@@ -100,13 +100,22 @@ def human_age(seconds: float | None) -> str:
     return f"{s // 86400}d"
 
 
-def _state_label(s: CheckpointStatus) -> str:
+NOT_VERIFIED = "committed (not verified)"
+
+
+def _state_label(s: CheckpointStatus, checksums: bool = True) -> str:
     if s.state == store.QUARANTINED and s.original_state:
         return f"quarantined ({s.original_state})"
+    if s.state == store.VALIDATED and not checksums:
+        # sizes match the manifest, but a flipped byte has the same size: only --verify
+        # (every file's sha256) may call it validated
+        return NOT_VERIFIED
     return s.state
 
 
-def render_table(statuses: list[CheckpointStatus], now: float | None = None) -> str:
+def render_table(
+    statuses: list[CheckpointStatus], now: float | None = None, checksums: bool = True
+) -> str:
     now = time.time() if now is None else now
     header = ("STEP", "STATE", "SIZE", "WORLD", "AGE", "REASON")
     rows = [header]
@@ -114,7 +123,7 @@ def render_table(statuses: list[CheckpointStatus], now: float | None = None) -> 
         rows.append(
             (
                 str(s.step),
-                _state_label(s),
+                _state_label(s, checksums),
                 human_bytes(s.size_bytes),
                 "-" if s.world_size is None else str(s.world_size),
                 human_age(None if s.created_at is None else now - s.created_at),
@@ -192,7 +201,7 @@ def _report(
     if disk_error:
         typer.echo(f"disk tier {root}: {disk_error}")
     elif statuses:
-        typer.echo(render_table(statuses))
+        typer.echo(render_table(statuses, checksums=checksums))
     else:
         typer.echo(f"no checkpoints in {root}")
     if backup is not None:
@@ -201,7 +210,7 @@ def _report(
         if berror:
             typer.echo(f"  {berror}")
         elif bstatuses:
-            typer.echo(render_table(bstatuses))
+            typer.echo(render_table(bstatuses, checksums=checksums))
         else:
             typer.echo("no checkpoints in the backup tier")
         if backup_valid is not None:
@@ -215,6 +224,11 @@ def _report(
     if newest_valid is None and backup_valid is not None:
         typer.echo(
             f"DEGRADED: no validated checkpoint on disk; a resume uses backup step {backup_valid}"
+        )
+    elif code == EXIT_OK and not checksums:
+        typer.echo(
+            f"newest checkpoint step {newest} is committed and its file sizes match its "
+            "manifest; checksums not verified (--verify reads every file and checks its sha256)"
         )
     elif code == EXIT_OK:
         typer.echo(f"newest checkpoint step {newest} is validated")
@@ -326,8 +340,10 @@ class _Progress:
 @app.command(
     "list",
     help="List checkpoints: step, state, size, world size, age, reason.\n\n"
-    "Fast by default: files are checked against the manifest by size only; --verify also "
-    "checks every checksum (reads all data).\n\n" + _STATES_HELP + _EXIT_HELP + _TIERS_HELP,
+    "Fast by default: files are checked against the manifest by size only, and a checkpoint "
+    "that passes is shown as 'committed (not verified)' (a flipped byte keeps the size); "
+    "--verify also checks every file's sha256 (reads all data) and only then says "
+    "'validated'.\n\n" + _STATES_HELP + _EXIT_HELP + _TIERS_HELP,
 )
 def list_(
     directory: DirArg,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -13,16 +13,7 @@ import typer
 Opt = typer.Option
 
 
-class Kind(str, Enum):
-    kill = "kill"
-    hang = "hang"
-    slow = "slow"
-    nan = "nan"
-    exception = "exception"
-    corrupt_checkpoint = "corrupt-checkpoint"
-
-
-SIGNALS = {"kill": "SIGKILL", "hang": "SIGSTOP"}
+SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP"}
 
 
 class InjectError(Exception):
@@ -54,6 +45,18 @@ def _agent_rank(agent: str, job: str | None, rank: int) -> dict:
     return live[0]
 
 
+LEAD_SECONDS = 2.0  # a trainer fault fires this long after it is written (at least 2 steps)
+
+
+def _next_step(rank: dict) -> int:
+    """The step a trainer fault fires at: about LEAD_SECONDS ahead of the rank's newest
+    step, so the rank cannot have passed it by the time it reads the fault file (a tiny
+    model trains tens of steps a second)."""
+    seconds = rank.get("step_seconds")
+    lead = 2 if not seconds or seconds <= 0 else max(2, math.ceil(LEAD_SECONDS / seconds))
+    return (rank["step"] or 0) + lead
+
+
 def corrupt_newest_checkpoint(ckpt_dir: Path) -> dict:
     """Flip one byte in the middle of the newest validated checkpoint's largest file."""
     from rankguard.client import checkpoint_store as store
@@ -75,8 +78,20 @@ def corrupt_newest_checkpoint(ckpt_dir: Path) -> dict:
 
 
 def inject(
-    kind: Kind,
-    rank: Annotated[int, Opt(help="the rank to hit")] = 0,
+    spec: Annotated[
+        str,
+        typer.Argument(
+            metavar="KIND[:key=value]...",
+            help="kill, stop, hang, spin, slow, nan, exception, comm-delay, ckpt-delay, "
+            "corrupt-checkpoint (docs/faults.md); keys may also be given as options",
+        ),
+    ],
+    rank: Annotated[
+        int, Opt(help="the rank to hit (required but for corrupt-checkpoint)", min=0)
+    ] = None,
+    step: Annotated[
+        int, Opt(help="trainer faults: the step it fires at (default: about 2 s ahead)", min=0)
+    ] = None,
     job: Annotated[str, Opt(help="the job (needed when the node runs several)")] = None,
     agent: Annotated[
         str, Opt(envvar="RANKGUARD_AGENT", help="the rank's node agent")
@@ -85,53 +100,79 @@ def inject(
         Path, Opt(envvar="RANKGUARD_TOKEN_FILE", help="the agent's control token")
     ] = None,
     fault_file: Annotated[
-        Path, Opt(envvar="RANKGUARD_FAULT_FILE", help="the job's fault file (slow, nan, exception)")
+        Path, Opt(envvar="RANKGUARD_FAULT_FILE", help="the job's fault file (trainer faults)")
     ] = None,  # fmt: skip
-    factor: Annotated[float, Opt(help="slow: compute takes this many times as long")] = 1.2,
+    factor: Annotated[float, Opt(help="slow: compute takes this many times as long [1.5]")] = None,
+    seconds: Annotated[float, Opt(help="comm-delay / ckpt-delay: seconds added")] = None,
     ckpt_dir: Annotated[
-        Path, Opt(help="corrupt-checkpoint: the job's checkpoint directory")
+        Path, Opt(envvar="RANKGUARD_CKPT_DIR", help="corrupt-checkpoint: the job's checkpoints")
     ] = None,
-    as_json: Annotated[bool, Opt("--json")] = False,
+    as_json: Annotated[bool, Opt("--json", help="the result as JSON")] = False,
 ) -> None:
-    """Inject a fault into a running job.
+    """Inject a fault into a running job, now.
 
-    kill: SIGKILL the rank (through its agent). hang: SIGSTOP it. slow / nan / exception:
-    written to the job's fault file, which the trainer re-reads every step; they start two
-    steps after the rank's current one. corrupt-checkpoint: flip a byte in the newest
-    validated checkpoint.
+    kill / stop: SIGKILL / SIGSTOP the rank through its node agent (any script).
+    hang, spin, slow, nan, exception, comm-delay, ckpt-delay: written to the job's fault
+    file, which the trainer re-reads every step; they fire at --step (default: about two
+    seconds ahead of the rank's current step, at least two steps), in the rank's current
+    incarnation.
+    corrupt-checkpoint: flip a byte in the newest validated checkpoint (no rank).
+    `rankguard inject kill --rank 1` and `rankguard inject kill:rank=1` are the same.
 
     Exit codes: 0 injected; 2 could not inject (message says why).
     """
     import ssl
 
     from rankguard.agent.config import AgentConfigError, read_token
+    from rankguard.contract import faults as grammar
     from rankguard.supervisor.agents import AgentClient, AgentError, trust_agents_signed_by
 
+    def refuse(message: str) -> typer.Exit:
+        typer.echo(f"rankguard inject: {message}", err=True)
+        return typer.Exit(2)
+
+    extra = [f"{k}={v}" for k, v in (("rank", rank), ("step", step), ("factor", factor),
+                                      ("seconds", seconds)) if v is not None]  # fmt: skip
+    try:
+        fault = grammar.for_inject(grammar.parse(":".join([spec, *extra])))
+    except grammar.FaultError as exc:
+        raise refuse(str(exc)) from None
+    if fault.note:
+        typer.echo(f"rankguard inject: {fault.note}", err=True)
     try:
         # an https agent is checked against the cluster's CA when given (docs/security.md)
         trust_agents_signed_by(os.environ.get("RANKGUARD_CA_FILE") or None)
-        if kind is Kind.corrupt_checkpoint:
+        if fault.kind == "corrupt-checkpoint":
             if ckpt_dir is None:
-                raise InjectError("corrupt-checkpoint needs --ckpt-dir")
+                raise InjectError("corrupt-checkpoint needs --ckpt-dir ($RANKGUARD_CKPT_DIR)")
             result = corrupt_newest_checkpoint(ckpt_dir)
-        elif kind.value in SIGNALS:
-            target = _agent_rank(agent, job, rank)
+            text = (f"injected corrupt-checkpoint: flipped a byte of {result['file']} in step "
+                    f"{result['step']} ({result['checkpoint']}); a resume must refuse it")  # fmt: skip
+        elif fault.kind in SIGNALS:
+            target = _agent_rank(agent, job, fault.rank)
             token = read_token(token_file) if token_file else None
-            result = AgentClient(agent, token).signal(target["job"], rank, SIGNALS[kind.value])
+            sent = AgentClient(agent, token).signal(target["job"], fault.rank, SIGNALS[fault.kind])
+            result = {"kind": fault.kind, "job": target["job"], "rank": fault.rank,
+                      "pid": target["pid"], "signal": SIGNALS[fault.kind], "agent": agent,
+                      "answer": sent}  # fmt: skip
+            text = (f"injected {fault.kind}: {SIGNALS[fault.kind]} to rank {fault.rank} of job "
+                    f"{target['job']} (pid {target['pid']}) through {agent}")  # fmt: skip
         else:
             if fault_file is None:
                 raise InjectError(
-                    f"{kind.value} needs the job's --fault-file ($RANKGUARD_FAULT_FILE)"
+                    f"{fault.kind} is done by the trainer: it needs the job's --fault-file "
+                    "($RANKGUARD_FAULT_FILE)"
                 )
-            target = _agent_rank(agent, job, rank)
-            step = (target["step"] or 0) + 2
-            spec = f"{kind.value}:step={step}:rank={rank}:restart={target['restart']}"
-            if kind is Kind.slow:
-                spec += f":factor={factor}"
+            target = _agent_rank(agent, job, fault.rank)
+            at = fault.step if fault.step is not None else _next_step(target)
+            line = grammar.Fault(fault.kind, rank=fault.rank, step=at, factor=fault.factor,
+                                 seconds=fault.seconds, restart=target["restart"]).text()  # fmt: skip
             with open(fault_file, "a") as f:
-                f.write(spec + "\n")
-            result = {"fault_file": str(fault_file), "spec": spec}
+                f.write(line + "\n")
+            result = {"kind": fault.kind, "job": target["job"], "rank": fault.rank, "step": at,
+                      "restart": target["restart"], "fault_file": str(fault_file), "spec": line}  # fmt: skip
+            text = (f"injected {fault.kind}: rank {fault.rank} of job {target['job']} at step "
+                    f"{at} (incarnation {target['restart']}), written to {fault_file}")  # fmt: skip
     except (InjectError, AgentError, AgentConfigError, OSError, ssl.SSLError) as exc:
-        typer.echo(f"rankguard inject: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(json.dumps(result) if as_json else f"injected {kind.value}: {result}")
+        raise refuse(str(exc)) from None
+    typer.echo(json.dumps(result) if as_json else text)

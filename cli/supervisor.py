@@ -190,6 +190,8 @@ def fetch(url: str, path: str) -> dict:
             data = json.loads(resp.read(64 * 1024 * 1024))
     except ValueError as exc:  # a URL without a scheme, or an answer that is not JSON
         raise fail(f"unusable: {exc}") from None
+    except urllib.error.HTTPError as exc:  # it answers, but not as a supervisor (an agent: 404)
+        raise fail(f"not a rankguard supervisor (HTTP {exc.code} at {path})") from None
     except (OSError, ssl.SSLError) as exc:
         raise fail(f"unreachable: {getattr(exc, 'reason', exc)}") from None
     except RecursionError:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -16,27 +17,44 @@ from typing import Annotated
 
 import typer
 
+from . import live_view as lv
 from .keeper import KeptDaemon
 from .local_stack import free_port
 
 Opt = typer.Option
 
 EXIT_STOPPED = 3  # the supervisor stopped the job (crash loop): distinct from a plain failure
-INJECT_RE = re.compile(r"^(kill|hang|slow|nan|exception|corrupt-checkpoint)((?::[a-z]+=[^:]+)*)$")
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
+EXIT_TERMINATED = 143  # SIGTERM: 128 + 15
 
 
-def parse_inject(spec: str) -> dict:
-    """`kill:rank=1:at=30s` -> {"kind": "kill", "rank": 1, "at": 30.0} (at: seconds after start)."""
-    m = INJECT_RE.match(spec)
-    if not m:
-        raise typer.BadParameter(f"{spec!r}: expected KIND[:rank=N][:at=SECONDS[s]][:factor=F]")
-    out: dict = {"kind": m.group(1), "rank": 0, "at": 10.0, "factor": 1.2}
-    for part in filter(None, m.group(2).split(":")):
-        key, _, value = part.partition("=")
-        if key not in ("rank", "at", "factor"):
-            raise typer.BadParameter(f"{spec!r}: unknown key {key!r}")
-        out[key] = int(value) if key == "rank" else float(value.rstrip("s"))
-    return out
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, taken like Ctrl-C: up ends what it started (a default SIGTERM would leave
+    the daemons and torchrun running without it)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Terminated()
+
+
+def _interruption(exc: KeyboardInterrupt) -> tuple[str, int]:
+    if isinstance(exc, _Terminated):
+        return "terminated (SIGTERM)", EXIT_TERMINATED
+    return "interrupted (Ctrl-C)", EXIT_INTERRUPTED
+
+
+def parse_inject(spec: str, script: bool = False):
+    """`kill:rank=1:at=30s` -> a Fault of the one grammar (contract/faults.py,
+    docs/faults.md); one clear line (exit 2) for anything it refuses."""
+    from rankguard.contract import faults as grammar
+
+    try:
+        fault = grammar.for_up(grammar.parse(spec), script)
+    except grammar.FaultError as exc:  # one line, not click's usage box
+        raise typer.Exit(_fail(f"--inject {exc}")) from None
+    if fault.note:
+        typer.echo(f"rankguard up: {fault.note}", err=True)
+    return fault
 
 
 def _local_supervisor_config(run_dir: Path) -> Path:
@@ -107,10 +125,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _step(value) -> str:
-    return "-" if value is None else str(value)
-
-
 def _keep(name: str, args: list[str], run_dir: Path, health: str, env: dict) -> KeptDaemon:
     """Start a daemon (exit 2 when it cannot start) and keep it running: a restart appends
     to the same log and reuses the same arguments (port, database, token)."""
@@ -154,26 +168,6 @@ def _check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def _status_line(supervisor: str, kept: list[KeptDaemon] = ()) -> str:
-    notes = "".join(f" | {n}" for n in (d.note() for d in kept) if n)
-    cluster = _get(supervisor + "/v1/cluster")
-    if cluster is None:  # not "waiting for ranks": nobody is watching them right now
-        return f"[{'?':9}] supervisor not answering{notes}"
-    ranks = (_get(supervisor + "/v1/ranks") or {}).get("ranks", [])
-    incidents = (_get(supervisor + "/v1/incidents") or {}).get("incidents", [])
-    per_rank = (
-        " ".join(f"r{r['rank']}:{r['state'][:5]}@{_step(r.get('step'))}" for r in ranks)
-        or "waiting for ranks"
-    )
-    last = (
-        f" | last incident: {incidents[0]['kind']} rank {incidents[0]['rank']} [{incidents[0]['state']}]"
-        if incidents
-        else ""
-    )
-    status = f"[{cluster.get('status', '?'):9}] {per_rank} | incidents {len(incidents)}{last}"
-    return status + notes
-
-
 def _stop_verdict(db: Path, job: str) -> str | None:
     """Why the supervisor stopped the job, from its database: the answer survives a
     supervisor that is not answering at the end."""
@@ -201,7 +195,6 @@ training script instead of the bundled trainer (zero-code protection)."""
 # Options that only the bundled trainer understands: refused with a script.
 TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--warm-start",
                 "--snapshot-every")  # fmt: skip
-SCRIPT_INJECT = ("kill", "hang")  # faults done to a process from outside: any script
 
 
 def up(
@@ -226,7 +219,11 @@ def up(
     ckpt_every: Annotated[int, Opt(help="bundled trainer: save every N steps [20]")] = None,
     inject: Annotated[
         list[str],
-        Opt("--inject", help="fault to schedule, e.g. kill:rank=1:at=30s (a script: kill, hang)"),
+        Opt(
+            "--inject",
+            help="fault to schedule, e.g. kill:rank=1:at=30s or nan:rank=0:step=50 "
+            "(docs/faults.md; a script: kill, stop at=)",
+        ),
     ] = None,
     run_dir: Annotated[
         Path, Opt(help="logs, database, sockets (default: runs/up-TIMESTAMP)")
@@ -271,7 +268,7 @@ def up(
     Your own script, unchanged: `rankguard up --nproc 2 -- train.py --lr 3e-4` (or
     `-- -m pkg.train ARGS`) runs any torchrun-compatible script the same way; it resumes
     from its own checkpoints after each restart. Options marked "bundled trainer" are
-    refused with a script; --nproc, --max-restarts, --run-dir and --inject kill/hang apply.
+    refused with a script; --nproc, --max-restarts, --run-dir and --inject kill/stop apply.
 
     Zero-code (no library) gives: a dead rank (an incident within a second; torchrun
     restarts the group), a hung rank by process state (stopped, e.g. SIGSTOP: about 2 s)
@@ -282,7 +279,8 @@ def up(
     loss, the communication share, checkpoint progress for the crash-loop guard.
 
     Exit codes: 0 training completed; 1 training failed; 2 could not start;
-    3 the supervisor stopped the job (crash loop: see `rankguard incidents`).
+    3 the supervisor stopped the job (crash loop: see `rankguard incidents`); 130 Ctrl-C,
+    143 SIGTERM (training stopped, everything up started ended, the summary printed).
     """
     given = {"--preset": preset, "--steps": steps, "--ckpt-every": ckpt_every,
              "--trainer-arg": trainer_arg or None, "--warm-start": warm_start or None,
@@ -298,12 +296,13 @@ def up(
     preset, steps, ckpt_every = preset or "tiny", steps or 300, ckpt_every or 20
     if rendezvous is not None:
         _check_endpoint(rendezvous)
-    faults = [parse_inject(s) for s in inject or []]
-    if script and any(f["kind"] not in SCRIPT_INJECT for f in faults):
-        raise typer.BadParameter(
-            f"--inject with a script: only {', '.join(SCRIPT_INJECT)} (done to the process; "
-            "the others need the bundled trainer)"
-        )
+    faults = [parse_inject(s, script=bool(script)) for s in inject or []]
+    # step= faults are the trainer's own (--fault); at= faults are up's, on a timer
+    timed = [f for f in faults if f.at is not None]
+    trainer_arg = [
+        *(trainer_arg or []),
+        *(f"--fault={f.text()}" for f in faults if f.step is not None),
+    ]
     run_dir = run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = ckpt_dir or run_dir / "ckpt"
@@ -318,8 +317,10 @@ def up(
            "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url}  # fmt: skip
     procs: list[subprocess.Popen] = []
     kept: list[KeptDaemon] = []
+    timers: list[threading.Timer] = []
     db = run_dir / "rankguard.db"
     daemon_env = dict(env)  # as started: later additions are for the trainer only
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         kept.append(_keep("agent", ["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
                                     "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"],
@@ -367,17 +368,36 @@ def up(
         # a second shell: `rankguard health`, `ranks`, `incidents`, `inject` find this run
         typer.echo(f"rankguard up: in another shell: export RANKGUARD_SUPERVISOR={sup_url} "
                    f"RANKGUARD_AGENT={agent_url} RANKGUARD_TOKEN_FILE={token} "
-                   f"RANKGUARD_FAULT_FILE={fault_file}")  # fmt: skip
+                   f"RANKGUARD_FAULT_FILE={fault_file} RANKGUARD_CKPT_DIR={ckpt_dir}")  # fmt: skip
         with open(run_dir / "trainer.log", "w") as log:
             trainer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         procs.append(trainer)
         start = time.monotonic()
-        for f in faults:
-            threading.Timer(
-                f["at"], _inject, (f, agent_url, token, fault_file, ckpt_dir, job)
-            ).start()
-        stuck_after_training = _watch(trainer, kept, sup_url, job, start)
-        typer.echo(f"{time.monotonic() - start:6.1f}s {_status_line(sup_url, kept)}")
+        display = _Display(sup_url, agent_url, job, None if script else steps, start)
+        watch = _Watch(display, kept)
+        for f in timed:  # daemon timers, cancelled below: a pending one never outlives the run
+            t = threading.Timer(
+                f.at, _inject, (f, agent_url, token, fault_file, ckpt_dir, job, display)
+            )
+            t.daemon = True
+            t.start()
+            timers.append(t)
+        try:
+            stuck_after_training = watch.run(trainer)
+        except KeyboardInterrupt as exc:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut the cleanup
+                signal.signal(sig, signal.SIG_IGN)
+            how, code = _interruption(exc)
+            display.close()
+            typer.echo(f"rankguard up: {how}: stopping training", err=True)
+            _end(trainer)
+            _print_summary(display, how, db, run_dir)
+            typer.echo(f"rankguard up: incidents: rankguard incidents --db {db}")
+            raise typer.Exit(code) from None
+        for t in timers:
+            t.cancel()
+        display.look()
+        display.close()
         cluster = _get(sup_url + "/v1/cluster") or {}
         state = cluster.get("jobs", {}).get(job, {})
         verdict = state.get("verdict") if state.get("state") == "stopped" else None
@@ -386,21 +406,21 @@ def up(
         completed = trainer.returncode == 0 or stuck_after_training
         if completed and script:
             typer.echo(f"rankguard up: training completed: {' '.join(script)} exited 0")
-            code = 0
+            code, how = 0, "completed"
         elif completed and (run_dir / "summary.json").is_file():
             summary = json.loads((run_dir / "summary.json").read_text())
             typer.echo(f"rankguard up: training completed: step {summary['final_step']}, loss "
                        f"{summary['final_loss']:.4f}, digest {summary['param_digest'][:16]}")  # fmt: skip
-            code = 0
+            code, how = 0, "completed"
         elif verdict is not None:
             typer.echo(f"rankguard up: the supervisor stopped the job: {verdict}", err=True)
-            code = EXIT_STOPPED
+            code, how = EXIT_STOPPED, "stopped by the supervisor"
         else:
             typer.echo(
                 f"rankguard up: training failed (exit {trainer.returncode}); see {run_dir}/trainer.log",
                 err=True,
             )
-            code = 1
+            code, how = 1, f"failed (exit {trainer.returncode})"
         if code != 0 and script:
             error = last_traceback((run_dir / "trainer.log").read_text(errors="replace"))
             if error:
@@ -408,10 +428,19 @@ def up(
         restarted = [f"{d.name} {d.restarts}x" for d in kept if d.restarts]
         if restarted:
             typer.echo(f"rankguard up: restarted during the run: {', '.join(restarted)}")
+        _print_summary(display, how, db, run_dir)
         # the supervisor ends with `up`: point at its database, not at its URL
         typer.echo(f"rankguard up: incidents: rankguard incidents --db {db}")
         raise typer.Exit(code)
+    except KeyboardInterrupt as exc:  # before training started: nothing to summarize
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        how, code = _interruption(exc)
+        typer.echo(f"rankguard up: {how} while starting", err=True)
+        raise typer.Exit(code) from None
     finally:
+        for t in timers:
+            t.cancel()
         procs = [d.proc for d in kept] + procs
         for p in reversed(procs):
             if p.poll() is None:
@@ -435,39 +464,150 @@ def training_finished(ranks: list[dict], job: str) -> bool:
     return all(r.get("state") == "finished" for r in mine if r["restart"] == newest)
 
 
-def _watch(
-    trainer: subprocess.Popen, kept: list[KeptDaemon], sup_url: str, job: str, start: float
-) -> bool:
+class _Display:
+    """The live view's I/O: reads the supervisor and the agent, keeps what up saw last
+    (for the summary: the supervisor may be gone by then), and draws it: one rich panel
+    redrawn in place on a terminal, a plain line now and then on a pipe."""
+
+    def __init__(self, sup_url: str, agent_url: str, job: str, total: int | None, start: float):
+        self.sup_url, self.agent_url, self.job, self.total, self.start = (
+            sup_url, agent_url, job, total, start)  # fmt: skip
+        self.tty = sys.stdout.isatty()
+        self.period = 1.0 if self.tty else 5.0
+        self.history: list[tuple[float, int]] = []
+        self.snapshot: lv.Snapshot | None = None
+        self.view: lv.View | None = None
+        self.checkpoint_step: int | None = None
+        self.last_cluster: dict | None = None  # the summary's goodput, if the supervisor has gone
+        self._lock = threading.Lock()  # inject timers print too
+        self._live = None
+        if self.tty:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(), auto_refresh=False, transient=False)
+            self._live.start()
+
+    def look(self, notes: tuple[str, ...] = ()) -> lv.View:
+        cluster = _get(self.sup_url + "/v1/cluster")
+        incidents = (_get(self.sup_url + "/v1/incidents") or {}).get("incidents")
+        ranks = (_get(self.agent_url + "/v1/ranks") or {}).get("ranks")
+        old = self.snapshot
+        if cluster is None:  # not "waiting for ranks": nobody is watching them right now
+            notes = ("supervisor not answering", *notes)
+        elapsed = time.monotonic() - self.start
+        snap = lv.Snapshot(
+            job=self.job, elapsed=elapsed, total_steps=self.total, cluster=cluster,
+            ranks=ranks if ranks is not None else (old.ranks if old else []),
+            incidents=incidents if incidents is not None else (old.incidents if old else []),
+            notes=notes, checkpoint_step=self.checkpoint_step,
+        )  # fmt: skip
+        self.checkpoint_step = lv.checkpoint_step(snap)
+        first = lv.view(snap)
+        if first.step is not None:
+            if self.history and first.step < self.history[-1][1]:
+                self.history.clear()  # a restart went back to a checkpoint
+            self.history = [*self.history[-40:], (elapsed, first.step)]
+        self.snapshot = snap
+        self.view = lv.view(snap, lv.steps_per_second(self.history), previous=self.view)
+        if cluster is not None:
+            self.last_cluster = cluster
+        with self._lock:
+            if self._live is not None:
+                self._live.update(lv.panel(self.view, f"rankguard up: {self.job}"), refresh=True)
+            else:
+                typer.echo(lv.plain_line(self.view))
+        return self.view
+
+    def event(self, text: str, err: bool = False) -> None:
+        with self._lock:
+            if self._live is not None:
+                self._live.console.print(text, markup=False, highlight=False)
+            else:
+                typer.echo(text, err=err)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._live is not None:
+                self._live.stop()
+                self._live = None
+
+    def ranks(self) -> list[dict]:
+        return self.snapshot.ranks if self.snapshot else []
+
+    def useful_seconds(self) -> float | None:
+        job = (self.last_cluster or {}).get("jobs", {}).get(self.job) or {}
+        return job.get("useful_seconds")
+
+
+class _Watch:
     """Until the trainer exits: keep the daemons running (checked every half second, so a
-    dead supervisor is back within seconds) and print the status line now and then.
+    dead supervisor is back within seconds) and refresh the view.
 
     Never without a bound once training is over: when every rank has finished and
     torchrun is still there FINISHED_GRACE_SECONDS later (a stopped launcher, or a
-    stand-in the supervisor could not end), torchrun is stopped; returns True then."""
-    period = 2 if sys.stdout.isatty() else 5
-    next_status = 0.0
-    finished_at: float | None = None
-    while trainer.poll() is None:
-        now = time.monotonic()
-        for d in kept:
-            event = d.tick()
-            if event:
-                typer.echo(f"{now - start:6.1f}s rankguard up: {event}")
-        if now >= next_status:
-            typer.echo(f"{now - start:6.1f}s {_status_line(sup_url, kept)}")
-            next_status = now + period
-            ranks = (_get(sup_url + "/v1/ranks") or {}).get("ranks") or []
-            if not training_finished(ranks, job):
-                finished_at = None
-            elif finished_at is None:
-                finished_at = now
-            elif now - finished_at > FINISHED_GRACE_SECONDS:
-                typer.echo(f"rankguard up: every rank finished {now - finished_at:.0f}s ago but "
-                           "torchrun has not exited; stopping it", err=True)  # fmt: skip
-                _end(trainer)
-                return True
-        time.sleep(0.5)
-    return False
+    stand-in the supervisor could not end), torchrun is stopped; run() returns True then."""
+
+    def __init__(self, display: _Display, kept: list[KeptDaemon]):
+        self.display, self.kept = display, kept
+
+    def run(self, trainer: subprocess.Popen) -> bool:
+        d, start = self.display, self.display.start
+        next_look = 0.0
+        finished_at: float | None = None
+        while trainer.poll() is None:
+            now = time.monotonic()
+            for k in self.kept:
+                event = k.tick()
+                if event:
+                    d.event(f"{now - start:6.1f}s rankguard up: {event}")
+            if now >= next_look:
+                d.look(tuple(n for n in (k.note() for k in self.kept) if n))
+                next_look = now + d.period
+                if not training_finished(d.ranks(), d.job):
+                    finished_at = None
+                elif finished_at is None:
+                    finished_at = now
+                elif now - finished_at > FINISHED_GRACE_SECONDS:
+                    d.event(f"rankguard up: every rank finished {now - finished_at:.0f}s ago but "
+                            "torchrun has not exited; stopping it", err=True)  # fmt: skip
+                    _end(trainer)
+                    return True
+            time.sleep(0.5)
+        return False
+
+
+def _print_summary(display: _Display, how: str, db: Path, run_dir: Path) -> None:
+    """The closing summary from what up saw last, with the incidents from the database
+    when the supervisor no longer answers (Ctrl-C reaches it too on a terminal)."""
+    incidents = (_get(display.sup_url + "/v1/incidents") or {}).get("incidents")
+    if incidents is None and db.is_file():
+        incidents = _incidents_from_db(db)
+    if incidents is None:
+        incidents = display.snapshot.incidents if display.snapshot else []
+    view = display.view
+    loss = None
+    if how == "completed" and (run_dir / "summary.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            loss = json.loads((run_dir / "summary.json").read_text()).get("final_loss")
+    outcome = lv.Outcome(
+        how=how, wall_seconds=time.monotonic() - display.start,
+        step=view.step if view else None, total_steps=display.total,
+        useful_seconds=display.useful_seconds(),
+        incidents=[i for i in incidents if i.get("job") in (None, display.job)],
+        final_loss=loss,
+    )  # fmt: skip
+    for line in lv.summary_lines(outcome):
+        typer.echo(line)
+
+
+def _incidents_from_db(db: Path) -> list[dict] | None:
+    from .supervisor import read_incidents_db
+
+    try:
+        return read_incidents_db(db)["incidents"]
+    except typer.Exit:
+        return None
 
 
 def _end(proc: subprocess.Popen, grace: float = 15.0) -> None:
@@ -516,10 +656,15 @@ def last_traceback(log: str, limit: int = 40) -> str | None:
 
 
 def _inject(
-    fault: dict, agent_url: str, token: Path, fault_file: Path, ckpt_dir: Path, job: str
+    fault, agent_url: str, token: Path, fault_file: Path, ckpt_dir: Path, job: str, display
 ) -> None:
-    args = [sys.executable, "-m", "rankguard.cli.main", "inject", fault["kind"], "--rank", str(fault["rank"]),
+    """A timed `--inject`: `rankguard inject` with the same spec, less its time."""
+    from dataclasses import replace
+
+    spec = replace(fault, at=None, note=None).text()
+    args = [sys.executable, "-m", "rankguard.cli.main", "inject", spec,
             "--agent", agent_url, "--token-file", str(token), "--fault-file", str(fault_file),
-            "--ckpt-dir", str(ckpt_dir), "--job", job, "--factor", str(fault["factor"])]  # fmt: skip
+            "--ckpt-dir", str(ckpt_dir), "--job", job]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True)
-    typer.echo((proc.stdout or proc.stderr).strip())
+    display.event(f"{time.monotonic() - display.start:6.1f}s "
+                  + (proc.stdout or proc.stderr).strip())  # fmt: skip

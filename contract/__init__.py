@@ -10,6 +10,7 @@ trainer, the scale simulator and the dashboards all import it.
 - :mod:`.numbers`: the one encoding of non-finite numbers.
 - :mod:`.metrics`: Prometheus label names and the metric names several parts read.
 - :mod:`.errors`: :class:`ContractError`, the one error a malformed value raises.
+- :mod:`.faults`: the one fault grammar (``up --inject``, ``rankguard inject``, ``--fault``).
 """
 
 from .answers import (

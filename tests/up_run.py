@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -115,3 +116,73 @@ def left_running(run: Path) -> list[int]:
         if marker in env.split(b"\0") and state not in "ZX":
             pids.append(int(name))
     return pids
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
+
+
+class UpPty:
+    """`rankguard up` on a pseudo-terminal (its stdout and stderr a tty, as in a shell),
+    the terminal's output read continuously (a full pty would block up's writes)."""
+
+    def __init__(self, tmp_path: Path, *args: str, columns: int = 160):
+        import fcntl
+        import struct
+        import termios
+
+        self.run = tmp_path / "run"
+        master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color"}
+        env.pop("COLUMNS", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rankguard.cli.main", "up", "--nproc", "2",
+             "--run-dir", str(self.run), *args],
+            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+        )  # fmt: skip
+        os.close(slave)
+        self._master = master
+        self._raw = bytearray()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._master, 65536)
+            except OSError:  # EIO: the last writer closed the terminal
+                return
+            if not chunk:
+                return
+            self._raw += chunk
+
+    def text(self) -> str:
+        """Everything shown so far, escape sequences removed."""
+        return ANSI.sub("", self._raw.decode(errors="replace"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.text())
+            if m:
+                return m
+            assert self.proc.poll() is None, self.text()[-4000:]
+            time.sleep(0.2)
+        raise AssertionError(f"{pattern!r} never shown: {self.text()[-4000:]}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.close()
+            self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # up ends what it started (its SIGTERM handler)
+            self.proc.wait(timeout=60)
+        for pid in left_running(self.run):  # a safety net: tests assert there are none
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        with contextlib.suppress(OSError):
+            os.close(self._master)

@@ -312,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="inject a fault (also $RANKGUARD_FAULTS, ';'-separated): KIND:step=N[:rank=R]"
-        "[:factor=F][:seconds=S][:restart=K|any]; KIND is crash, hang, spin, slow, nan,"
-        " exception, comm-delay or ckpt-delay",
+        "[:factor=F][:seconds=S][:restart=K|any]; KIND is kill, hang, spin, slow, nan,"
+        " exception, comm-delay or ckpt-delay (docs/faults.md)",
     )
     return p
 

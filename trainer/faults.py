@@ -1,18 +1,13 @@
 """Fault hooks for fault-injection tests and drills. Off unless asked for.
 
-A spec is `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`:
-
-- crash       SIGKILL this rank at step N (a hard death: no cleanup, no exception)
-- exception   raise an exception at step N (a Python-level failure)
-- hang        stop progressing at step N, staying alive and idle (sleeping)
-- spin        stop progressing at step N, stuck in a busy Python loop
-- slow        from step N on, compute takes `factor` times as long (a straggler)
-- nan         the loss of step N becomes NaN (bad numerics)
-- comm-delay  from step N on, every gradient all-reduce is `seconds` longer
-- ckpt-delay  from step N on, every background checkpoint write is `seconds` longer
+A spec is one of the grammar's trainer faults (`rankguard.contract.faults`, described in
+docs/faults.md): `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`, KIND one
+of kill, exception, hang, spin, slow, nan, comm-delay, ckpt-delay (`crash` is the old
+name of `kill`: accepted with a deprecation line). `stop` and `corrupt-checkpoint` are
+done from outside (`rankguard inject`), never by the trainer.
 
 A fault fires only in the incarnation whose torchrun restart count is `restart`
-(default 0), so a crash at step 27 does not crash again after the resume.
+(default 0), so a kill at step 27 does not kill again after the resume.
 
 Faults can also arrive while training runs (`rankguard inject`): a fault file (one spec
 per line) named by `--fault-file` / `$RANKGUARD_FAULT_FILE` is re-read when it changes,
@@ -31,7 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("crash", "exception", "hang", "spin", "slow", "nan", "comm-delay", "ckpt-delay")
+from rankguard.contract import faults as grammar
+
+KINDS = tuple(k.name for k in grammar.KINDS.values() if grammar.TRAINER in k.by)
 
 
 class FaultSpecError(ValueError):
@@ -63,28 +60,15 @@ class FaultSpec:
 
 
 def parse_fault_spec(text: str) -> FaultSpec:
-    kind, *parts = text.strip().split(":")
-    fields: dict = {}
-    for part in parts:
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise FaultSpecError(f"{text!r}: expected key=value, got {part!r}")
-        try:
-            if key in ("step", "rank"):
-                fields[key] = int(value)
-            elif key in ("factor", "seconds"):
-                fields[key] = float(value)
-            elif key == "restart":
-                fields[key] = None if value == "any" else int(value)
-            else:
-                raise FaultSpecError(f"{text!r}: unknown key {key!r}")
-        except ValueError as exc:
-            if isinstance(exc, FaultSpecError):
-                raise
-            raise FaultSpecError(f"{text!r}: bad value for {key}: {value!r}") from None
-    if "step" not in fields:
-        raise FaultSpecError(f"{text!r}: step=N is required")
-    return FaultSpec(kind=kind, **fields)
+    """One spec of the shared grammar, checked as a trainer fault (rank 0 when not given)."""
+    try:
+        f = grammar.for_trainer(grammar.parse(text))
+    except grammar.FaultError as exc:
+        raise FaultSpecError(str(exc)) from None
+    if f.note:
+        print(f"rankguard trainer: {f.note}", file=sys.stderr)
+    return FaultSpec(kind=f.kind, step=f.step, rank=f.rank or 0, factor=f.factor or 1.0,
+                     seconds=f.seconds or 0.0, restart=f.restart)  # fmt: skip
 
 
 def parse_fault_specs(texts: list[str]) -> tuple[FaultSpec, ...]:
@@ -144,7 +128,7 @@ class FaultInjector:
 
     def at_step_start(self, step: int) -> None:
         self.poll_file()
-        if self._active("crash", step, from_step=False):
+        if self._active("kill", step, from_step=False):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._active("exception", step, from_step=False):
             raise InjectedFault(f"injected exception at step {step}")

@@ -185,4 +185,4 @@ def test_up_refuses_trainer_options_with_a_script(tmp_path):
         [*base, "--inject", "nan:rank=1", "--", str(script)],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
-    assert proc.returncode == 2 and "only kill, hang" in proc.stderr
+    assert proc.returncode == 2 and "with a script only kill, stop" in proc.stderr

@@ -175,7 +175,8 @@ def test_up_stops_a_launcher_that_outlives_its_finished_ranks(monkeypatch, capsy
         monkeypatch.setattr(clock, "sleep", lambda s: (
             setattr(clock, "now", clock.now + s),
             clock.now > 600 and setattr(launcher, "returncode", 0)))  # fmt: skip
-    assert up._watch(launcher, [], "http://sup", "run", 0.0) is stopped
+    display = up._Display("http://sup", "http://agent", "run", None, 0.0)
+    assert up._Watch(display, []).run(launcher) is stopped
     if stopped:
         assert launcher.signals == ["SIGTERM"]
         assert up.FINISHED_GRACE_SECONDS < clock.now < up.FINISHED_GRACE_SECONDS + 15

@@ -433,7 +433,7 @@ def test_cli_list_healthy(tmp_path):
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["STEP", "STATE", "SIZE", "WORLD", "AGE", "REASON"]
-    assert lines[2].split()[:5] == ["20", "validated", "18.0", "KiB", "4"]
+    assert lines[2].split()[:6] == ["20", "committed", "(not", "verified)", "18.0", "KiB"]
     assert "incomplete" in lines[3] and ".partial" in lines[3]
     r = runner.invoke(app, ["list", str(tmp_path), "--json"])
     doc = json.loads(r.stdout)
@@ -446,8 +446,11 @@ def test_cli_verify_degraded_and_read_only(tmp_path):
     make_ckpt(tmp_path, 20)
     flip_byte(tmp_path / "step-00000020" / "__0_0.distcp")
     listing = sorted(p.name for p in tmp_path.iterdir())
-    # size-only list cannot see a flipped byte; verify can
-    assert runner.invoke(app, ["list", str(tmp_path)]).exit_code == 0
+    # size-only list cannot see a flipped byte, so it never calls it validated; verify can
+    r = runner.invoke(app, ["list", str(tmp_path)])
+    assert r.exit_code == 0 and "validated" not in r.stdout.replace("(not verified)", ""), r.stdout
+    assert "20  committed (not verified)" in r.stdout and "checksums not verified" in r.stdout
+    assert "--verify reads every file" in r.stdout
     assert runner.invoke(app, ["list", "--verify", str(tmp_path)]).exit_code == 1
     r = runner.invoke(app, ["verify", str(tmp_path)])
     assert r.exit_code == 1, r.output

@@ -19,8 +19,11 @@ from rankguard.trainer.train import lr_schedule
 def test_fault_spec_parsing():
     s = parse_fault_spec("slow:step=10:rank=1:factor=1.2")
     assert (s.kind, s.step, s.rank, s.factor, s.restart) == ("slow", 10, 1, 1.2, 0)
-    assert parse_fault_spec("crash:step=3:restart=any").restart is None
+    assert parse_fault_spec("kill:step=3:restart=any").restart is None
+    assert parse_fault_spec("crash:step=3").kind == "kill"  # the old name, still accepted
     for bad in (
+        "stop:step=1",  # done from outside, never by the trainer
+        "corrupt-checkpoint",
         "boom:step=1",
         "crash",
         "crash:step=x",
@@ -93,7 +96,7 @@ def test_config_validation_and_env_faults():
     cfg = config_from_args(
         ["--steps", "5"], environ={"RANKGUARD_FAULTS": "nan:step=2;crash:step=3"}
     )
-    assert [f.kind for f in cfg.faults] == ["nan", "crash"]
+    assert [f.kind for f in cfg.faults] == ["nan", "kill"]
     assert cfg.telemetry_socket == "/run/rankguard/telemetry.sock"
     assert config_from_args(["--telemetry-socket", "off"], environ={}).telemetry_socket is None
     with pytest.raises(ConfigError):
