@@ -156,6 +156,9 @@ class Supervisor:
         self.service = None  # its HTTP service once serving (supervisor/daemon.py)
         self.scheduler = Scheduler(cfg.scheduler, store.path)  # drains, resumes nodes
         self._phase_watch: dict[int, _PhaseWatch] = {}  # incident id -> restart awaited
+        # (job, incarnation) -> its ranks' last exit seen: an agent replaces a rank's row
+        # when the next incarnation's rank registers, so the old exits are noted as seen
+        self._exits: dict[tuple[str, int], dict[int, float]] = {}  # rank -> exited_at
 
     def clients(self) -> list[AgentClient]:
         return [self.client_for(u) for u in self._urls()]
@@ -377,20 +380,29 @@ class Supervisor:
         old ranks' exit times are taken now, while the agents still show them."""
         if not self.cfg.startup_trace:
             return
+        for r in obs.ranks():
+            if r.exited_at is not None:
+                self._exits.setdefault((r.job, r.restart), {})[r.rank] = r.exited_at
+        newest: dict[str, int] = {}
+        for job, restart in self._exits:
+            newest[job] = max(newest.get(job, restart), restart)
+        for job, restart in list(self._exits):  # bounded: a few incarnations per job
+            if restart < newest[job] - 3:
+                del self._exits[job, restart]
         for t in moves:
             restarted = next((d for what, d in t.events if what == EV_RESTARTED), None)
             inc = self.store.get(t.incident_id) if restarted else None
             if inc is None or inc.job is None or inc.id in self._phase_watch:
                 continue
             new = [r for r in obs.current_ranks(inc.job) if r.restart == restarted["restart"]]
-            exits = [r.exited_at for r in obs.ranks(inc.job)
-                     if r.restart == inc.restart_before and r.exited_at is not None]  # fmt: skip
             doomed = inc.acted_at or inc.occurred_at or inc.detected_at
             if new:
-                self._phase_watch[inc.id] = _PhaseWatch(
-                    inc.job, restarted["restart"], max(r.world_size for r in new), doomed,
-                    max(exits, default=None), now + PHASES_WAIT_SECONDS,
-                )  # fmt: skip
+                world = max(r.world_size for r in new)
+                # the old group's end: only when every old rank's exit was seen
+                exits = self._exits.get((inc.job, inc.restart_before), {})
+                ended = max(exits.values()) if len(exits) >= world else None
+                self._phase_watch[inc.id] = _PhaseWatch(inc.job, restarted["restart"], world,
+                                                        doomed, ended, now + PHASES_WAIT_SECONDS)  # fmt: skip
         if not self._phase_watch:
             return
         try:
