@@ -5,7 +5,8 @@ tier-0 snapshots, against no checkpoints, side by side in one run.
         [--snapshot-every 2,5] [--keyed] [--backup] [--process] [--out FILE]
 
 Each configuration is the real trainer under torchrun (2 ranks, gloo on CPU, NCCL where
-a GPU is). A repeat runs every configuration once, in an order rotated from repeat to
+a GPU is), its workers forked from one warm server (trainer/warm.py; `--cold` starts them
+as new interpreters), which only shortens each run's start. A repeat runs every configuration once, in an order rotated from repeat to
 repeat, so drift on a shared machine and the position in the round hit all of them alike.
 Throughput is the steady state: tokens per step over the *mean* step time after the
 first 3 steps (warm-up left out; a mean, so the steps that save count), rank 0's, read
@@ -25,6 +26,7 @@ commit exchange.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -34,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from rankguard.cli.local_stack import SnapshotHolders
+from rankguard.trainer.warm import start_server
 
 
 def run(mode: str, args, workdir: Path) -> dict:
@@ -42,7 +45,7 @@ def run(mode: str, args, workdir: Path) -> dict:
     backup = workdir / "backup"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={args.nproc}", "-m", "rankguard.trainer",
+        f"--nproc-per-node={args.nproc}", "-m", *args.entry,
         "--preset", args.preset, "--steps", str(args.steps), "--log-every", "0",
         "--summary", str(summary), "--no-resume", *args.model_args,
     ]  # fmt: skip
@@ -59,7 +62,8 @@ def run(mode: str, args, workdir: Path) -> dict:
         cmd += ["--ckpt-writer", "process"]
     if disk == "async-backup":
         cmd += ["--ckpt-backup", str(backup), "--backup-keep", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off",
+           **args.entry_env}  # fmt: skip
     holders = SnapshotHolders(workdir, int(tier0)) if tier0 else None
     try:
         proc = subprocess.run(cmd + (holders.args if holders else []), env=env,
@@ -100,6 +104,9 @@ def main() -> None:
     p.add_argument("--keyed", action="store_true", help="add async saves with a manifest key")
     p.add_argument("--backup", action="store_true", help="add async saves with a backup tier")
     p.add_argument("--process", action="store_true", help="add async saves by DCP's writer process")
+    p.add_argument("--cold", action="store_true",
+                   help="start every worker cold (default: forked from a warm server, "
+                   "trainer/warm.py: the runs skip `import torch`; training is the same)")  # fmt: skip
     p.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
     args.model_args = args.model_args.split()
@@ -121,7 +128,19 @@ def main() -> None:
     modes += [m for m, on in (("async-keyed", args.keyed), ("async-backup", args.backup),
                               ("async-process", args.process)) if on]  # fmt: skip
     results: dict[str, list[dict]] = {m: [] for m in modes}
-    with tempfile.TemporaryDirectory(prefix="rg-bench-", dir=os.environ.get("BENCH_DIR")) as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="rg-bench-", dir=os.environ.get("BENCH_DIR"))
+        )
+        args.entry, args.entry_env = ["rankguard.trainer"], {}
+        if not args.cold:  # one torch import for all runs, not one per worker per run
+            sock = Path(tmp) / "warm.sock"
+            server = start_server(sock, {**os.environ, "OMP_NUM_THREADS": "1"}, subprocess.DEVNULL)
+            stack.callback(lambda: (server.terminate(), server.wait()))
+            args.entry, args.entry_env = (
+                ["rankguard.trainer.warm", "run"],
+                {"RANKGUARD_WARM_SOCKET": str(sock)},
+            )
         for i in range(args.repeats):
             order = modes[i % len(modes) :] + modes[: i % len(modes)]
             for mode in order:

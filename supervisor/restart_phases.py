@@ -12,7 +12,8 @@ From those:
                 workers: to the newest worker's process start (its fork, warm)
     imports     interpreter + `import torch` (about zero for a warm start)
     rendezvous  the c10d store and the process group's init
-    state_load  model build and the state loaded from the fastest tier that has it
+    build       model, optimizer, DDP wrapping (its parameter broadcast), the incarnation
+    state_load  the state loaded from the fastest tier that has it
     first_step  the first new optimizer step
 
 Each milestone is the slowest rank's: the group goes on only when every rank has.
@@ -23,9 +24,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 
-PHASES = ("teardown", "respawn", "imports", "rendezvous", "state_load", "first_step")
+PHASES = ("teardown", "respawn", "imports", "rendezvous", "build", "state_load", "first_step")
 # the milestone that ends each phase after respawn, in order
-_ENDS = (("imports", "imported"), ("rendezvous", "process_group"),
+_ENDS = (("imports", "imported"), ("rendezvous", "process_group"), ("build", "built"),
          ("state_load", "resumed"), ("first_step", "first_step"))  # fmt: skip
 
 

@@ -39,7 +39,7 @@ def test_up_trains_through_an_injected_kill(tmp_path):
     assert "rank_dead" in kinds
     assert len(events) == 1, events
     phases = json.loads(events[0][0])
-    names = ("teardown", "respawn", "imports", "rendezvous", "state_load", "first_step")
+    names = ("teardown", "respawn", "imports", "rendezvous", "build", "state_load", "first_step")
     assert all(isinstance(phases[k], float) and phases[k] >= 0 for k in names), phases
     # the phases run from the fault to the first new step; the supervisor sees that step
     # at its next pass, so its own fault -> first step is the longer, by at most a few passes

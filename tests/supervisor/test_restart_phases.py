@@ -29,11 +29,11 @@ def test_each_milestone_is_the_slowest_ranks_and_phases_add_up():
     lines = worker(0, 100, 10.0) + worker(1, 101, 10.5)
     m = milestones(lines, "j", 1, world_size=2)
     assert m == {"process_start": 10.5, "imported": 11.5, "process_group": 12.5,
-                 "resumed": 14.5, "first_step": 15.5}  # fmt: skip
+                 "built": 13.5, "resumed": 14.5, "first_step": 15.5}  # fmt: skip
     p = phases(doomed_at=9.0, old_exited_at=9.25, m=m)
     assert list(p) == list(PHASES)
     assert p == {"teardown": 0.25, "respawn": 1.25, "imports": 1.0, "rendezvous": 1.0,
-                 "state_load": 2.0, "first_step": 1.0}  # fmt: skip
+                 "build": 1.0, "state_load": 1.0, "first_step": 1.0}  # fmt: skip
     assert sum(p.values()) == pytest.approx(m["first_step"] - 9.0)
 
 
