@@ -290,6 +290,10 @@ def up(
     and loss, hangs judged against the job's own step time, stragglers by step time, NaN
     loss, the communication share, checkpoint progress for the crash-loop guard.
 
+    The bundled trainer's workers are forked from a process that imported torch once, so
+    a restart skips the import (warm start; --cold-start to start each one afresh); each
+    restart's phases are in its incident's timeline (`rankguard incidents`).
+
     Exit codes: 0 training completed; 1 training failed; 2 could not start;
     3 the supervisor stopped the job (crash loop: see `rankguard incidents`).
     """
