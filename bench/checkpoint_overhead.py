@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,14 +66,20 @@ def run(mode: str, args, workdir: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off",
            **args.entry_env}  # fmt: skip
     holders = SnapshotHolders(workdir, int(tier0)) if tier0 else None
+    # its own session: a bench stopped mid-run (SIGTERM) takes torchrun's workers with it
+    proc = subprocess.Popen(cmd + (holders.args if holders else []), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
     try:
-        proc = subprocess.run(cmd + (holders.args if holders else []), env=env,
-                              capture_output=True, text=True)  # fmt: skip
+        _, proc.stderr_text = proc.communicate()
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         if holders:
             holders.close()
     if proc.returncode != 0:
-        sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+        sys.exit(f"{mode} run failed:\n{proc.stderr_text[-3000:]}")
     s = json.loads(summary.read_text())
     subprocess.run(["rm", "-rf", str(ckpt), str(backup)])
     return s
@@ -109,6 +116,7 @@ def main() -> None:
                    "trainer/warm.py: the runs skip `import torch`; training is the same)")  # fmt: skip
     p.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up on the way out
     args.model_args = args.model_args.split()
     try:
         tier0 = [int(n) for n in args.snapshot_every.split(",") if n.strip()]
@@ -146,13 +154,23 @@ def main() -> None:
             for mode in order:
                 print(f"[{i + 1}/{args.repeats}] {mode} ...", file=sys.stderr, flush=True)
                 results[mode].append(run(mode, args, Path(tmp)))
+            # after every repeat: a run cut short still leaves the repeats it finished
+            table = render(results, modes, args, i + 1)
+            if args.out:
+                args.out.write_text(
+                    f"Command: `python bench/checkpoint_overhead.py {' '.join(sys.argv[1:])}`"
+                    f"\n\n{table}\n"
+                )
+    print(table)
 
+
+def render(results: dict[str, list[dict]], modes: list[str], args, repeats: int) -> str:
     base = results["none"]
     first = base[0]
     lines = [
         f"model: {first['num_params'] / 1e6:.1f}M parameters, {args.nproc} ranks, {args.steps} "
         f"steps ({first['steady_steps']} timed after warm-up), disk checkpoint every {args.every}; "
-        f"{args.repeats} repeats, order rotated per repeat; median (min-max) over the repeats",
+        f"{repeats} repeats, order rotated per repeat; median (min-max) over the repeats",
         "",
         "| configuration | tokens/s | throughput vs no checkpoints (paired) | blocking per step (ms) | blocking per disk save (ms) |",
         "|---|---|---|---|---|",
@@ -201,12 +219,7 @@ def main() -> None:
             f"| {mode} | {algo} | {part(mode, 'stage'):.1f} | {part(mode, 'write'):.1f} | "
             f"{part(mode, 'hash'):.1f} | {part(mode, 'commit'):.1f} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.write_text(
-            f"Command: `python bench/checkpoint_overhead.py {' '.join(sys.argv[1:])}`\n\n{table}\n"
-        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
