@@ -1,28 +1,32 @@
 """Recovery timings: SIGKILL and hang, supervised by rankguard vs plain torchrun.
 
-    python bench/recovery.py [--steps 300] [--hang-wait 60] [--warm] [--out FILE]
+    python bench/recovery.py [--stacks plain,rankguard,warm+t0] [--faults kill,hang]
+        [--steps 200] [--fault-step 120] [--snapshot-every 2] [--hang-wait 30] [--out FILE]
 
-Same trainer (tiny preset, 2 ranks, gloo, checkpoints every 10 steps), same faults:
+Same trainer (tiny preset, 2 ranks, gloo, disk checkpoints every 10 steps), same faults:
 
-- kill: rank 1 SIGKILLs itself at step 150 (the trainer's `crash` fault);
-- hang: rank 1 stops progressing at step 150 (`hang`: alive, asleep, never reaching the
+- kill: rank 1 SIGKILLs itself at --fault-step (the trainer's `crash` fault);
+- hang: rank 1 stops progressing at --fault-step (`hang`: alive, asleep, never reaching the
   all-reduce its peer waits in).
 
-"rankguard" runs an agent and the supervisor beside torchrun and reads the incident's
-timings (fault -> detected -> acted -> restarted -> first step). "plain" is
-`torchrun --max-restarts 3` alone, timed from a telemetry sink: the fault time is the
-last record before the gap, recovery is the first step record of the next incarnation.
-Plain torchrun does not notice a hang before the collective timeout (30 min by default),
-so that run is cut off after --hang-wait seconds and reported as not recovered.
-"rankguard, warm start" (--warm) is rankguard with workers forked from a process that
-imported torch once (trainer/warm.py) instead of started cold.
-"+ tier 0" rows (--snapshot-every N, default 2; 0 leaves them out) add in-memory snapshots
-every N steps: two `rankguard snapshot-holder` processes (A, the node's, replicating to B,
-as a second node's would), so the restart resumes from the holder instead of the disk.
+Stacks (`--stacks`, comma-separated, run in this order for each fault):
+
+- plain: `torchrun --max-restarts 3` alone, timed from a telemetry sink: the fault time is
+  the last record before the gap, recovery is the first step record of the next
+  incarnation. Plain torchrun does not notice a hang before the collective timeout (30 min
+  by default), so that run is cut off after --hang-wait seconds and reported as not
+  recovered. Its cold restart after a kill is the reference of the ratio column.
+- rankguard: an agent and the supervisor beside torchrun; timings from the incident
+  (fault -> detected -> acted -> restarted -> first step); workers started cold.
+- warm: rankguard with workers forked from a process that imported torch once
+  (trainer/warm.py), as `rankguard up` does by default.
+- "+t0" on any of them (plain+t0, rankguard+t0, warm+t0): in-memory snapshots every
+  --snapshot-every steps into two `rankguard snapshot-holder` processes (A, the node's,
+  replicating to B, as a second node's would), so the restart resumes from the holder.
 
 Each worker writes its startup milestones (RANKGUARD_STARTUP_TRACE), which split the
 restart into teardown + respawn, imports, rendezvous (process-group init), model build +
-checkpoint load, and the first step; each is the slowest rank's, as the group waits.
+state load, and the first step; each is the slowest rank's, as the group waits.
 """
 
 from __future__ import annotations
@@ -38,10 +42,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from rankguard.cli.local_stack import TelemetrySink, http_json, start_agent, start_supervisor
+from rankguard.cli.local_stack import (
+    SnapshotHolders,
+    TelemetrySink,
+    http_json,
+    start_agent,
+    start_supervisor,
+)
 from rankguard.trainer.warm import start_server
 
-FAULT_STEP = 150
+FAULT_STEP = 120  # --fault-step's default
 
 
 def trainer_cmd(
@@ -56,41 +66,14 @@ def trainer_cmd(
     ]  # fmt: skip
 
 
-def _holder_up(path: Path) -> bool:
-    from rankguard.contract.snapshots import request
-
-    try:
-        request(str(path), {"op": "status"}, timeout=1)
-        return True
-    except (OSError, EOFError):
-        return False
-
-
 @contextlib.contextmanager
 def snapshot_holders(tmp: Path, every: int):
-    """Holder A replicating to holder B (processes), when `every` > 0: the trainer's
-    arguments for them, else []."""
+    """The trainer's flags for holder A replicating to holder B when `every` > 0, else []."""
     if not every:
         yield []
         return
-    a, b = tmp / "holder-a.sock", tmp / "holder-b.sock"
-    procs = []
-    try:
-        for path, peer in ((b, []), (a, ["--peer", str(b)])):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rankguard.cli.main", "snapshot-holder", "run",
-                 "--socket", str(path), *peer], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
-            deadline = time.monotonic() + 30
-            while not _holder_up(path):
-                if time.monotonic() > deadline or procs[-1].poll() is not None:
-                    raise RuntimeError(f"snapshot holder {path} did not start")
-                time.sleep(0.05)
-        yield ["--snapshot-every", str(every), "--snapshot-holder", str(a),
-               "--snapshot-peers", str(b)]  # fmt: skip
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait()
+    with SnapshotHolders(tmp, every) as holders:
+        yield holders.args
 
 
 def trace_milestones(path: Path, restart: int) -> dict[str, float]:
@@ -212,57 +195,73 @@ def fmt(v) -> str:
 
 
 COLUMNS = ["detect", "act", "teardown", "imports", "rendezvous", "load", "first_step", "recover",
-           "lost_steps"]  # fmt: skip
+           "ratio", "lost_steps"]  # fmt: skip
 HEADER = ("| fault | stack | detect s | act s | teardown + respawn s | imports s | rendezvous s "
-          "| model + checkpoint load s | first step s | fault -> first new step s | lost steps |")  # fmt: skip
+          "| model build + state load s | first step s | fault -> first new step s "
+          "| vs plain torchrun's cold restart | lost steps |")  # fmt: skip
+STACKS = {"plain": ("plain torchrun", False), "rankguard": ("rankguard", False),
+          "warm": ("rankguard, warm start", True)}  # fmt: skip
+
+
+def run_stack(stack: str, fault: str, args) -> dict:
+    base, _, t0 = stack.partition("+")
+    n = args.snapshot_every if t0 == "t0" else 0
+    if base == "plain":
+        return plain(fault, args.steps, args.hang_wait, n)
+    return supervised(fault, args.steps, STACKS[base][1], n)
+
+
+def stack_name(stack: str, every: int) -> str:
+    base, _, t0 = stack.partition("+")
+    return STACKS[base][0] + (f" + tier 0 (every {every})" if t0 else "")
 
 
 def main() -> None:
+    global FAULT_STEP
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--hang-wait", type=float, default=60)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--fault-step", type=int, default=FAULT_STEP)
+    p.add_argument("--hang-wait", type=float, default=30)
     p.add_argument("--faults", default="kill,hang", help="comma-separated: kill, hang")
-    p.add_argument("--warm", action="store_true", help="also run with trainer/warm.py")
-    p.add_argument(
-        "--snapshot-every",
-        type=int,
-        default=2,
-        help="the '+ tier 0' rows: in-memory snapshots every N steps (0: leave them out)",
-    )
+    p.add_argument("--stacks", default="plain,rankguard,warm+t0",
+                   help="comma-separated: plain, rankguard, warm, each optionally +t0")  # fmt: skip
+    p.add_argument("--snapshot-every", type=int, default=2,
+                   help="the +t0 stacks: in-memory snapshots every N steps")  # fmt: skip
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    stacks = [x.strip() for x in args.stacks.split(",") if x.strip()]
+    bad = [
+        x
+        for x in stacks
+        if x.partition("+")[0] not in STACKS or x.partition("+")[2] not in ("", "t0")
+    ]
+    faults = args.faults.split(",")
+    if bad or not stacks or any(f not in ("kill", "hang") for f in faults):
+        p.error("--stacks: plain, rankguard, warm (each optionally +t0); --faults: kill, hang")
+    if not 10 < args.fault_step < args.steps or args.snapshot_every < 1:
+        p.error("--fault-step must be in (10, --steps); --snapshot-every >= 1")
+    FAULT_STEP = args.fault_step
     rows = []
-    for fault in args.faults.split(","):
-        print(f"{fault}: rankguard ...", file=sys.stderr, flush=True)
-        rows.append((fault, "rankguard", supervised(fault, args.steps)))
-        print(f"{fault}: plain torchrun ...", file=sys.stderr, flush=True)
-        rows.append((fault, "plain torchrun", plain(fault, args.steps, args.hang_wait)))
-        if args.warm:
-            print(f"{fault}: rankguard, warm start ...", file=sys.stderr, flush=True)
-            rows.append((fault, "rankguard, warm start", supervised(fault, args.steps, True)))
-        n = args.snapshot_every
-        if n:
-            t0 = f" + tier 0 (every {n})"
-            print(f"{fault}: tier 0 rows ...", file=sys.stderr, flush=True)
-            rows.append((fault, "rankguard" + t0, supervised(fault, args.steps, False, n)))
-            if fault == "kill":  # plain torchrun never notices a hang: nothing to compare
-                rows.append(
-                    (fault, "plain torchrun" + t0, plain(fault, args.steps, args.hang_wait, n))
-                )
-            if args.warm:
-                rows.append(
-                    (fault, "rankguard, warm start" + t0, supervised(fault, args.steps, True, n))
-                )
+    for fault in faults:
+        for stack in stacks:
+            name = stack_name(stack, args.snapshot_every)
+            print(f"{fault}: {name} ...", file=sys.stderr, flush=True)
+            rows.append((fault, stack, name, run_stack(stack, fault, args)))
+    # the reference: plain torchrun's cold restart after a kill, in this same run
+    ref = next(
+        (r["recover"] for f, st, _, r in rows if f == "kill" and st == "plain" and r["ok"]), None
+    )
     lines = [HEADER, "|" + "---|" * (len(COLUMNS) + 2)]
-    for fault, stack, r in rows:
+    for fault, _, name, r in rows:
         if not r["ok"]:
             lines.append(
-                f"| {fault} | {stack} | {r.get('note', 'failed')} |" + " |" * (len(COLUMNS) - 1)
+                f"| {fault} | {name} | {r.get('note', 'failed')} |" + " |" * (len(COLUMNS) - 1)
             )
             continue
-        lines.append(f"| {fault} | {stack} | " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |")
+        r["ratio"] = f"{r['recover'] / ref:.2f}x" if ref else None
+        lines.append(f"| {fault} | {name} | " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -155,3 +155,50 @@ class TelemetrySink:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _holder_up(path: Path) -> bool:
+    from ..contract.snapshots import request
+
+    try:
+        request(str(path), {"op": "status"}, timeout=1)
+        return True
+    except (OSError, EOFError):
+        return False
+
+
+class SnapshotHolders:
+    """Holder A replicating to holder B (`rankguard snapshot-holder` processes), as two
+    nodes' holders would on one machine. `args` are the trainer's flags for them."""
+
+    def __init__(self, tmp: Path, every: int):
+        import time
+
+        a, b = tmp / "holder-a.sock", tmp / "holder-b.sock"
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for path, peer in ((b, []), (a, ["--peer", str(b)])):
+                self.procs.append(subprocess.Popen(
+                    [*RANKGUARD, "snapshot-holder", "run", "--socket", str(path), *peer],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+                deadline = time.monotonic() + 30
+                while not _holder_up(path):
+                    if time.monotonic() > deadline or self.procs[-1].poll() is not None:
+                        raise RuntimeError(f"snapshot holder {path} did not start")
+                    time.sleep(0.05)
+        except BaseException:
+            self.close()
+            raise
+        self.args = ["--snapshot-every", str(every), "--snapshot-holder", str(a),
+                     "--snapshot-peers", str(b)]  # fmt: skip
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+            p.wait()
+
+    def __enter__(self) -> SnapshotHolders:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -14,6 +14,8 @@ from typing import Annotated
 
 import typer
 
+from rankguard.supervisor.restart_phases import PHASES as RESTART_PHASES
+
 Opt = typer.Option
 DEFAULT_SUPERVISOR = "http://127.0.0.1:9408"
 SupervisorUrl = Annotated[
@@ -275,6 +277,11 @@ def incidents(
         if phases:
             lost = f", lost steps {inc['lost_steps']}" if inc.get("lost_steps") is not None else ""
             typer.echo("    " + ", ".join(f"{k} {v:.2f}s" for k, v in phases) + lost)
+        for e in inc.get("events") or []:  # the workers' own milestones (restart_phases.py)
+            if e["what"] == "restart phases":
+                parts = [(k, e["detail"].get(k)) for k in RESTART_PHASES]
+                typer.echo("    restart: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}s"
+                                                       for k, v in parts if v is not None))  # fmt: skip
         if inc.get("verdict"):
             typer.echo(f"    verdict: {inc['verdict']}")
 

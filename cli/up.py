@@ -59,10 +59,15 @@ def parse_inject(spec: str, script: bool = False):
 
 def _local_supervisor_config(run_dir: Path) -> Path:
     """One machine, not a cluster: a hardware fault here must not drain this node in a
-    scheduler that may be running on it (Slurm); the job's processes are still stopped."""
+    scheduler that may be running on it (Slurm); the job's processes are still stopped.
+    The workers' startup milestones split each restart into phases in its incident."""
     path = run_dir / "supervisor.toml"
-    path.write_text("[scheduler]\ndrain = false\n")
+    trace = json.dumps(str((run_dir / STARTUP_TRACE).absolute()))  # a TOML basic string
+    path.write_text(f"[supervisor]\nstartup_trace = {trace}\n\n[scheduler]\ndrain = false\n")
     return path
+
+
+STARTUP_TRACE = "startup.jsonl"  # the workers' startup milestones (trainer/startup_trace.py)
 
 
 def _get(url: str) -> dict | None:
@@ -193,8 +198,9 @@ SCRIPT.py [ARGS...] or -m MODULE [ARGS...] after `--`: run your own torchrun-com
 training script instead of the bundled trainer (zero-code protection)."""
 
 # Options that only the bundled trainer understands: refused with a script.
-TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--warm-start",
-                "--snapshot-every")  # fmt: skip
+TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--cold-start",
+                "--warm-start", "--snapshot-every")  # fmt: skip
+SCRIPT_INJECT = ("kill", "hang")  # faults done to a process from outside: any script
 
 
 def up(
@@ -253,12 +259,16 @@ def up(
             min=1,
         ),
     ] = None,
-    warm_start: Annotated[
+    cold_start: Annotated[
         bool,
         Opt(
-            help="fork workers from a process that imported torch once: restarts skip the "
-            "import (trainer/warm.py)"
+            help="bundled trainer: start every worker as a new interpreter (torch imported "
+            "again at each restart) instead of forking it from a process that imported "
+            "torch once (warm start, the default: trainer/warm.py)"
         ),
+    ] = False,
+    warm_start: Annotated[
+        bool, Opt(hidden=True, help="the default now; accepted and ignored")
     ] = False,
 ) -> None:
     """Train on this machine under full supervision: starts a node agent, the supervisor
@@ -278,13 +288,19 @@ def up(
     and loss, hangs judged against the job's own step time, stragglers by step time, NaN
     loss, the communication share, checkpoint progress for the crash-loop guard.
 
+    The bundled trainer's workers are forked from a process that imported torch once, so
+    a restart skips the import (warm start; --cold-start to start each one afresh); each
+    restart's phases are in its incident's timeline (`rankguard incidents`).
+
     Exit codes: 0 training completed; 1 training failed; 2 could not start;
     3 the supervisor stopped the job (crash loop: see `rankguard incidents`); 130 Ctrl-C,
     143 SIGTERM (training stopped, everything up started ended, the summary printed).
     """
     given = {"--preset": preset, "--steps": steps, "--ckpt-every": ckpt_every,
-             "--trainer-arg": trainer_arg or None, "--warm-start": warm_start or None,
-             "--snapshot-every": snapshot_every}  # fmt: skip
+             "--trainer-arg": trainer_arg or None, "--cold-start": cold_start or None,
+             "--warm-start": warm_start or None, "--snapshot-every": snapshot_every}  # fmt: skip
+    if cold_start and warm_start:
+        raise typer.BadParameter("--cold-start and --warm-start: choose one (warm is the default)")
     if script:
         _check_script(script)
         refused = [name for name in TRAINER_ONLY if given[name] is not None]
@@ -314,7 +330,8 @@ def up(
     agent_port, sup_port = free_port(), free_port()
     agent_url, sup_url = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{sup_port}"
     env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str((run_dir / "telemetry.sock").absolute()),
-           "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url}  # fmt: skip
+           "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url,
+           "RANKGUARD_STARTUP_TRACE": str((run_dir / STARTUP_TRACE).absolute())}  # fmt: skip
     procs: list[subprocess.Popen] = []
     kept: list[KeptDaemon] = []
     timers: list[threading.Timer] = []
@@ -340,7 +357,7 @@ def up(
             rendezvous = f"127.0.0.1:{rdzv_port}"
         rdzv = ["--rdzv-backend=rankguard", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job}"]
         entry = ["rankguard.trainer"]
-        if warm_start:
+        if not (cold_start or script):  # warm by default: restarts skip `import torch`
             procs.append(_start_warm_server(run_dir, env))
             env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
             entry = ["rankguard.trainer.warm", "run"]

@@ -28,6 +28,9 @@ class LoopSettings:
 
     interval: float = 0.25  # seconds between reconcile passes
     agent_timeout: float = 2.0  # seconds to wait for an agent's answer
+    # the workers' startup milestones (RANKGUARD_STARTUP_TRACE, on a path the supervisor
+    # can read): each restart's phases go into its incident's timeline; "" = not read
+    startup_trace: str = ""
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.interval <= 3600:
@@ -51,6 +54,7 @@ class SupervisorFile:
         return SupervisorConfig(
             interval=self.supervisor.interval,
             agent_timeout=self.supervisor.agent_timeout,
+            startup_trace=self.supervisor.startup_trace,
             detectors=self.detectors,
             policy=self.policy,
             scheduler=self.scheduler,

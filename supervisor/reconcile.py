@@ -22,6 +22,7 @@ from .detectors import DetectorConfig, pick_culprit_from_stacks, run_all
 from .history import History, advance
 from .lifecycle import (
     EV_CAUSED_DEATH,
+    EV_RESTARTED,
     RECOVERING_KINDS,
     JobProgress,
     Outcome,
@@ -41,6 +42,7 @@ from .model import (
     Finding,
 )
 from .policy import IncidentInfo, JobView, PolicyConfig, PolicyView, decide
+from .restart_phases import milestones, parse_lines, phases
 from .scheduler import Scheduler, SchedulerConfig
 from .stacks import StackBudget
 from .state import LIVE_STATES, ClusterObs, RankObs
@@ -48,6 +50,9 @@ from .store import ActionExists, IncidentStore, InvalidTransition
 from .tokens import AgentTokens
 
 log = logging.getLogger("rankguard.supervisor")
+
+EV_RESTART_PHASES = "restart phases"  # timeline event: restart_phases.phases() of a restart
+PHASES_WAIT_SECONDS = 60.0  # how long after a restart its workers' milestones are awaited
 
 
 def _unnamed_process_hang(f: Finding) -> bool:
@@ -113,6 +118,19 @@ class SupervisorConfig:
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    startup_trace: str = ""  # the workers' startup milestones ([supervisor] startup_trace)
+
+
+@dataclass(frozen=True)
+class _PhaseWatch:
+    """A restart whose phases are not in its incident's timeline yet."""
+
+    job: str
+    incarnation: int
+    world_size: int
+    doomed_at: float  # the fault (a dead rank) or our kill
+    old_exited_at: float | None  # the old group's last exit, as the agents saw it
+    until: float
 
 
 class Supervisor:
@@ -137,6 +155,10 @@ class Supervisor:
         self.stack_budget = StackBudget()  # py-spy dumps: bounded per pass, per rank backoff
         self.service = None  # its HTTP service once serving (supervisor/daemon.py)
         self.scheduler = Scheduler(cfg.scheduler, store.path)  # drains, resumes nodes
+        self._phase_watch: dict[int, _PhaseWatch] = {}  # incident id -> restart awaited
+        # (job, incarnation) -> its ranks' last exit seen: an agent replaces a rank's row
+        # when the next incarnation's rank registers, so the old exits are noted as seen
+        self._exits: dict[tuple[str, int], dict[int, float]] = {}  # rank -> exited_at
 
     def clients(self) -> list[AgentClient]:
         return [self.client_for(u) for u in self._urls()]
@@ -167,6 +189,7 @@ class Supervisor:
                 self.store.apply(t, now)
             except InvalidTransition as exc:  # a rule's bug must not cost the other moves
                 log.error("lifecycle: %s", exc)
+        self._restart_phases(moves, obs, now)
         self._track_progress(obs, now)
         self.scheduler.observe(obs)
         with self._lock:
@@ -349,6 +372,56 @@ class Supervisor:
         if decision.action == ACT_EXCLUDE_NODE and f.kind == NODE_FAULT:
             results["scheduler"] = self.scheduler.exclude(t["node"], f.summary)
         return results
+
+    # -- each restart's phases, from the workers' startup milestones ---------------------
+    def _restart_phases(self, moves, obs: ClusterObs, now: float) -> None:
+        """Watch each restart this pass recorded; once every new worker has written its
+        milestones up to its first step, add the phases to the incident's timeline. The
+        old ranks' exit times are taken now, while the agents still show them."""
+        if not self.cfg.startup_trace:
+            return
+        for r in obs.ranks():
+            if r.exited_at is not None:
+                self._exits.setdefault((r.job, r.restart), {})[r.rank] = r.exited_at
+        newest: dict[str, int] = {}
+        for job, restart in self._exits:
+            newest[job] = max(newest.get(job, restart), restart)
+        for job, restart in list(self._exits):  # bounded: a few incarnations per job
+            if restart < newest[job] - 3:
+                del self._exits[job, restart]
+        for t in moves:
+            restarted = next((d for what, d in t.events if what == EV_RESTARTED), None)
+            inc = self.store.get(t.incident_id) if restarted else None
+            if inc is None or inc.job is None or inc.id in self._phase_watch:
+                continue
+            new = [r for r in obs.current_ranks(inc.job) if r.restart == restarted["restart"]]
+            doomed = inc.acted_at or inc.occurred_at or inc.detected_at
+            if new:
+                world = max(r.world_size for r in new)
+                # the old group's end: only when every old rank's exit was seen
+                exits = self._exits.get((inc.job, inc.restart_before), {})
+                ended = max(exits.values()) if len(exits) >= world else None
+                self._phase_watch[inc.id] = _PhaseWatch(inc.job, restarted["restart"], world,
+                                                        doomed, ended, now + PHASES_WAIT_SECONDS)  # fmt: skip
+        if not self._phase_watch:
+            return
+        try:
+            with open(self.cfg.startup_trace, errors="replace") as f:
+                lines = parse_lines(f.read())
+        except OSError:
+            lines = []
+        for iid, w in list(self._phase_watch.items()):
+            m = milestones(lines, w.job, w.incarnation, w.world_size)
+            if m is not None:
+                detail = {"incarnation": w.incarnation,
+                          **phases(w.doomed_at, w.old_exited_at, m)}  # fmt: skip
+                self.store.add_event(iid, EV_RESTART_PHASES, now, detail)
+            elif now < w.until:
+                continue
+            else:
+                log.warning("incident %d: no startup milestones of incarnation %d of %s in %s",
+                            iid, w.incarnation, w.job, self.cfg.startup_trace)  # fmt: skip
+            del self._phase_watch[iid]
 
     # -- the job: state and goodput, kept in the store --------------------------------------
     def _track_progress(self, obs: ClusterObs, now: float) -> None:

@@ -1,4 +1,5 @@
-"""Startup milestones of one worker, for the recovery benchmark.
+"""Startup milestones of one worker: the recovery benchmark and the incident timeline
+(`supervisor/restart_phases.py`) split a restart into phases with them.
 
 With `RANKGUARD_STARTUP_TRACE=FILE` each worker appends one JSON line per milestone
 (process start, imports done, process group ready, model built, checkpoint loaded, first
@@ -29,6 +30,10 @@ class StartupTrace:
         self.path = path if path is not None else os.environ.get(ENV)
         self.rank = int(os.environ.get("RANK", "0"))
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # set once the group agreed on them: the supervisor matches lines to an incident
+        # by (job, incarnation), and a worker's earlier lines by its pid
+        self.job: str | None = None
+        self.incarnation: int | None = None
         if self.path:
             self.mark("process_start", process_start_time())
 
@@ -37,6 +42,8 @@ class StartupTrace:
             return
         line = {"rank": self.rank, "restart": self.restart, "pid": os.getpid(), "event": event,
                 "time": time.time() if at is None else at}  # fmt: skip
+        if self.incarnation is not None:
+            line.update(job=self.job, incarnation=self.incarnation)
         try:
             with open(self.path, "a") as f:  # one short O_APPEND write per line
                 f.write(json.dumps(line) + "\n")

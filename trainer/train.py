@@ -408,9 +408,15 @@ class Trainer:
         step = median([s for s, _ in steady])
         tokens = self.cfg.batch.global_batch * self.cfg.model.seq_len / self.info.world_size
         tps = tokens / step if step else 0.0
+        # the mean, not the median, for what checkpoints cost: a save's blocking lands on
+        # one step in N, which a median never sees
+        mean = sum(s for s, _ in steady) / len(steady) if steady else 0.0
         return {
             "device": device_name(self.info.device),
             "median_step_seconds": step,
+            "steady_steps": len(steady),
+            "mean_step_seconds": mean,
+            "steady_tokens_per_second": tokens * self.info.world_size / mean if mean else 0.0,
             "median_data_wait_seconds": median([d for _, d in steady]),
             "steady_tokens_per_second_per_rank": tps,
             "peak_memory_bytes": peak_memory_bytes(self.info.device),
@@ -439,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     trace.mark("process_group")
     try:
         trainer = Trainer(cfg, info)
+        trace.job, trace.incarnation = cfg.job, trainer.incarnation
         trace.mark("built")
         summary = trainer.run(trace)
         if info.rank == 0:

@@ -28,6 +28,7 @@ CASES = [
     ("inject-unknown-kind", [*UP, "--inject", "explode:rank=1"], ["kinds: kill"]),
     ("inject-no-rank", [*UP, "--inject", "kill:at=5s"], ["which rank"]),
     ("inject-no-time", [*UP, "--inject", "kill:rank=1"], ["at=SECONDS", "step=N"]),
+    ("up-cold-and-warm", [*UP, "--cold-start", "--warm-start"], ["choose one"]),
     # the supervisor's flags and files
     ("sup-port-in-use", [*SUP_A, "--bind", "127.0.0.1:{busy}"], ["127.0.0.1:{busy}", "in use"]),
     ("sup-bind-not-local", [*SUP_A, "--bind", "192.0.2.1:0"], ["192.0.2.1"]),

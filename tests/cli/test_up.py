@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 import subprocess
@@ -13,6 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_up_trains_through_an_injected_kill(tmp_path):
+    """Warm workers by default; the restart's phases, measured by the workers themselves,
+    are in the incident's timeline and `rankguard incidents` shows them."""
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "200", "--ckpt-every", "20",
@@ -32,20 +35,42 @@ def test_up_trains_through_an_injected_kill(tmp_path):
     assert re.search(r"summary: completed; steps 200/200 in [0-9:]+ \([0-9.]+s\); goodput "
                      r"[0-9.]+%", proc.stdout), proc.stdout[-2000:]  # fmt: skip
     assert re.search(r"summary: incidents [1-9][0-9]* \(.*rank_dead", proc.stdout)
+    assert (run / "warm.log").is_file()  # the warm server ran
+    assert "starting cold" not in (run / "trainer.log").read_text()
     with sqlite3.connect(run / "rankguard.db") as db:
         kinds = [k for (k,) in db.execute("SELECT kind FROM incidents")]
+        (inc,) = db.execute(
+            "SELECT id, occurred_at, first_step_at FROM incidents WHERE kind = 'rank_dead'"
+        ).fetchall()
+        events = db.execute(
+            "SELECT detail FROM events WHERE incident_id = ? AND what = 'restart phases'", (inc[0],)
+        ).fetchall()
     assert "rank_dead" in kinds
+    assert len(events) == 1, events
+    phases = json.loads(events[0][0])
+    names = ("teardown", "respawn", "imports", "rendezvous", "build", "state_load", "first_step")
+    assert all(isinstance(phases[k], float) and phases[k] >= 0 for k in names), phases
+    # the phases run from the fault to the first new step; the supervisor sees that step
+    # at its next pass, so its own fault -> first step is the longer, by at most a few passes
+    total = sum(phases[k] for k in names)
+    assert 0 < total <= inc[2] - inc[1] + 0.05, (phases, inc)
+    assert phases["imports"] < 0.5, phases  # warm: forked, torch already imported
+    listed = subprocess.run(
+        [sys.executable, "-m", "rankguard.cli.main", "incidents", "--db", str(run / "rankguard.db")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert "restart: teardown" in listed.stdout and "state load" in listed.stdout, listed.stdout
     # one machine: its supervisor never drains this node in a scheduler
     assert "drain = false" in (run / "supervisor.toml").read_text()
 
 
 def test_up_warm_start_crash_loop_is_stopped_through_the_launcher(tmp_path):
-    """Warm-started workers are forked by the warm server, not by torchrun; the agent
+    """Warm-started workers (the default) are forked by the warm server, not by torchrun; the agent
     still finds their torchrun launcher (through the shim), so the crash-loop guard stops
     the job (exit 3) rather than SIGTERMing ranks that torchrun would restart."""
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "rankguard.cli.main", "up", "--warm-start", "--steps", "60",
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "60",
          "--ckpt-every", "20", "--run-dir", str(run),
          "--trainer-arg=--fault=crash:step=25:rank=1:restart=any"],
         capture_output=True, text=True, timeout=600,

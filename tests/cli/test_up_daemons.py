@@ -77,7 +77,8 @@ def test_up_restarts_a_killed_daemon_and_a_later_rank_death_is_recorded(tmp_path
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "800", "--ckpt-every", "20",
-         "--run-dir", str(run), *SMALL_MODEL],
+         "--run-dir", str(run), *SMALL_MODEL,
+         *(["--cold-start"] if daemon == "agent" else [])],  # one run opts out of warm start
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     out = Output(proc)
@@ -118,6 +119,7 @@ def test_up_restarts_a_killed_daemon_and_a_later_rank_death_is_recorded(tmp_path
     assert "training completed: step 800" in text
     assert f"rankguard up: {daemon} killed by SIGKILL; restarting it" in text
     assert f"restarted during the run: {daemon} 1x" in text
+    assert (run / "warm.log").is_file() == (daemon != "agent")  # --cold-start: no warm server
     assert f"rankguard incidents --db {run / 'rankguard.db'}" in text
     assert "--supervisor http" not in text  # no URL that dies with `up`
     with sqlite3.connect(run / "rankguard.db") as db:
@@ -140,7 +142,7 @@ def test_up_warm_start_stopped_stub_is_a_fault_and_up_exits_after_training(tmp_p
     run = tmp_path / "run"
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.cli.main", "up", "--warm-start", "--steps", "800",
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "800",
          "--ckpt-every", "20", "--run-dir", str(run), *SMALL_MODEL],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip

@@ -3,6 +3,7 @@ checks that observe -> detect -> decide -> act -> record is wired end to end."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -135,8 +136,10 @@ def test_a_killed_hung_rank_is_one_incident_with_its_timeline(node, tmp_path):
     """The supervisor kills the culprit of a hang; the rank then shows dead. That death is
     a step of the hang incident (no rank_dead incident, so one alert), and the incident's
     timeline runs: detected, stacks captured, killed, the rank's exit, group restarted,
-    first new step."""
+    first new step; then the restart's phases from the workers' startup milestones."""
     sup, ranks = node
+    trace = tmp_path / "startup.jsonl"
+    sup.cfg.startup_trace = str(trace)
     wait_until(lambda: (sup.reconcile_once(), len(sup.last_obs.ranks()) == 2)[1], 20, "two ranks")
     wait_until(lambda: (sup.reconcile_once(), all((r.step or 0) > 6 for r in sup.last_obs.ranks()))[1],
                20, "a few steps")  # fmt: skip
@@ -161,8 +164,20 @@ def test_a_killed_hung_rank_is_one_incident_with_its_timeline(node, tmp_path):
     for p in ranks:  # the "group restart": a new incarnation of both ranks
         p.kill()
         p.wait()
+    wait_until(lambda: (sup.reconcile_once(), all(r.exited_at for r in sup.last_obs.ranks()))[1],
+               10, "the old group's exits seen")  # fmt: skip
+    old_end = max(r.exited_at for r in sup.last_obs.ranks())
     sock = str(tmp_path / "t.sock")
-    ranks.extend(subprocess.Popen([sys.executable, "-c", RANK, sock, str(r), "1"]) for r in (0, 1))
+    new = [subprocess.Popen([sys.executable, "-c", RANK, sock, str(r), "1"]) for r in (0, 1)]
+    ranks.extend(new)
+    # what the new workers' trainer would write (trainer/startup_trace.py): job and
+    # incarnation from "built" on; rank 1 the slower one
+    t0 = max(time.time(), old_end + 0.2)
+    lines = [{"rank": r, "restart": 1, "pid": p.pid, "event": e, "time": t0 + r * 0.1 + k * 0.5,
+              **({"job": "j", "incarnation": 1} if k >= 3 else {})}
+             for r, p in enumerate(new) for k, e in enumerate(
+                 ("process_start", "imported", "process_group", "built", "resumed", "first_step"))]  # fmt: skip
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     inc = wait_until(
         lambda: (sup.reconcile_once(), sup.store.get(hung[0].id))[1].state == "resolved"
         and sup.store.get(hung[0].id), 20, "the recovery",
@@ -177,5 +192,10 @@ def test_a_killed_hung_rank_is_one_incident_with_its_timeline(node, tmp_path):
     assert what.count("rank exited (our action)") == 1
     assert inc.restarted_at and inc.first_step_at and inc.resumed_step == 0
     assert [i.kind for i in sup.store.list_incidents()] == ["rank_hung"]
+    (phases,) = [e.detail for e in sup.store.events(inc.id) if e.what == "restart phases"]
+    assert phases["teardown"] == pytest.approx(old_end - inc.acted_at, abs=0.002)
+    assert phases["respawn"] == pytest.approx(t0 + 0.1 - old_end, abs=0.002)
+    assert [phases[k] for k in ("imports", "rendezvous", "build", "state_load", "first_step")] == [
+        0.5, 0.5, 0.5, 0.5, 0.5]  # fmt: skip
     wait_until(lambda: (sup.reconcile_once(), cluster_view(sup)["jobs"]["j"]["state"])[1] == "running",
                10, "the job running again")  # fmt: skip
