@@ -10,6 +10,8 @@ A spec is `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`:
 - nan         the loss of step N becomes NaN (bad numerics)
 - comm-delay  from step N on, every gradient all-reduce is `seconds` longer
 - ckpt-delay  from step N on, every background checkpoint write is `seconds` longer
+- load-delay  loading a checkpoint of step N or later takes `seconds` longer (slow storage
+              at resume; the rank idles in `checkpoint_load`)
 
 A fault fires only in the incarnation whose torchrun restart count is `restart`
 (default 0), so a crash at step 27 does not crash again after the resume.
@@ -31,7 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("crash", "exception", "hang", "spin", "slow", "nan", "comm-delay", "ckpt-delay")
+KINDS = ("crash", "exception", "hang", "spin", "slow", "nan", "comm-delay", "ckpt-delay",
+         "load-delay")  # fmt: skip
 
 
 class FaultSpecError(ValueError):
@@ -169,6 +172,12 @@ class FaultInjector:
     def ckpt_delay(self, step: int) -> float:
         spec = self._active("ckpt-delay", step, from_step=True)
         return spec.seconds if spec else 0.0
+
+    def load_delay(self, step: int | None) -> None:
+        """At resume, after the checkpoint of `step` (None: nothing) was loaded."""
+        spec = None if step is None else self._active("load-delay", step, from_step=True)
+        if spec:
+            time.sleep(spec.seconds)
 
 
 def _spin_forever() -> None:
