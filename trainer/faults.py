@@ -170,8 +170,9 @@ class FaultInjector:
         return spec.seconds if spec else 0.0
 
     def ckpt_delay(self, step: int) -> float:
-        spec = self._active("ckpt-delay", step, from_step=True)
-        return spec.seconds if spec else 0.0
+        """The longest active one: a stuck save injected at run time over a slow one."""
+        return max((s.seconds for s in self.specs if s.kind == "ckpt-delay" and step >= s.step),
+                   default=0.0)  # fmt: skip
 
     def load_delay(self, step: int | None) -> None:
         """At resume, after the checkpoint of `step` (None: nothing) was loaded."""

@@ -366,6 +366,15 @@ def main_thread_functions(dump: str) -> list[str]:
     frames when the dump names no threads). Other threads (checkpoint writers, data
     loaders, threading's own waits) must not make an idle main thread look busy in a
     collective, so only the main thread counts."""
+    blocks = thread_functions(dump)
+    if "MainThread" in blocks:
+        return blocks["MainThread"]
+    return [f for frames in blocks.values() for f in frames]
+
+
+def thread_functions(dump: str) -> dict[str, list[str]]:
+    """{thread name: function names of its frames} of a `py-spy dump` ("" when the dump
+    names no threads)."""
     blocks: dict[str, list[str]] = {}
     current: str | None = "" if "Thread " not in dump else None
     for line in dump.splitlines():
@@ -377,9 +386,7 @@ def main_thread_functions(dump: str) -> list[str]:
         # frames are indented "function (file:line)" lines under a thread header
         if current is not None and line.startswith((" ", "\t")) and " (" in line:
             blocks.setdefault(current, []).append(line.strip().split(" (", 1)[0])
-    if "MainThread" in blocks:
-        return blocks["MainThread"]
-    return [f for frames in blocks.values() for f in frames]
+    return blocks
 
 
 def _waits_in_collective(functions: list[str]) -> bool:
@@ -396,5 +403,26 @@ def pick_culprit_from_stacks(stacks: dict[int, str]) -> int | None:
         if not functions:
             return None  # no frames: the dump failed, nothing can be said about this rank
         if not _waits_in_collective(functions):
+            outside.append(rank)
+    if len(outside) == 1:
+        return outside[0]
+    return _save_thread_culprit(stacks) if not outside else None
+
+
+# The trainer's background save threads (trainer/checkpoint.py's executor).
+SAVE_THREAD_PREFIX = "rankguard-ckpt"
+
+
+def _save_thread_culprit(stacks: dict[int, str]) -> int | None:
+    """Every main thread waits (a save the trainer waits for, say): the rank whose save
+    thread is not in the checkpoint group's collective while every other rank's is, is the
+    one the save waits for (a write stuck on slow storage)."""
+    outside = []
+    for rank, dump in stacks.items():
+        saves = [f for name, fs in thread_functions(dump or "").items()
+                 if name.startswith(SAVE_THREAD_PREFIX) for f in fs]  # fmt: skip
+        if not saves:
+            return None
+        if not _waits_in_collective(saves):
             outside.append(rank)
     return outside[0] if len(outside) == 1 else None

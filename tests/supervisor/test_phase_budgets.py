@@ -165,3 +165,23 @@ def test_phases_table_is_type_checked_with_the_key_named(tmp_path):
         sup_config.load(path)
     with pytest.raises(ValueError):
         PhaseBudgetConfig(quantile=0.0)
+
+
+def _dump(main: list[str], save: list[str]) -> str:
+    lines = ['Thread 100 (idle): "MainThread"', *[f"    {f} (x.py:1)" for f in main]]
+    lines += ['Thread 101 (idle): "rankguard-ckpt_0"', *[f"    {f} (y.py:1)" for f in save]]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_stuck_save_is_blamed_on_the_rank_whose_save_thread_is_not_in_a_collective():
+    waiting = ["wait", "result", "wait", "train_step"]  # the trainer waits for its save
+    stacks = {
+        0: _dump(waiting, ["all_gather_object", "_finish", "_write_and_finish", "run"]),
+        1: _dump(waiting, ["_finish", "_write_and_finish", "run", "_worker"]),  # asleep
+    }
+    assert hang.pick_culprit_from_stacks(stacks) == 1
+    # both save threads in the collective, or dumps without save threads: no verdict
+    both = {0: stacks[0], 1: stacks[0]}
+    assert hang.pick_culprit_from_stacks(both) is None
+    plain = {r: 'Thread 1 (idle): "MainThread"\n    wait (a.py:1)\n' for r in (0, 1)}
+    assert hang.pick_culprit_from_stacks(plain) is None
