@@ -91,9 +91,9 @@ def phase_run(tmp_path_factory):
             and r["phase"] == phase and (phase != "train" or r["step"] % 10 == 0) and r),
             up)  # fmt: skip
 
-    def caught_hang(name, stopped_at, before):
+    def caught_hang(name, stopped_at, before, timeout=30.0):
         inc = _wait(f"a hang incident ({name})", lambda: next(
-            (i for i in _hangs(up.run) if i["id"] not in before), None), up, 30, 0.1)  # fmt: skip
+            (i for i in _hangs(up.run) if i["id"] not in before), None), up, timeout, 0.1)  # fmt: skip
         caught[name] = (inc["detected_at"] - stopped_at, inc)
 
     try:
@@ -119,7 +119,7 @@ def phase_run(tmp_path_factory):
         before = {i["id"] for i in _hangs(up.run)}
         spec = f"ckpt-delay:step=0:rank=1:seconds=3000:restart={incarnation}\n"
         (up.run / "faults").write_text(spec)
-        caught_hang("stuck save", time.time(), before)
+        caught_hang("stuck save", time.time(), before, timeout=90.0)
         code = up.wait(timeout=300)
     finally:
         up.close()
