@@ -66,6 +66,39 @@ ERROR_REASONS = (
 _HOST_PHASES = {"data": "data_wait", "checkpoint": "checkpoint_block"}
 
 
+class ProcessProgress:
+    """Whether this process did anything since the last look: CPU time (utime + stime,
+    /proc/self/stat) or bytes read or written (/proc/self/io rchar + wchar, minus the
+    bytes of these very reads). Linux only; elsewhere every look says it moved."""
+
+    def __init__(self) -> None:
+        self._last = self._read()
+        self._own = 0  # bytes of our own /proc reads since the last sample
+
+    def _read(self) -> tuple[int, int] | None:
+        try:
+            with open("/proc/self/stat", "rb") as f:
+                stat = f.read()
+            with open("/proc/self/io", "rb") as f:
+                io = f.read()
+        except OSError:
+            return None
+        fields = stat.rsplit(b")", 1)[1].split()
+        cpu = int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+        counters = dict(line.split(b":", 1) for line in io.splitlines() if b":" in line)
+        chars = int(counters.get(b"rchar", 0)) + int(counters.get(b"wchar", 0))
+        self._own = len(stat) + len(io)
+        return cpu, chars
+
+    def moved(self) -> bool:
+        before, own = self._last, self._own
+        now = self._read()
+        self._last = now
+        if before is None or now is None:
+            return True
+        return now[0] > before[0] or now[1] - before[1] > own + self._own
+
+
 def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
     try:
         return int(environ.get(name, default))
@@ -194,7 +227,10 @@ class Reporter:
     the device of ``model``'s first parameter, else the host clock). ``flops_per_token``
     and ``peak_flops`` (per rank) give MFU (0 without them). ``heartbeat_seconds``: how often a long phase (:meth:`phase`) re-announces
     itself; ``heartbeat_limit_seconds``: after this long in one phase the beats stop, so a
-    save that is truly stuck still looks hung to the supervisor.
+    save that is truly stuck still looks hung to the supervisor. ``heartbeat_progress``:
+    beat only when the process used CPU or read or wrote since the last beat
+    (:class:`ProcessProgress`), so a slow but moving phase stays fresh while a stuck one
+    (asleep, blocked) falls silent and meets its budget at once.
     """
 
     def __init__(
@@ -209,6 +245,7 @@ class Reporter:
         restart: int | None = None,
         heartbeat_seconds: float = 10.0,
         heartbeat_limit_seconds: float = 1800.0,
+        heartbeat_progress: bool = False,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         env = os.environ if environ is None else environ
@@ -231,6 +268,7 @@ class Reporter:
         self.peak_flops = peak_flops
         self.heartbeat_seconds = heartbeat_seconds
         self.heartbeat_limit_seconds = heartbeat_limit_seconds
+        self.heartbeat_progress = heartbeat_progress
         self.timer = StepTimer(device)
         self._peak_memory: tuple[float, int] | None = None  # (read at, bytes)
         self.current_phase = "init"
@@ -410,9 +448,12 @@ class Reporter:
 
     def _beat(self, name: str, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.heartbeat_limit_seconds
+        progress = ProcessProgress() if self.heartbeat_progress else None
         while not stop.wait(self.heartbeat_seconds) and time.monotonic() < deadline:
             if self.current_phase != name:
                 return
+            if progress is not None and not progress.moved():
+                continue  # no CPU, no I/O: silence, which the supervisor judges
             self._send(None, self.last_loss, None, phase=name)
 
     def heartbeat(self, phase: str | None = None) -> None:

@@ -49,6 +49,8 @@ KINDS: dict[str, Kind] = {
              help="every gradient all-reduce takes SECONDS longer"),
         Kind("ckpt-delay", (TRAINER,), ("seconds",), ("seconds",),
              help="every background checkpoint write takes SECONDS longer"),
+        Kind("load-delay", (TRAINER,), ("seconds",), ("seconds",),
+             help="loading a checkpoint of step N or later takes SECONDS longer (slow storage)"),
         Kind("corrupt-checkpoint", (CHECKPOINT,),
              help="flip one byte of the newest validated checkpoint (a resume must refuse it)"),
     )

@@ -30,6 +30,9 @@ class History:
     # the straggler suspects of the observation taken at `suspects_at` (Finding objects)
     suspects: tuple[Any, ...] = ()
     suspects_at: float | None = None
+    # each rank's phase outside the loop since when, the job's past phase durations (the
+    # learned hang budgets) and when it was last seen suspended (phase_budgets.py)
+    phases: Any = None
 
 
 def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None) -> History:
@@ -46,6 +49,8 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
     from .detectors import DetectorConfig, straggler
     from .detectors.checkpoint import _max_step, _newest_checkpoint
     from .detectors.common import incarnation
+    from .phase_budgets import PhaseTrace
+    from .phase_budgets import advance as advance_phases
 
     starts = dict(history.incarnation_start)
     for r in obs.ranks():
@@ -80,4 +85,7 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
         straggler_since=stragglers,
         suspects=now_suspect,
         suspects_at=obs.time,
+        phases=advance_phases(
+            history.phases or PhaseTrace(), obs, (cfg or DetectorConfig()).hang.phases
+        ),
     )

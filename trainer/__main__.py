@@ -2,6 +2,10 @@
 
 import sys
 
-from .train import main
+from .announce import announce
+
+announce()  # before importing torch: the agent knows this worker from its first moment
+
+from .train import main  # noqa: E402
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 
 A spec is one of the grammar's trainer faults (`rankguard.contract.faults`, described in
 docs/faults.md): `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`, KIND one
-of kill, exception, hang, spin, slow, nan, comm-delay, ckpt-delay (`crash` is the old
+of kill, exception, hang, spin, slow, nan, comm-delay, ckpt-delay, load-delay (`crash` is the old
 name of `kill`: accepted with a deprecation line). `stop` and `corrupt-checkpoint` are
 done from outside (`rankguard inject`), never by the trainer.
 
@@ -151,8 +151,15 @@ class FaultInjector:
         return spec.seconds if spec else 0.0
 
     def ckpt_delay(self, step: int) -> float:
-        spec = self._active("ckpt-delay", step, from_step=True)
-        return spec.seconds if spec else 0.0
+        """The longest active one: a stuck save injected at run time over a slow one."""
+        return max((s.seconds for s in self.specs if s.kind == "ckpt-delay" and step >= s.step),
+                   default=0.0)  # fmt: skip
+
+    def load_delay(self, step: int | None) -> None:
+        """At resume, after the checkpoint of `step` (None: nothing) was loaded."""
+        spec = None if step is None else self._active("load-delay", step, from_step=True)
+        if spec:
+            time.sleep(spec.seconds)
 
 
 def _spin_forever() -> None:

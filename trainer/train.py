@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ..client import Reporter, StepTiming
+from . import announce
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
 from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
@@ -99,12 +100,16 @@ class Trainer:
         self.ckpt: AsyncCheckpointer | None = None
         # The public client builds and sends the records (announcing "init" now); the
         # trainer drives its step timer itself (micro-batches, checkpoint blocking, faults).
+        announce.stop()  # the start-up announcement's beats end here
         self.telemetry = Reporter(
             job=cfg.job,
             socket_path=cfg.telemetry_socket,
             device=info.device,
             restart=self.incarnation,
-            heartbeat_seconds=0,  # the trainer announces its own phases
+            # the trainer announces its own phases; inside a long one (a checkpoint load, a
+            # save it waits for) it beats each second while the process moves
+            heartbeat_seconds=1.0,
+            heartbeat_progress=True,
             environ={"RANK": str(info.rank), "LOCAL_RANK": str(info.local_rank),
                      "WORLD_SIZE": str(info.world_size)},
         )  # fmt: skip
@@ -213,15 +218,17 @@ class Trainer:
                 self.snap.forget_after(0)
             return
         self.send_heartbeat("checkpoint_load")
-        if self.snap:  # every tier: tier 0 (in memory), then the disk
-            state, self.resume_source = self.snap.resume(self.model, self.optim, self.ckpt)
-            self.snap.forget_after(state["step"] if state else 0)
-            # where every rank's state came from (a lost node's replica is on some rank only)
-            self.resume_sources = [None] * self.info.world_size
-            dist.all_gather_object(self.resume_sources, self.resume_source)
-        else:
-            state = self.ckpt.resume(self.model, self.optim)
-            self.resume_source = "disk" if state else None
+        with self.telemetry.phase("checkpoint_load"):  # progress beats while loading
+            if self.snap:  # every tier: tier 0 (in memory), then the disk
+                state, self.resume_source = self.snap.resume(self.model, self.optim, self.ckpt)
+                self.snap.forget_after(state["step"] if state else 0)
+                # where every rank's state came from (a lost node's replica is on some rank only)
+                self.resume_sources = [None] * self.info.world_size
+                dist.all_gather_object(self.resume_sources, self.resume_source)
+            else:
+                state = self.ckpt.resume(self.model, self.optim)
+                self.resume_source = "disk" if state else None
+            self.faults.load_delay(state["step"] if state else None)
         if state is None:
             return
         if state["global_batch"] != self.cfg.batch.global_batch:
@@ -309,7 +316,8 @@ class Trainer:
                 self._checkpoint_block(self.snap.save(step, self.model, self.optim, state))
             if ckpt_due:
                 self.send_heartbeat("checkpoint_save")
-                self._checkpoint_block(self.ckpt.save(step, self.model, self.optim, state))
+                with self.telemetry.phase("checkpoint_save"):  # beats while a save moves
+                    self._checkpoint_block(self.ckpt.save(step, self.model, self.optim, state))
                 self.checkpoint_saves += 1
                 self.phase = "train"
         timer.end()
@@ -348,7 +356,8 @@ class Trainer:
         self._report(self.timer.ready(flush=True))
         if self.ckpt:
             self.send_heartbeat("checkpoint_save")
-            self.ckpt.close()
+            with self.telemetry.phase("checkpoint_save"):
+                self.ckpt.close()
         if self.snap:
             self.snap.close()
         self.train_seconds = time.perf_counter() - start
@@ -427,6 +436,7 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    announce.announce(argv)  # a warm-started worker (the cold path announced before imports)
     trace = StartupTrace()
     trace.mark("imported")
     logging.basicConfig(

@@ -72,8 +72,8 @@ def check_settings(cfg: object) -> None:
 
     for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
         value = getattr(cfg, f.name)
-        if isinstance(value, bool):
-            continue
+        if isinstance(value, bool) or dataclasses.is_dataclass(value):
+            continue  # a nested table checks itself
         if not isinstance(value, int | float):
             raise ValueError(f"{f.name} must be a number, not {value!r}")
         if value != value or value < 0:  # NaN or negative

@@ -20,10 +20,20 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..model import RANK_HUNG, Finding, History
+from ..phase_budgets import (
+    PHASES,
+    START_ORDER,
+    Budget,
+    PhaseBudgetConfig,
+    PhaseTrace,
+    budget,
+    rank_phase,
+    suspended,
+)
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
 from .common import (
     at_least,
@@ -50,12 +60,11 @@ class HangConfig:
     quantile: float = 0.99
     quantile_factor: float = 10.0
     min_samples: int = 5
-    warmup_seconds: float = 60.0  # before enough samples: first-step compilation, data
-    startup_seconds: float = 120.0  # phases init and checkpoint_load
-    checkpoint_floor_seconds: float = 30.0
-    eval_seconds: float = 300.0
+    warmup_seconds: float = 60.0  # after the first step, before min_samples steps
     spin_cpu_cores: float = 0.5  # a culprit stuck busy in Python uses at least this
     idle_cpu_cores: float = 0.2  # ... while the others, asleep in the collective, stay below
+    # the phases outside the loop: first-start budgets, learning, confirmation window
+    phases: PhaseBudgetConfig = field(default_factory=PhaseBudgetConfig)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -87,9 +96,10 @@ COLLECTIVE_MARKERS = (
 
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
+    trace = getattr(history, "phases", None) or PhaseTrace()
     out = []
     for job in obs.jobs():
-        finding = _job_hang(obs, job, cfg)
+        finding = _job_hang(obs, job, cfg, trace)
         if finding is not None:
             out.append(finding)
     return out
@@ -104,67 +114,99 @@ def train_budget(step_seconds: list[float], cfg: DetectorConfig) -> tuple[float,
     return max(cfg.hang.floor_seconds, cfg.hang.quantile_factor * q), q
 
 
-def phase_budget(phase: str | None, train: float, cfg: DetectorConfig) -> float:
+def phase_budget(
+    phase: str | None,
+    train: float,
+    cfg: DetectorConfig,
+    trace: PhaseTrace | None = None,
+    job: str = "",
+) -> Budget:
+    """The budget of a rank in `phase` (as `rank_phase` names it): learned from this job's
+    past phases (phase_budgets.py), the step-time budget in `train`."""
     if phase == "done":
-        return math.inf  # the job is ending; an exit will tell the rest
-    if phase in ("init", "checkpoint_load"):
-        return cfg.hang.startup_seconds
-    if phase == "checkpoint_save":
-        return max(cfg.hang.checkpoint_floor_seconds, train)
-    if phase == "eval":
-        return cfg.hang.eval_seconds
-    return train
+        return Budget("done", math.inf, "default")  # the job is ending; an exit tells the rest
+    if phase not in PHASES:
+        return Budget("train", train, "steps")
+    b = budget(trace or PhaseTrace(), job, phase, cfg.hang.phases)
+    if phase == "checkpoint_save" and train > b.seconds:
+        return Budget(phase, train, b.source, b.samples, b.quantile_seconds)  # a slow job's save
+    return b
 
 
-def _overdue(r: RankObs, budget: float) -> bool:
-    return r.heartbeat_age_seconds is not None and r.heartbeat_age_seconds > budget
+def _overdue(r: RankObs, budget: float, since_suspend: float) -> bool:
+    # time the whole job spent suspended is not silence (a SIGCONT'ed rank reports soon)
+    return (
+        r.heartbeat_age_seconds is not None and min(r.heartbeat_age_seconds, since_suspend) > budget
+    )
 
 
-def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
+def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace) -> Finding | None:
     restart, ranks = incarnation(obs, job)
     if any(r.state in DEAD_STATES for r in ranks):
         return None  # a death explains the stop: the dead detector reports it
     if any(r.source == "process" for r in ranks):
         return None  # no steps to judge by: detectors/process_hang.py watches these
     live = [r for r in ranks if r.state in LIVE_STATES]
-    if not live:
-        return None
+    if not live or suspended(live):
+        return None  # a deliberate stop of the whole job (scheduler suspend) is not a hang
+    at = trace.suspended_at.get(job)
+    since_suspend = math.inf if at is None else max(0.0, obs.time - at)
     step_seconds = [s.step_seconds for r in ranks for s in samples_of(r, restart)]
     train, q = train_budget(step_seconds, cfg)
-    budgets = {r.rank: phase_budget(r.phase, train, cfg) for r in live}
-    # A stopped rank is overdue by nature; the hang shows in the ranks that wait for it.
-    judged = [r for r in live if r.state != "stopped"] or live
-    if not all(_overdue(r, budgets[r.rank]) for r in judged):
-        return None
-    pressure = {n.node: n.telemetry_pressure_age for n in obs.nodes}
-    if all(records_lost_while_busy(obs.time, r, pressure.get(r.node)) for r in judged):
-        return None  # missing evidence, not evidence of a hang
-
-    culprit, reason = pick_culprit(live, cfg)
+    phase_of = {r.rank: rank_phase(r, restart) for r in live}
+    budgets = {r.rank: phase_budget(phase_of[r.rank], train, cfg, trace, job) for r in live}
+    evidence = _evidence(obs, live, phase_of, cfg.hang.phases, since_suspend)
+    if evidence is not None:
+        culprit, reason, decided_by = evidence
+        hung_phase = phase_of[culprit.rank]
+    else:
+        # A stopped rank is overdue by nature; the hang shows in the ranks that wait for it.
+        judged = [r for r in live if r.state != "stopped"] or live
+        if not all(_overdue(r, budgets[r.rank].seconds, since_suspend) for r in judged):
+            return None
+        pressure = {n.node: n.telemetry_pressure_age for n in obs.nodes}
+        if all(records_lost_while_busy(obs.time, r, pressure.get(r.node)) for r in judged):
+            return None  # missing evidence, not evidence of a hang
+        culprit, reason = pick_culprit(live, cfg)
+        decided_by = "budget"
+        phases = [phase_of[r.rank] for r in judged]
+        hung_phase = max(set(phases), key=lambda p: (phases.count(p), str(p)))
     behind: dict = {}
     if culprit is None:
         reason, behind = _behind_unreachable(obs, ranks) or (reason, {})
     steps = [r.step for r in live if r.step is not None]
     min_step = min(steps) if steps else None
     ages = [r.heartbeat_age_seconds for r in live if r.heartbeat_age_seconds is not None]
-    quiet = min(ages) if ages else 0.0
+    quiet = min(min(ages) if ages else 0.0, since_suspend)
     phases = [r.phase for r in live]
     phase = max(set(phases), key=lambda p: (phases.count(p), str(p)))
     blame = f"culprit rank {culprit.rank} ({reason})" if culprit else f"no culprit yet: {reason}"
+    deciding = budgets[culprit.rank] if culprit else _phase_budget_of(budgets, phase_of, hung_phase)
+    if decided_by == "budget":
+        why = f"every rank silent past its budget, {deciding.describe(cfg.hang.phases)}"
+    else:
+        why = f"{decided_by} for over {cfg.hang.phases.confirm_seconds:g}s (no budget needed)"
+    occurred = obs.time - quiet
+    if decided_by == "stopped" and culprit is not None and culprit.state_since is not None:
+        occurred = culprit.state_since
     return Finding(
         kind=RANK_HUNG,
         key=f"rank_hung:{job}:{restart}:{min_step}",
         severity="critical",
-        summary=f"job {job} hung at step {min_step} (phase {phase}): no progress for "
-        f"{quiet:.1f}s; {blame}",
+        summary=f"job {job} hung at step {min_step} in phase {hung_phase}: {why}; "
+        f"no progress for {quiet:.1f}s; {blame}",
         job=job,
         node=culprit.node if culprit else None,
         rank=culprit.rank if culprit else None,
-        occurred_at=obs.time - quiet,
+        occurred_at=occurred,
         evidence={
             "restart": restart,
             "phase": phase,
-            "budgets": {str(p): phase_budget(p, train, cfg) for p in sorted(set(map(str, phases)))},
+            "hung_phase": hung_phase,
+            "decided_by": decided_by,
+            "budget": deciding.to_json(),
+            "budget_reason": deciding.describe(cfg.hang.phases),
+            "budgets": {str(phase_of[r.rank]): budgets[r.rank].seconds for r in live},
             "train_budget_seconds": train,
             "step_seconds_quantile": cfg.hang.quantile,
             "p99_step_seconds": q,
@@ -180,6 +222,65 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
             **behind,
         },
     )
+
+
+def _phase_budget_of(budgets: dict, phase_of: dict, phase: str | None) -> Budget:
+    return next(
+        (budgets[k] for k, p in phase_of.items() if p == phase), next(iter(budgets.values()))
+    )
+
+
+def _evidence(
+    obs: ClusterObs,
+    live: list[RankObs],
+    phase_of: dict[int, str | None],
+    pcfg: PhaseBudgetConfig,
+    since_suspend: float,
+) -> tuple[RankObs, str, str] | None:
+    """(culprit, reason, kind) when a rank is hung whatever its phase's budget:
+    - stopped (T state) for the confirmation window while a peer is not (not a suspend);
+    - idle behind its peers: every peer has reached a start-up phase it has not entered,
+      and it has used no CPU and sent no record (a progress beat) for the window.
+    Both wait out the window after the job was last seen suspended: a SIGCONT reaches
+    the ranks one by one."""
+    confirm = pcfg.confirm_seconds
+    if since_suspend < confirm:
+        return None
+    stopped = [
+        (obs.time - r.state_since, r)
+        for r in live
+        if r.state == "stopped"
+        and r.state_since is not None
+        and obs.time - r.state_since >= confirm
+    ]
+    if stopped:
+        for_s, r = max(stopped, key=lambda x: (x[0], -x[1].rank))
+        return (
+            r,
+            f"stopped (SIGSTOP, T state) for {for_s:.1f}s: the process cannot progress",
+            "stopped",
+        )
+    world = max(r.world_size for r in live)
+    if len(live) < 2 or len(live) < world:
+        return None  # a peer out of view may be behind too
+    for r in live:
+        mine = START_ORDER.get(str(phase_of[r.rank]))
+        peers = [START_ORDER.get(str(phase_of[p.rank])) for p in live if p is not r]
+        if mine is None or any(p is None or p <= mine for p in peers):
+            continue
+        idle = None if r.cpu_active_at is None else obs.time - r.cpu_active_at
+        silent = r.heartbeat_age_seconds
+        if idle is None or silent is None or min(idle, silent) < confirm:
+            continue
+        return (
+            r,
+            (
+                f"still in {phase_of[r.rank]} while every peer has moved past it, with no CPU "
+                f"use for {idle:.1f}s and no record for {silent:.1f}s"
+            ),
+            "idle behind its peers",
+        )
+    return None
 
 
 def records_lost_while_busy(now: float, r: RankObs, pressure_age: float | None) -> bool:
@@ -265,6 +366,15 @@ def main_thread_functions(dump: str) -> list[str]:
     frames when the dump names no threads). Other threads (checkpoint writers, data
     loaders, threading's own waits) must not make an idle main thread look busy in a
     collective, so only the main thread counts."""
+    blocks = thread_functions(dump)
+    if "MainThread" in blocks:
+        return blocks["MainThread"]
+    return [f for frames in blocks.values() for f in frames]
+
+
+def thread_functions(dump: str) -> dict[str, list[str]]:
+    """{thread name: function names of its frames} of a `py-spy dump` ("" when the dump
+    names no threads)."""
     blocks: dict[str, list[str]] = {}
     current: str | None = "" if "Thread " not in dump else None
     for line in dump.splitlines():
@@ -276,9 +386,7 @@ def main_thread_functions(dump: str) -> list[str]:
         # frames are indented "function (file:line)" lines under a thread header
         if current is not None and line.startswith((" ", "\t")) and " (" in line:
             blocks.setdefault(current, []).append(line.strip().split(" (", 1)[0])
-    if "MainThread" in blocks:
-        return blocks["MainThread"]
-    return [f for frames in blocks.values() for f in frames]
+    return blocks
 
 
 def _waits_in_collective(functions: list[str]) -> bool:
@@ -295,5 +403,26 @@ def pick_culprit_from_stacks(stacks: dict[int, str]) -> int | None:
         if not functions:
             return None  # no frames: the dump failed, nothing can be said about this rank
         if not _waits_in_collective(functions):
+            outside.append(rank)
+    if len(outside) == 1:
+        return outside[0]
+    return _save_thread_culprit(stacks) if not outside else None
+
+
+# The trainer's background save threads (trainer/checkpoint.py's executor).
+SAVE_THREAD_PREFIX = "rankguard-ckpt"
+
+
+def _save_thread_culprit(stacks: dict[int, str]) -> int | None:
+    """Every main thread waits (a save the trainer waits for, say): the rank whose save
+    thread is not in the checkpoint group's collective while every other rank's is, is the
+    one the save waits for (a write stuck on slow storage)."""
+    outside = []
+    for rank, dump in stacks.items():
+        saves = [f for name, fs in thread_functions(dump or "").items()
+                 if name.startswith(SAVE_THREAD_PREFIX) for f in fs]  # fmt: skip
+        if not saves:
+            return None
+        if not _waits_in_collective(saves):
             outside.append(rank)
     return outside[0] if len(outside) == 1 else None

@@ -149,12 +149,14 @@ def test_train_budget_learns_from_the_job_with_floor_and_warmup():
     assert budget == 1.0 and q == pytest.approx(0.05)  # floor
     budget, _ = hang.train_budget([2.0] * 50, CFG)
     assert budget == pytest.approx(20.0)
-    assert hang.phase_budget("init", 3.0, CFG) == 120.0
-    assert hang.phase_budget("checkpoint_load", 3.0, CFG) == 120.0
-    assert hang.phase_budget("checkpoint_save", 3.0, CFG) == 30.0
-    assert hang.phase_budget("checkpoint_save", 45.0, CFG) == 45.0
-    assert hang.phase_budget("eval", 3.0, CFG) == 300.0
-    assert hang.phase_budget("done", 3.0, CFG) == math.inf
+    # the first start's defaults (nothing learned): tests/supervisor/test_phase_budgets.py
+    assert hang.phase_budget("init", 3.0, CFG).seconds == 120.0
+    assert hang.phase_budget("checkpoint_load", 3.0, CFG).seconds == 120.0
+    assert hang.phase_budget("first_step", 3.0, CFG).seconds == 60.0
+    assert hang.phase_budget("checkpoint_save", 3.0, CFG).seconds == 30.0
+    assert hang.phase_budget("checkpoint_save", 45.0, CFG).seconds == 45.0
+    assert hang.phase_budget("eval", 3.0, CFG).seconds == 300.0
+    assert hang.phase_budget("done", 3.0, CFG).seconds == math.inf
 
 
 def test_healthy_and_slow_phases_are_not_hangs():
@@ -194,7 +196,9 @@ def test_healthy_and_slow_phases_are_not_hangs():
 
 def test_first_step_past_the_warmup_budget_is_a_hang():
     [f] = hang.detect(cluster(*[rank(r, step=0, age=61.0) for r in range(2)]), History(), CFG)
-    assert f.evidence["budgets"] == {"train": 60.0}
+    assert (
+        f.evidence["budgets"] == {"first_step": 60.0} and f.evidence["hung_phase"] == "first_step"
+    )
     assert f.evidence["sample_count"] == 0 and f.evidence["p99_step_seconds"] is None
 
 
