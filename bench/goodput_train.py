@@ -12,7 +12,8 @@ import). With --snapshot-holder it keeps tier-0 in-memory snapshots as well
 
 In-process faults come through files, the same for every stack: the injector
 (bench/goodput.py) writes FAULTS/<id>.json; the rank it names claims it by creating
-FAULTS/<id>.taken (O_EXCL, so a restarted rank never applies it twice) and applies it:
+FAULTS/<id>.claim (O_EXCL, so a restarted rank never applies it twice), applies it and
+writes FAULTS/<id>.taken with the time it took effect:
 hang (spins in Python), slow (each step takes FACTOR x as long, for SECONDS), nan (this
 step's loss is NaN), stall (the next checkpoint write blocks SECONDS). Signals and
 checkpoint corruption are done to the job from outside.
@@ -47,7 +48,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--ckpt-every", type=int, default=20)
@@ -69,6 +70,7 @@ class Faults:
         self.slow_factor = 1.0
         self.stall = 0.0
         self.nan = False
+        self.stall_marker = ""
 
     def poll(self) -> None:
         try:
@@ -84,26 +86,34 @@ class Faults:
                 continue
             if fault.get("rank") != self.rank:
                 continue
-            try:
-                fd = os.open(path[:-5] + ".taken", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            try:  # claimed once, by one process: a restarted rank never applies it again
+                os.close(os.open(path[:-5] + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 continue
-            os.write(fd, json.dumps({"t": time.time(), "pid": os.getpid()}).encode())
-            os.close(fd)
-            self.apply(fault)
+            self.apply(fault, path[:-5] + ".taken")
 
-    def apply(self, fault: dict) -> None:
+    @staticmethod
+    def took_effect(marker: str) -> None:
+        """Tell the injector when the fault began (a stall: when the write blocks)."""
+        with open(marker + ".tmp", "w") as f:
+            json.dump({"t": time.time(), "pid": os.getpid()}, f)
+        os.replace(marker + ".tmp", marker)
+
+    def apply(self, fault: dict, marker: str) -> None:
         kind = fault["kind"]
         if kind == "hang":
+            self.took_effect(marker)
             while True:  # a hang with a live, busy interpreter: no exception, no exit
                 pass
         if kind == "slow":
+            self.took_effect(marker)
             self.slow_until = time.time() + float(fault["seconds"])
             self.slow_factor = float(fault.get("factor", 1.5))
         elif kind == "nan":
+            self.took_effect(marker)
             self.nan = True
         elif kind == "stall":
-            self.stall = float(fault["seconds"])
+            self.stall, self.stall_marker = float(fault["seconds"]), marker
 
 
 class Snapshots:
@@ -210,6 +220,7 @@ def main() -> None:
             snaps.save(step, {"model": model.module.state_dict(), "opt": opt.state_dict()})
         if due and rank == 0:
             if faults.stall:
+                faults.took_effect(faults.stall_marker)
                 with rg.phase("checkpoint_save"):  # the write blocks, as on a stuck filesystem
                     time.sleep(faults.stall)
                 faults.stall = 0.0
