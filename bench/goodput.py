@@ -306,13 +306,17 @@ def drive(run: Run, proc: subprocess.Popen, d: Path, params: dict, schedule: lis
                 pending = None
         elif last is not None and last.stuck_s is None and not settled(last, steps, now, params):
             quiet = now - max([last.t] + [e["t"] for e in steps[-1:]])
-            if quiet > params["give_up_seconds"]:
-                # not recovered: the benchmark gives up, and kills the workers the way an
-                # operator would, so the rest of the schedule still runs
+            acted = any(p in run.gone for p in last.pids.values())
+            if not acted and quiet > params["give_up_seconds"]:
+                # the stack never acted: not recovered. The benchmark gives up and kills
+                # the workers as an operator would, so the rest of the schedule still runs
                 last.stuck_s = now - last.t
                 for pid in current.values():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
+            elif acted and quiet > max(30.0, 2 * params["give_up_seconds"]):
+                run.note = f"stopped by the benchmark: no step for {quiet:.0f} s after a restart"
+                break
         elif (
             todo
             and first_step is not None
@@ -322,7 +326,7 @@ def drive(run: Run, proc: subprocess.Popen, d: Path, params: dict, schedule: lis
             and len(current) == 2
         ):
             pending = inject(todo.pop(0), current, d, run, params)
-        time.sleep(0.1)
+        time.sleep(0.2)  # /proc walks cost CPU the job shares
     run.ended = time.time()
     run.code = proc.poll()
     run.not_injected = todo + ([pending[0]] if pending else [])
@@ -434,7 +438,9 @@ def per_fault(run: Run, t_step: float, poisoned_at: int | None) -> list[dict]:
         old = set(inj.pids.values())
         nxt = run.injected[n + 1].t if n + 1 < len(run.injected) else run.ended
         gone = [run.gone.get(p) for p in old]
-        detect = max(gone) - inj.t if gone and all(g and g < nxt for g in gone) else None
+        ended = any(e["event"] == "done" and e["pid"] in old for e in run.events)
+        acted = gone and all(g and g < nxt for g in gone) and not ended  # not just finished
+        detect = max(gone) - inj.t if acted else None
         new = next(
             (i for i in incs if i["start"] > inj.t and i["start"] < nxt and i["steps"]), None
         )
