@@ -3,6 +3,7 @@ schedule reaches the timeline and the accounting adds up (no timing is asserted)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +13,49 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "goodput.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("goodput_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _process(events: list, pid: int, resumed: int, upto: int, t: float, nan_from=None) -> float:
+    events += [{"t": t, "pid": pid, "event": "start"},
+               {"t": t, "pid": pid, "event": "resume", "step": resumed, "source": "disk"}]  # fmt: skip
+    for s in range(resumed + 1, upto + 1):
+        t += 1
+        loss = "nan" if nan_from is not None and s >= nan_from else 1.0
+        events.append({"t": t, "pid": pid, "event": "step", "step": s, "loss": loss})
+    return t
+
+
+def test_history_keeps_each_step_once_and_counts_rollbacks_as_lost():
+    g, ev = _bench(), []
+    t = _process(ev, 1, 0, 30, 0.0)  # trains 1..30, killed
+    t = _process(ev, 2, 20, 45, t)  # resumed from 20: 21..30 redone, killed at 45
+    _process(ev, 3, 40, 60, t)  # resumed from 40
+    h = g.history(ev)
+    assert (h["executed"], h["kept"], h["lost"], h["final_step"]) == (75, 60, 15, 60)
+    assert h["useful_steps"] == 60 and h["poisoned_at"] is None
+
+
+def test_steps_on_a_nan_model_are_not_useful():
+    g, ev = _bench(), []
+    _process(ev, 1, 0, 50, 0.0, nan_from=31)
+    h = g.history(ev)
+    assert h["kept"] == 50 and h["poisoned_at"] == 31 and h["useful_steps"] == 29
+
+
+def test_the_schedule_is_seeded_with_nan_last():
+    g = _bench()
+    _, a = g.load_schedule(ROOT / "bench" / "goodput_schedule.toml", quick=False)
+    _, b = g.load_schedule(ROOT / "bench" / "goodput_schedule.toml", quick=False)
+    assert a == b and a[-1].kind == "nan" and len({f.kind for f in a}) == 7
+    assert all(x.at < y.at for x, y in zip(a, a[1:], strict=False))
 
 
 @pytest.fixture(scope="module")
