@@ -172,6 +172,7 @@ class Run:
     finished: bool = False
     events: list[dict] = field(default_factory=list)  # rank 0's progress lines
     gone: dict[int, float] = field(default_factory=dict)  # worker pid -> when it was gone
+    workers: set[int] = field(default_factory=set)  # every worker pid seen
     injected: list[Injected] = field(default_factory=list)
     not_injected: list[Fault] = field(default_factory=list)
     note: str = ""
@@ -267,6 +268,10 @@ def run_stack(stack: str, d: Path, params: dict, schedule: list[Fault], steps: i
                     proc.wait()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # anything of the job's left behind
+            for pid in run.workers:  # torchrun starts each worker in its own session
+                if _rank_of(pid) is not None:  # still one of ours (not a reused pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
     run.events += Progress(d / "progress.jsonl").read()[len(run.events) :]
     return run
 
@@ -290,6 +295,7 @@ def drive(run: Run, proc: subprocess.Popen, d: Path, params: dict, schedule: lis
                 run.gone[pid] = now
                 del seen[pid]
         seen.update({pid: rank for rank, pid in current.items()})
+        run.workers.update(current.values())
         if now > limit:
             run.note = f"stopped by the benchmark after {params['run_limit_seconds']} s"
             break
