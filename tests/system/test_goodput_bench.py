@@ -88,8 +88,9 @@ def test_the_accounting_adds_up(quick):
         assert r["useful_steps"] <= r["kept"] <= r["executed"]
         if r["finished"]:
             assert r["kept"] == r["final_step"] == 1000  # the whole history, each step once
-        # every step rolled back is one some fault's restart threw away
-        assert sum(f["lost"] or 0 for f in r["faults"]) == r["lost"], r["stack"]
+        # the steps each fault's restart threw away are among the steps lost (a restart no
+        # fault caused, e.g. a false alarm, would add lost steps no fault owns)
+        assert 0 <= sum(f["lost"] or 0 for f in r["faults"]) <= r["lost"], r["stack"]
         # a fault's window cost cannot exceed the window
         for f in r["faults"]:
             assert f["cost"] <= r["wall"]
