@@ -544,8 +544,11 @@ def report(results: list[dict], schedule: list[Fault], params: dict, command: st
                          f"{f1(f['lost'])}, cost {f1(f['cost'])} s; {f['outcome']}")  # fmt: skip
         for kind in r["not_injected"]:
             lines.append(f"  - {kind}: not injected (the run ended first)")
+        owned = sum(f["lost"] or 0 for f in r["faults"])
         lines.append(f"  - {r['wall']:7.1f} exit ({'finished' if r['finished'] else 'not finished'}"
-                     f", final step {r['final_step']})")  # fmt: skip
+                     f", final step {r['final_step']}; steps run {r['executed']}, kept "
+                     f"{r['kept']}, lost {r['lost']}, of which no fault's restart: "
+                     f"{r['lost'] - owned})")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
