@@ -1,0 +1,117 @@
+"""bench/goodput.py --quick end to end for plain torchrun and rankguard: every fault of the
+schedule reaches the timeline and the accounting adds up (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "goodput.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("goodput_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _process(events: list, pid: int, resumed: int, upto: int, t: float, nan_from=None) -> float:
+    events += [{"t": t, "pid": pid, "event": "start"},
+               {"t": t, "pid": pid, "event": "resume", "step": resumed, "source": "disk"}]  # fmt: skip
+    for s in range(resumed + 1, upto + 1):
+        t += 1
+        loss = "nan" if nan_from is not None and s >= nan_from else 1.0
+        events.append({"t": t, "pid": pid, "event": "step", "step": s, "loss": loss})
+    return t
+
+
+def test_history_keeps_each_step_once_and_counts_rollbacks_as_lost():
+    g, ev = _bench(), []
+    t = _process(ev, 1, 0, 30, 0.0)  # trains 1..30, killed
+    t = _process(ev, 2, 20, 45, t)  # resumed from 20: 21..30 redone, killed at 45
+    _process(ev, 3, 40, 60, t)  # resumed from 40
+    h = g.history(ev)
+    assert (h["executed"], h["kept"], h["lost"], h["final_step"]) == (75, 60, 15, 60)
+    assert h["useful_steps"] == 60 and h["poisoned_at"] is None
+
+
+def test_steps_on_a_nan_model_are_not_useful():
+    g, ev = _bench(), []
+    _process(ev, 1, 0, 50, 0.0, nan_from=31)
+    h = g.history(ev)
+    assert h["kept"] == 50 and h["poisoned_at"] == 31 and h["useful_steps"] == 29
+
+
+def test_the_schedule_is_seeded_with_nan_last():
+    g = _bench()
+    _, a = g.load_schedule(ROOT / "bench" / "goodput_schedule.toml", quick=False)
+    _, b = g.load_schedule(ROOT / "bench" / "goodput_schedule.toml", quick=False)
+    assert a == b and a[-1].kind == "nan" and len({f.kind for f in a}) == 7
+    assert all(x.at < y.at for x, y in zip(a, a[1:], strict=False))
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("goodput")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--stacks", "plain,rankguard",
+         "--json", str(out / "g.json"), "--out", str(out / "g.md")],
+        capture_output=True, text=True, timeout=900, cwd=out,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**json.loads((out / "g.json").read_text()), "md": (out / "g.md").read_text()}
+
+
+def test_every_scheduled_fault_is_in_each_stacks_timeline(quick):
+    ids = sorted(f["id"] for f in quick["schedule"])
+    assert len(ids) == 7
+    for r in quick["results"]:
+        assert r["not_injected"] == [], r["stack"]
+        assert sorted(f["id"] for f in r["faults"]) == ids, r["stack"]
+        for f in r["faults"]:
+            assert f["kind"] in quick["md"] and f["outcome"]
+
+
+def test_the_accounting_adds_up(quick):
+    params, _ = _bench().load_schedule(ROOT / "bench" / "goodput_schedule.toml", quick=True)
+    for r in quick["results"]:
+        assert 0 < r["useful"] <= r["wall"], r["stack"]
+        assert 0 < r["goodput"] <= 1
+        assert r["executed"] == r["kept"] + r["lost"]
+        assert r["useful_steps"] <= r["kept"] <= r["executed"]
+        if r["finished"]:
+            # the whole history, each step once
+            assert r["kept"] == r["final_step"] == params["steps"]
+        # the steps each fault's restart threw away are among the steps lost (a restart no
+        # fault caused, e.g. a false alarm, would add lost steps no fault owns)
+        assert 0 <= sum(f["lost"] or 0 for f in r["faults"]) <= r["lost"], r["stack"]
+        # a fault's window cost cannot exceed the window
+        for f in r["faults"]:
+            assert f["cost"] <= r["wall"]
+
+
+def test_rankguard_recovers_what_plain_torchrun_cannot(quick):
+    by = {r["stack"]: {f["kind"]: f for f in r["faults"]} for r in quick["results"]}
+    for kind in ("spin", "stop"):  # plain torchrun never notices a hang: the bench gives up
+        assert by["plain"][kind]["outcome"].startswith("not recovered"), by["plain"][kind]
+        assert by["rankguard"][kind]["outcome"].startswith("recovered"), by["rankguard"][kind]
+    assert by["plain"]["nan"]["outcome"].startswith("not recovered")
+    assert by["rankguard"]["nan"]["outcome"].startswith("recovered")
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "s.toml"
+    bad.write_text("seed = 1\n")
+    for args in (["--stacks", "nope"], ["--schedule", str(bad)]):
+        proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert proc.returncode == 2
+        assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("goodput: ")
