@@ -116,6 +116,12 @@ def phase_budget(phase: str | None, train: float, cfg: DetectorConfig) -> float:
     return train
 
 
+def _least_budget(cfg: DetectorConfig) -> float:
+    """No phase's budget is below this (phase_budget, train_budget)."""
+    h = cfg.hang
+    return min(h.floor_seconds, h.warmup_seconds, h.startup_seconds, h.eval_seconds)
+
+
 def _overdue(r: RankObs, budget: float) -> bool:
     return r.heartbeat_age_seconds is not None and r.heartbeat_age_seconds > budget
 
@@ -129,11 +135,13 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig) -> Finding | None:
     live = [r for r in ranks if r.state in LIVE_STATES]
     if not live:
         return None
+    # A stopped rank is overdue by nature; the hang shows in the ranks that wait for it.
+    judged = [r for r in live if r.state != "stopped"] or live
+    if not all(_overdue(r, _least_budget(cfg)) for r in judged):
+        return None  # someone is within any budget: skip the step-time quantile (scale)
     step_seconds = [s.step_seconds for r in ranks for s in samples_of(r, restart)]
     train, q = train_budget(step_seconds, cfg)
     budgets = {r.rank: phase_budget(r.phase, train, cfg) for r in live}
-    # A stopped rank is overdue by nature; the hang shows in the ranks that wait for it.
-    judged = [r for r in live if r.state != "stopped"] or live
     if not all(_overdue(r, budgets[r.rank]) for r in judged):
         return None
     pressure = {n.node: n.telemetry_pressure_age for n in obs.nodes}

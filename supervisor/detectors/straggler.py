@@ -169,13 +169,14 @@ def _judge(
     if peers_compute <= 0:
         return None
     ratio = suspect.compute / peers_compute
-    slower = ratio >= 1 + cfg.straggler.threshold
+    if ratio < 1 + cfg.straggler.threshold:
+        return None  # most ranks stop here, before the per-step comparison
     consistency = _slower_steps_fraction(suspect, peers, 1 + cfg.straggler.threshold)
     # the peers sit in the all-reduce for it, for a good part of the gap
     waited_for = peers_comm - suspect.comm >= cfg.straggler.wait_share * (
         suspect.compute - peers_compute
     )
-    if not (slower and consistency >= cfg.straggler.consistency and waited_for):
+    if not (consistency >= cfg.straggler.consistency and waited_for):
         return None
     r = suspect.rank
     return Finding(

@@ -3,6 +3,7 @@ re-read while the supervisor runs, sd_notify, and a small run of the scale simul
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -104,10 +105,12 @@ def test_a_slow_agent_is_shown_by_its_last_answer(sim):
         real = poller._poll_one
         calls = []
 
-        def slow(c, now):
+        async def slow(c, now):  # polls run on the poller's event loop (agent_io.py)
             calls.append(now)
-            gate.wait(5)
-            return real(c, now)
+            deadline = time.monotonic() + 5
+            while not gate.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return await real(c, now)
 
         poller._poll_one = slow
         second = poller.poll([client]).nodes[0]
