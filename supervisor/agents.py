@@ -6,6 +6,7 @@ agent is polled in parallel and the loop waits for all of them up to the same de
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -309,11 +310,15 @@ class Poller:
     not reported unreachable for the supervisor's own backlog.
     """
 
-    def __init__(self, node_interval: float = 1.0, wait_seconds: float = 0.5):
+    def __init__(
+        self, node_interval: float = 1.0, wait_seconds: float = 0.5, max_in_flight: int = 64
+    ):
         from .agent_io import AsyncConnections, EventLoop  # it imports this module
 
         self._loop = EventLoop()  # every poll runs here, event-driven (agent_io.py)
         self._connections = AsyncConnections()
+        self.max_in_flight = max_in_flight
+        self._slots: asyncio.Semaphore | None = None
         self.node_interval = node_interval
         self.wait_seconds = wait_seconds
         self._node_cache: dict[str, tuple[float, NodeAnswer]] = {}
@@ -348,8 +353,14 @@ class Poller:
             self.malformed[exc.reason] += 1
 
     async def _timed(self, client: AgentClient, now: float, started: list[float]) -> NodeObs:
-        started.append(time.monotonic())  # queued until now: the wait is ours, not the agent's
-        obs = await self._poll_one(client, now)
+        if self._slots is None:  # made on the loop's thread, where it is used
+            self._slots = asyncio.Semaphore(self.max_in_flight)
+        # At most max_in_flight requests at once: with all 1,024 started together, the
+        # loop's own parsing of the first answers counted against the last ones' timeouts
+        # and made 1,153 agents "unreachable" (docs/scaling.md).
+        async with self._slots:
+            started.append(time.monotonic())  # queued until now: the wait is ours
+            obs = await self._poll_one(client, now)
         # The agent's ages are as of its answer, not of the pass that asked for it.
         return replace(obs, observed_at=max(now, time.time()))
 
