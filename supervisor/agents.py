@@ -292,7 +292,8 @@ async def _read_ranks(
 
 
 class Poller:
-    """Polls every agent concurrently; the same threads are reused from poll to poll.
+    """Polls every agent concurrently, event-driven: one asyncio loop on one thread
+    (agent_io.py), at most `max_in_flight` requests at once, keep-alive connections.
 
     Ranks change every step and are read on every poll; a node's hardware verdict changes
     rarely and is re-read every `node_interval` seconds, which halves the load the
@@ -306,7 +307,7 @@ class Poller:
     One stuck agent thus costs one pass `wait_seconds` per request it times out on, and
     every other node is seen on every pass. A request's timeout counts from when a worker
     starts it, not from when it was queued: when the supervisor falls behind (more agents
-    than its threads and CPU serve in one interval) its nodes show older answers, and are
+    than its loop and CPU serve in one interval) its nodes show older answers, and are
     not reported unreachable for the supervisor's own backlog.
     """
 
