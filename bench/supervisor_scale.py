@@ -283,10 +283,18 @@ def main(argv=None) -> None:
     p.add_argument("--duration", type=float, default=60, help="measured seconds per size")
     p.add_argument("--warmup", type=float, default=5)
     p.add_argument("--interval", type=float, default=0.25, help="supervisor --interval")
-    p.add_argument("--restart-delay", type=float, default=3.0,
-                   help="simulated torchrun's pause before a new incarnation")
-    p.add_argument("--settle", type=float, default=3.0,
-                   help="seconds after the measured window for its last faults to be seen")
+    p.add_argument(
+        "--restart-delay",
+        type=float,
+        default=3.0,
+        help="simulated torchrun's pause before a new incarnation",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds after the measured window for its last faults to be seen",
+    )
     p.add_argument("--faults", default="dead")
     p.add_argument("--fault-every", type=float, default=6.0)
     p.add_argument("--step-seconds", type=float, default=0.25)

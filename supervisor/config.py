@@ -3,7 +3,7 @@
 One table per part, each built by the dataclass its part owns (service/settings.py checks
 keys and types, the dataclass its ranges):
 
-    [supervisor]             interval, agent_timeout             (LoopSettings, here)
+    [supervisor]             interval, agent_timeout, cpu_share  (LoopSettings, here)
     [detectors.<name>]       one per detector                     (detectors/<name>.py)
     [policy]                 restart budget, backoff, exclusion   (policy.py PolicyConfig)
     [scheduler]              drain / resume of excluded nodes     (scheduler.py)
@@ -28,6 +28,10 @@ class LoopSettings:
 
     interval: float = 0.25  # seconds between reconcile passes
     agent_timeout: float = 2.0  # seconds to wait for an agent's answer
+    # at most this share of one core, averaged over each pass and the pause after it: a
+    # supervisor of more nodes than it can read every `interval` slows its passes (and its
+    # detection) instead of taking a training node's CPU (docs/scaling.md)
+    cpu_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.interval <= 3600:
@@ -36,6 +40,8 @@ class LoopSettings:
             raise ValueError(
                 f"agent_timeout must be in [0.05, 600] seconds, not {self.agent_timeout!r}"
             )
+        if not 0.05 <= self.cpu_share <= 16:
+            raise ValueError(f"cpu_share must be in [0.05, 16] cores, not {self.cpu_share!r}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class SupervisorFile:
         return SupervisorConfig(
             interval=self.supervisor.interval,
             agent_timeout=self.supervisor.agent_timeout,
+            cpu_share=self.supervisor.cpu_share,
             detectors=self.detectors,
             policy=self.policy,
             scheduler=self.scheduler,

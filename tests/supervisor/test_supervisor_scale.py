@@ -254,3 +254,16 @@ def test_64_simulated_nodes_stay_cheap_and_fast(tmp_path):
     assert r["loop_p50"] < 0.25, r
     assert r["faults"] >= 3 and r["missed"] == 0, r
     assert r["detect"]["dead"]["max"] < 1.5, r
+
+
+def test_a_pass_over_its_cpu_share_is_followed_by_a_longer_pause():
+    """[supervisor] cpu_share: a pass that used 0.4 s of CPU in 0.5 s at a 0.5-core share
+    waits 0.3 s more (0.8 s of wall for 0.4 s of CPU), not the interval's rest (none)."""
+    from types import SimpleNamespace
+
+    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+
+    sup = SimpleNamespace(cfg=SupervisorConfig(interval=0.25, cpu_share=0.5))
+    now = time.process_time()
+    assert Supervisor.pause(sup, 0.5, now - 0.4) == pytest.approx(0.3, abs=0.02)
+    assert Supervisor.pause(sup, 0.05, now) == pytest.approx(0.2, abs=0.02)  # the interval
