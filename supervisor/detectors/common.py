@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from ..state import ClusterObs, RankObs, StepSample
 
@@ -34,6 +35,7 @@ def node_url(obs: ClusterObs, node: str) -> str | None:
 # itself, so its id cannot be reused while it is cached.
 _SAMPLES: dict[tuple[int, int, str | None], tuple[tuple, tuple[StepSample, ...]]] = {}
 _SAMPLES_MAX = 100_000
+_SECONDS, _PHASE = attrgetter("step_seconds"), attrgetter("phase")
 
 
 def samples_of(rank: RankObs, restart: int, phase: str | None = None) -> list[StepSample]:
@@ -43,11 +45,19 @@ def samples_of(rank: RankObs, restart: int, phase: str | None = None) -> list[St
     hit = _SAMPLES.get(key)
     if hit is not None and hit[0] is recent:
         return list(hit[1])
-    out = tuple(
-        s
-        for s in recent
-        if s.restart == restart and s.step_seconds > 0 and (phase is None or s.phase == phase)
-    )
+    if (
+        recent
+        and recent[0].restart == restart == recent[-1].restart  # restarts only go up
+        and min(map(_SECONDS, recent)) > 0
+        and (phase is None or set(map(_PHASE, recent)) == {phase})
+    ):
+        out = recent  # the usual window: all of it (checked at C speed)
+    else:
+        out = tuple(
+            s
+            for s in recent
+            if s.restart == restart and s.step_seconds > 0 and (phase is None or s.phase == phase)
+        )
     if len(_SAMPLES) >= _SAMPLES_MAX:
         _SAMPLES.clear()  # windows of passes gone by: cheaper than tracking their age
     _SAMPLES[key] = (recent, out)

@@ -139,13 +139,10 @@ def suspects(obs: ClusterObs, cfg: DetectorConfig, history: History) -> list[Fin
 
 
 def _window(r: RankObs, restart: int, start: int, cfg: DetectorConfig) -> _Window | None:
-    # training steps only, past the incarnation's warm-up
-    samples = [
-        s
-        for s in samples_of(r, restart, phase="train")
-        if s.step >= start + cfg.straggler.warmup_steps
-    ][-cfg.straggler.window :]
-    if len(samples) < cfg.straggler.window:
+    # training steps only, past the incarnation's warm-up; steps only go up within an
+    # incarnation, so the last `window` samples qualify when the oldest of them does
+    samples = samples_of(r, restart, phase="train")[-cfg.straggler.window :]
+    if len(samples) < cfg.straggler.window or samples[0].step < start + cfg.straggler.warmup_steps:
         return None
     return _Window(
         r,
