@@ -156,7 +156,17 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         passes0 = passes_run(base)
         loops: dict[float, float] = {}  # pass time -> loop seconds
         rss, load = 0, []
-        while time.monotonic() - t0 < args.duration:
+
+        def more() -> bool:  # --duration, then on until --min-faults (at most 5x longer)
+            elapsed = time.monotonic() - t0
+            if elapsed < args.duration:
+                return True
+            if args.min_faults <= 0 or elapsed > 5 * args.duration or not faults.exists():
+                return False
+            seen = sum(json.loads(x)["at"] >= wall0 for x in faults.read_text().splitlines() if x)
+            return seen < args.min_faults
+
+        while more():
             load.append(os.getloadavg()[0])
             try:
                 view = get(base + "/v1/cluster")
@@ -211,6 +221,7 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         "load1_mean": statistics.fmean(load),
         "load1_max": max(load),
         "ranks_kib": sim_stats["ranks_bytes"] / max(1, sim_stats["ranks_requests"]) / 1024,
+        "measured_s": wall,
         "passes": passes,
         "cpu_per_pass_ms": 1000 * cpu * wall / max(1, passes),
         "loop_p50": quantile(loop_values, 0.5),
@@ -235,7 +246,7 @@ def fmt(v, digits=2) -> str:
 def table(results: list[dict]) -> str:
     kinds = sorted({k for r in results for k in r["detect"]})
     head = ["reads", "nodes", "ranks", "load avg (1 min) mean / max", "KiB per /v1/ranks",
-            "passes", "CPU ms per pass", "loop p50 s", "loop p99 s", "supervisor CPU (cores)",
+            "measured s", "passes", "CPU ms per pass", "loop p50 s", "loop p99 s", "supervisor CPU (cores)",
             "simulator CPU (cores)", "RSS MiB"]  # fmt: skip
     for k in kinds:
         head += [f"{k}: detected/injected", f"{k}: to detected_at p50 / p99 s",
@@ -244,7 +255,7 @@ def table(results: list[dict]) -> str:
     for r in results:
         cells = [r["reads"], str(r["nodes"]), str(r["ranks"]),
                  f"{fmt(r['load1_mean'], 1)} / {fmt(r['load1_max'], 1)}", fmt(r["ranks_kib"], 1),
-                 str(r["passes"]), fmt(r["cpu_per_pass_ms"], 1), fmt(r["loop_p50"], 3),
+                 fmt(r["measured_s"], 0), str(r["passes"]), fmt(r["cpu_per_pass_ms"], 1), fmt(r["loop_p50"], 3),
                  fmt(r["loop_p99"], 3), fmt(r["cpu"]), fmt(r["sim_cpu"]), fmt(r["rss_mib"], 0)]  # fmt: skip
         for k in kinds:
             d = r["detect"].get(k, {"n": 0, "p50": None, "p99": None})
@@ -296,6 +307,12 @@ def main(argv=None) -> None:
         help="seconds after the measured window for its last faults to be seen",
     )
     p.add_argument("--faults", default="dead")
+    p.add_argument(
+        "--min-faults",
+        type=int,
+        default=0,
+        help="measure past --duration until this many faults (at most 5x longer)",
+    )
     p.add_argument("--fault-every", type=float, default=6.0)
     p.add_argument("--step-seconds", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=1)
@@ -330,7 +347,8 @@ def main(argv=None) -> None:
         "simulator of all agents runs on the same 2 cores as the supervisor. Python "
         f"{platform.python_version()}. Supervisor --interval {args.interval} s; simulated step "
         f"{args.step_seconds} s; faults ({args.faults}) every ~{args.fault_every} s "
-        f"(0.5x to 1.5x); {args.duration:.0f} s measured per size after {args.warmup:.0f} s "
+        f"(0.5x to 1.5x), simulated restart after {args.restart_delay} s; {args.duration:.0f} s "
+        f"measured per size (longer until {args.min_faults} faults) after {args.warmup:.0f} s "
         "warm-up.",
         "",
         table(results),
