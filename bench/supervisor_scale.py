@@ -87,6 +87,15 @@ def get(url: str, timeout: float = 10) -> dict:
         return json.loads(resp.read())
 
 
+def passes_run(base: str) -> int:
+    """The supervisor's own count of reconcile passes (its /metrics)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("rankguard_supervisor_passes_total "):
+                return int(float(line.split()[1]))
+    raise RuntimeError("no rankguard_supervisor_passes_total on /metrics")
+
+
 def quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -110,6 +119,7 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
          "--agents-file", str(agents), "--ready-file", str(ready), "--fault-log", str(faults),
          "--faults", args.faults, "--fault-every", str(args.fault_every),
          "--step-seconds", str(args.step_seconds), "--seed", str(args.seed),
+         "--restart-delay", str(args.restart_delay),
          "--stats-file", str(work / "sim-stats.json"), *(["--full-reads"] if full_reads else [])],
         work / "sim.log",
     )  # fmt: skip
@@ -143,9 +153,20 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         wall0 = time.time()
         t0, c0 = time.monotonic(), cpu_seconds(sup.pid)
         sim_c0 = cpu_seconds(sim.pid)
+        passes0 = passes_run(base)
         loops: dict[float, float] = {}  # pass time -> loop seconds
         rss, load = 0, []
-        while time.monotonic() - t0 < args.duration:
+
+        def more() -> bool:  # --duration, then on until --min-faults (at most 5x longer)
+            elapsed = time.monotonic() - t0
+            if elapsed < args.duration:
+                return True
+            if args.min_faults <= 0 or elapsed > 5 * args.duration or not faults.exists():
+                return False
+            seen = sum(json.loads(x)["at"] >= wall0 for x in faults.read_text().splitlines() if x)
+            return seen < args.min_faults
+
+        while more():
             load.append(os.getloadavg()[0])
             try:
                 view = get(base + "/v1/cluster")
@@ -155,9 +176,10 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
             rss = max(rss, rss_bytes(sup.pid))
             time.sleep(0.5)
         wall = time.monotonic() - t0
-        time.sleep(3)  # let the last faults be seen before stopping
         cpu = (cpu_seconds(sup.pid) - c0) / wall
         sim_cpu = (cpu_seconds(sim.pid) - sim_c0) / wall
+        passes = passes_run(base) - passes0
+        time.sleep(args.settle)  # let the last faults be seen before stopping
     finally:
         for p in (sup, sim):
             if p is not None and p.poll() is None:
@@ -199,7 +221,9 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         "load1_mean": statistics.fmean(load),
         "load1_max": max(load),
         "ranks_kib": sim_stats["ranks_bytes"] / max(1, sim_stats["ranks_requests"]) / 1024,
-        "passes": len(loop_values),
+        "measured_s": wall,
+        "passes": passes,
+        "cpu_per_pass_ms": 1000 * cpu * wall / max(1, passes),
         "loop_p50": quantile(loop_values, 0.5),
         "loop_p99": quantile(loop_values, 0.99),
         "loop_max": max(loop_values, default=None),
@@ -222,7 +246,7 @@ def fmt(v, digits=2) -> str:
 def table(results: list[dict]) -> str:
     kinds = sorted({k for r in results for k in r["detect"]})
     head = ["reads", "nodes", "ranks", "load avg (1 min) mean / max", "KiB per /v1/ranks",
-            "passes", "loop p50 s", "loop p99 s", "supervisor CPU (cores)",
+            "measured s", "passes", "CPU ms per pass", "loop p50 s", "loop p99 s", "supervisor CPU (cores)",
             "simulator CPU (cores)", "RSS MiB"]  # fmt: skip
     for k in kinds:
         head += [f"{k}: detected/injected", f"{k}: to detected_at p50 / p99 s",
@@ -231,7 +255,7 @@ def table(results: list[dict]) -> str:
     for r in results:
         cells = [r["reads"], str(r["nodes"]), str(r["ranks"]),
                  f"{fmt(r['load1_mean'], 1)} / {fmt(r['load1_max'], 1)}", fmt(r["ranks_kib"], 1),
-                 str(r["passes"]), fmt(r["loop_p50"], 3),
+                 fmt(r["measured_s"], 0), str(r["passes"]), fmt(r["cpu_per_pass_ms"], 1), fmt(r["loop_p50"], 3),
                  fmt(r["loop_p99"], 3), fmt(r["cpu"]), fmt(r["sim_cpu"]), fmt(r["rss_mib"], 0)]  # fmt: skip
         for k in kinds:
             d = r["detect"].get(k, {"n": 0, "p50": None, "p99": None})
@@ -266,11 +290,29 @@ def ratios(results: list[dict]) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     p.add_argument("--duration", type=float, default=60, help="measured seconds per size")
     p.add_argument("--warmup", type=float, default=5)
-    p.add_argument("--interval", type=float, default=1.0, help="supervisor --interval")
+    p.add_argument("--interval", type=float, default=0.25, help="supervisor --interval")
+    p.add_argument(
+        "--restart-delay",
+        type=float,
+        default=3.0,
+        help="simulated torchrun's pause before a new incarnation",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds after the measured window for its last faults to be seen",
+    )
     p.add_argument("--faults", default="dead")
+    p.add_argument(
+        "--min-faults",
+        type=int,
+        default=0,
+        help="measure past --duration until this many faults (at most 5x longer)",
+    )
     p.add_argument("--fault-every", type=float, default=6.0)
     p.add_argument("--step-seconds", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=1)
@@ -305,7 +347,8 @@ def main(argv=None) -> None:
         "simulator of all agents runs on the same 2 cores as the supervisor. Python "
         f"{platform.python_version()}. Supervisor --interval {args.interval} s; simulated step "
         f"{args.step_seconds} s; faults ({args.faults}) every ~{args.fault_every} s "
-        f"(0.5x to 1.5x); {args.duration:.0f} s measured per size after {args.warmup:.0f} s "
+        f"(0.5x to 1.5x), simulated restart after {args.restart_delay} s; {args.duration:.0f} s "
+        f"measured per size (longer until {args.min_faults} faults) after {args.warmup:.0f} s "
         "warm-up.",
         "",
         table(results),

@@ -6,6 +6,8 @@ agent is polled in parallel and the loop waits for all of them up to the same de
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import http.client
 import json
 import logging
@@ -14,8 +16,8 @@ import threading
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, wait
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,13 +51,14 @@ class _Connections:
     def __init__(self, idle_per_agent: int = 2):
         self.idle_per_agent = idle_per_agent
         self.tls: ssl.SSLContext | None = None  # verifies https agents; None: system CAs
+        self.generation = 0  # bumped when the trust changes: pools drop older connections
         self._idle: dict[tuple, list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
 
     def take(
         self, key: tuple, timeout: float, fresh: bool = False
     ) -> tuple[http.client.HTTPConnection, bool]:
-        """A connection to `key` (scheme, host, port), and whether it was used before."""
+        """A connection to `key` (scheme, host, port, path), and whether it was used before."""
         with self._lock:
             idle = self._idle.get(key)
             conn = idle.pop() if idle and not fresh else None
@@ -64,7 +67,7 @@ class _Connections:
             if conn.sock is not None:
                 conn.sock.settimeout(timeout)
             return conn, True
-        scheme, host, port = key
+        scheme, host, port, _ = key
         if scheme == "https":
             return http.client.HTTPSConnection(host, port, timeout=timeout, context=self.tls), False
         return http.client.HTTPConnection(host, port, timeout=timeout), False
@@ -85,6 +88,7 @@ def trust_agents_signed_by(ca_file: str | None) -> None:
     """Verify https agents against this CA bundle (PEM) instead of the system's: the
     cluster's own CA (docs/security.md). Host names are checked as always."""
     _CONNECTIONS.tls = None if ca_file is None else ssl.create_default_context(cafile=ca_file)
+    _CONNECTIONS.generation += 1  # the event-driven poller's pools too (agent_io.py)
     with _CONNECTIONS._lock:  # connections made under the old trust are not reused
         for idle in _CONNECTIONS._idle.values():
             for conn in idle:
@@ -136,7 +140,11 @@ class AgentClient:
         self.timeout = timeout
         self.max_answer_bytes = max_answer_bytes
         parts = urllib.parse.urlsplit(self.url)
-        self._key = (parts.scheme, parts.hostname, parts.port)
+        # one pool per agent URL, path included: agents behind one address (a proxy, the
+        # scale simulator's /agents/<i>) each keep their own connections, as separate hosts
+        # would; keyed by host alone, 1,024 simulated agents shared 2 idle connections and
+        # nearly every poll opened a new one
+        self._key = (parts.scheme, parts.hostname, parts.port, parts.path)
         self._prefix = parts.path  # e.g. a simulator's /agents/7
 
     def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
@@ -218,14 +226,36 @@ def poll_node(
     only the samples after the last answer's cursor travel (supervisor/windows.py).
     Answers are read through the contract's models; one that breaks the contract makes
     this node unseen and is passed to `on_malformed` (counted by reason).
+    Blocking; the Poller runs the same steps event-driven (`poll_node_async`).
     """
+
+    async def fetch(path: str) -> dict:
+        return client.get(path)
+
+    coro = poll_node_async(fetch, client, now, node, windows, on_malformed)
+    try:
+        coro.send(None)  # never suspends: fetch does not await
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("poll_node suspended")  # pragma: no cover
+
+
+async def poll_node_async(
+    fetch: Callable[[str], Awaitable[dict]],
+    client: AgentClient,
+    now: float,
+    node: NodeAnswer | None = None,
+    windows: NodeWindows | None = None,
+    on_malformed: Callable[[ContractError], None] | None = None,
+) -> tuple[NodeObs, NodeAnswer | None]:
+    """poll_node with `fetch(path)` (the decoded answer) for the transport."""
     try:
         if node is None:
-            node = NodeAnswer.from_json(client.get("/v1/node"))
+            node = NodeAnswer.from_json(await fetch("/v1/node"))
         if windows is None:
-            ranks = RanksAnswer.from_json(client.get("/v1/ranks"))
+            ranks = RanksAnswer.from_json(await fetch("/v1/ranks"))
             return NodeObs.of(client.url, node, ranks, now), node
-        ranks = _read_ranks(client, windows)
+        ranks = await _read_ranks(fetch, client, windows)
         return NodeObs.of(client.url, node, ranks, now, windows.merge(ranks)), node
     except AgentError as exc:
         return NodeObs.unreachable(client.url, str(exc), now), None
@@ -245,10 +275,12 @@ def poll_node(
         return NodeObs.unreachable(client.url, f"answer could not be read: {exc!r}", now), None
 
 
-def _read_ranks(client: AgentClient, windows: NodeWindows) -> RanksAnswer:
+async def _read_ranks(
+    fetch: Callable[[str], Awaitable[dict]], client: AgentClient, windows: NodeWindows
+) -> RanksAnswer:
     try:
         return RanksAnswer.from_json(
-            client.get("/v1/ranks?after=" + urllib.parse.quote(windows.after))
+            await fetch("/v1/ranks?after=" + urllib.parse.quote(windows.after))
         )
     except AgentError as exc:
         if exc.status != 400 or windows.cursor is None:
@@ -256,11 +288,12 @@ def _read_ranks(client: AgentClient, windows: NodeWindows) -> RanksAnswer:
     # Our cursor refused (a bug on either side): start over rather than go blind.
     log.warning("%s refused cursor %r; reading in full", client.url, windows.cursor)
     windows.reset()
-    return RanksAnswer.from_json(client.get("/v1/ranks?after=" + windows.after))
+    return RanksAnswer.from_json(await fetch("/v1/ranks?after=" + windows.after))
 
 
 class Poller:
-    """Polls every agent concurrently; the same threads are reused from poll to poll.
+    """Polls every agent concurrently, event-driven: one asyncio loop on one thread
+    (agent_io.py), at most `max_in_flight` requests at once, keep-alive connections.
 
     Ranks change every step and are read on every poll; a node's hardware verdict changes
     rarely and is re-read every `node_interval` seconds, which halves the load the
@@ -274,16 +307,19 @@ class Poller:
     One stuck agent thus costs one pass `wait_seconds` per request it times out on, and
     every other node is seen on every pass. A request's timeout counts from when a worker
     starts it, not from when it was queued: when the supervisor falls behind (more agents
-    than its threads and CPU serve in one interval) its nodes show older answers, and are
+    than its loop and CPU serve in one interval) its nodes show older answers, and are
     not reported unreachable for the supervisor's own backlog.
     """
 
     def __init__(
-        self, max_workers: int = 64, node_interval: float = 1.0, wait_seconds: float = 0.5
+        self, node_interval: float = 1.0, wait_seconds: float = 0.5, max_in_flight: int = 64
     ):
-        self._pool = ThreadPoolExecutor(
-            max_workers=max_workers, thread_name_prefix="rankguard-poll"
-        )
+        from .agent_io import AsyncConnections, EventLoop  # it imports this module
+
+        self._loop = EventLoop()  # every poll runs here, event-driven (agent_io.py)
+        self._connections = AsyncConnections()
+        self.max_in_flight = max_in_flight
+        self._slots: asyncio.Semaphore | None = None
         self.node_interval = node_interval
         self.wait_seconds = wait_seconds
         self._node_cache: dict[str, tuple[float, NodeAnswer]] = {}
@@ -298,22 +334,34 @@ class Poller:
         self._owners: dict[str, str] = {}
         self.refused: Counter[str] = Counter()  # answers refused for who sent them, by reason
 
-    def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
+    async def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
+        from .agent_io import get
+
         cached = self._node_cache.get(client.url)
         fresh = cached[1] if cached and now - cached[0] < self.node_interval else None
         windows = self._windows.setdefault(client.url, NodeWindows())
-        obs, node = poll_node(client, now, fresh, windows, self._count_malformed)
+
+        async def fetch(path: str) -> dict:
+            return await get(client, self._connections, path)
+
+        obs, node = await poll_node_async(fetch, client, now, fresh, windows, self._count_malformed)
         if node is not None and fresh is None:
             self._node_cache[client.url] = (now, node)
         return obs
 
     def _count_malformed(self, exc: ContractError) -> None:
-        with self._malformed_lock:  # called from the pool's threads
+        with self._malformed_lock:  # called from the loop's thread
             self.malformed[exc.reason] += 1
 
-    def _timed(self, client: AgentClient, now: float, started: list[float]) -> NodeObs:
-        started.append(time.monotonic())  # queued until now: the wait is ours, not the agent's
-        obs = self._poll_one(client, now)
+    async def _timed(self, client: AgentClient, now: float, started: list[float]) -> NodeObs:
+        if self._slots is None:  # made on the loop's thread, where it is used
+            self._slots = asyncio.Semaphore(self.max_in_flight)
+        # At most max_in_flight requests at once: with all 1,024 started together, the
+        # loop's own parsing of the first answers counted against the last ones' timeouts
+        # and made 1,153 agents "unreachable" (docs/scaling.md).
+        async with self._slots:
+            started.append(time.monotonic())  # queued until now: the wait is ours
+            obs = await self._poll_one(client, now)
         # The agent's ages are as of its answer, not of the pass that asked for it.
         return replace(obs, observed_at=max(now, time.time()))
 
@@ -326,7 +374,7 @@ class Poller:
         for c in clients:
             if c.url not in self._inflight:
                 started: list[float] = []
-                future = self._pool.submit(self._timed, c, now, started)
+                future = self._loop.submit(self._timed(c, now, started))
                 self._inflight[c.url] = (future, started)
                 asked.append(future)
         wait(asked, timeout=self.wait_seconds)
@@ -387,7 +435,12 @@ class Poller:
         return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        async def _close() -> None:
+            self._connections.close_all()
+
+        with contextlib.suppress(Exception):  # closing: nothing left to report to
+            self._loop.submit(_close()).result(timeout=5)
+        self._loop.close()
 
 
 class AgentsFile:

@@ -3,7 +3,7 @@
 One table per part, each built by the dataclass its part owns (service/settings.py checks
 keys and types, the dataclass its ranges):
 
-    [supervisor]             interval, agent_timeout             (LoopSettings, here)
+    [supervisor]             interval, agent_timeout, cpu_share  (LoopSettings, here)
     [detectors.<name>]       one per detector                     (detectors/<name>.py)
     [policy]                 restart budget, backoff, exclusion   (policy.py PolicyConfig)
     [scheduler]              drain / resume of excluded nodes     (scheduler.py)
@@ -31,6 +31,10 @@ class LoopSettings:
     # the workers' startup milestones (RANKGUARD_STARTUP_TRACE, on a path the supervisor
     # can read): each restart's phases go into its incident's timeline; "" = not read
     startup_trace: str = ""
+    # at most this share of one core, averaged over each pass and the pause after it: a
+    # supervisor of more nodes than it can read every `interval` slows its passes (and its
+    # detection) instead of taking a training node's CPU (docs/scaling.md)
+    cpu_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.interval <= 3600:
@@ -39,6 +43,8 @@ class LoopSettings:
             raise ValueError(
                 f"agent_timeout must be in [0.05, 600] seconds, not {self.agent_timeout!r}"
             )
+        if not 0.05 <= self.cpu_share <= 16:
+            raise ValueError(f"cpu_share must be in [0.05, 16] cores, not {self.cpu_share!r}")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class SupervisorFile:
             interval=self.supervisor.interval,
             agent_timeout=self.supervisor.agent_timeout,
             startup_trace=self.supervisor.startup_trace,
+            cpu_share=self.supervisor.cpu_share,
             detectors=self.detectors,
             policy=self.policy,
             scheduler=self.scheduler,

@@ -54,7 +54,15 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
 
     starts = dict(history.incarnation_start)
     for r in obs.ranks():
-        for sample in r.recent:
+        recent = r.recent
+        if not recent:
+            continue
+        first = recent[0]
+        key = f"{r.job}:{first.restart}"
+        known = starts.get(key)
+        if first.restart == recent[-1].restart and known is not None and known <= first.step:
+            continue  # one incarnation in the window, its start already known: O(1) a rank
+        for sample in recent:
             key = f"{r.job}:{sample.restart}"
             starts[key] = min(starts.get(key, sample.step), sample.step)
     history = dataclasses.replace(history, incarnation_start=starts)

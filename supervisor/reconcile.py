@@ -115,6 +115,7 @@ def _still_waiting(action, inc, obs: ClusterObs) -> bool | None:
 class SupervisorConfig:
     interval: float = 0.25
     agent_timeout: float = 2.0
+    cpu_share: float = 0.5  # cores, over a pass and its pause (config.py LoopSettings)
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -440,12 +441,19 @@ class Supervisor:
     # -- run ----------------------------------------------------------------------
     def run(self) -> None:
         while not self._stop.is_set():
-            started = time.monotonic()
+            started, cpu_before = time.monotonic(), time.process_time()
             try:
                 self.reconcile_once()
             except Exception:  # one bad pass must not end supervision
                 log.exception("reconcile pass failed")
-            self._stop.wait(max(0.0, self.cfg.interval - (time.monotonic() - started)))
+            self._stop.wait(self.pause(time.monotonic() - started, cpu_before))
+
+    def pause(self, elapsed: float, cpu_before: float) -> float:
+        """Seconds to wait before the next pass: the rest of the interval, or longer when
+        the pass used more than `cpu_share` of a core (every thread of the process: the
+        poll loop's parsing too), so that a pass and its pause together stay within it."""
+        cpu = time.process_time() - cpu_before
+        return max(0.0, self.cfg.interval - elapsed, cpu / self.cfg.cpu_share - elapsed)
 
     def stop(self) -> None:
         self._stop.set()

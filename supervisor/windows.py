@@ -37,6 +37,7 @@ class NodeWindows:
         # (job, rank) -> (sample numbers, samples), oldest first, at most `depth` each
         self._windows: dict[Key, tuple[list[int], list[StepSample]]] = {}
         self.full_reads = 0  # answers that replaced every window, for tests and logs
+        self._shown: dict[Key, tuple[StepSample, ...]] = {}  # the windows last returned
 
     @property
     def after(self) -> str:
@@ -45,6 +46,7 @@ class NodeWindows:
     def reset(self) -> None:
         self.cursor = None
         self._windows.clear()
+        self._shown = {}
 
     def merge(self, answer: RanksAnswer) -> dict[Key, tuple[StepSample, ...]] | None:
         """Fold one /v1/ranks answer (already checked by the contract) in; each rank's
@@ -57,12 +59,17 @@ class NodeWindows:
         held = {} if full else self._windows
         windows: dict[Key, tuple[list[int], list[StepSample]]] = {}
         out: dict[Key, tuple[StepSample, ...]] = {}
+        shown = {} if full else self._shown
         for r in answer.ranks:
             key = (r.job, r.rank)
             seqs, samples = self._merge_rank(held.get(key), r)
             windows[key] = (seqs, samples)
-            out[key] = tuple(samples)
+            # the same window object while nothing changed: the detectors' per-window
+            # caches (detectors/common.py samples_of) then carry over between passes
+            before = shown.get(key)
+            out[key] = before if _same(before, samples) else tuple(samples)
         self._windows = windows  # a rank the agent no longer shows is dropped
+        self._shown = out
         self.cursor = cursor
         self.full_reads += full
         return out
@@ -86,3 +93,11 @@ class NodeWindows:
         if len(seqs) > self.depth:
             del seqs[: -self.depth], samples[: -self.depth]
         return seqs, samples
+
+
+def _same(before: tuple[StepSample, ...] | None, samples: list[StepSample]) -> bool:
+    """Whether a window is unchanged: merging only trims the front and appends new sample
+    objects, so the same length, first and last object mean the same window."""
+    if before is None or len(before) != len(samples):
+        return False
+    return not samples or (before[0] is samples[0] and before[-1] is samples[-1])

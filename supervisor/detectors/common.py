@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from ..state import ClusterObs, RankObs, StepSample
 
@@ -27,13 +28,40 @@ def node_url(obs: ClusterObs, node: str) -> str | None:
     return next((n.url for n in obs.nodes if n.node == node), None)
 
 
+# samples_of's answers, by the identity of the window they were cut from: several
+# detectors ask for the same rank's samples in one pass (and windows.py keeps a rank's
+# window object while no sample arrived), and at 8,192 ranks x 64 samples the repeated
+# filtering was the largest part of a pass (docs/scaling.md). The entry holds the window
+# itself, so its id cannot be reused while it is cached.
+_SAMPLES: dict[tuple[int, int, str | None], tuple[tuple, tuple[StepSample, ...]]] = {}
+_SAMPLES_MAX = 100_000
+_SECONDS, _PHASE = attrgetter("step_seconds"), attrgetter("phase")
+
+
 def samples_of(rank: RankObs, restart: int, phase: str | None = None) -> list[StepSample]:
     """The rank's timed samples of one incarnation (optionally one phase), oldest first."""
-    return [
-        s
-        for s in rank.recent
-        if s.restart == restart and s.step_seconds > 0 and (phase is None or s.phase == phase)
-    ]
+    recent = rank.recent
+    key = (id(recent), restart, phase)
+    hit = _SAMPLES.get(key)
+    if hit is not None and hit[0] is recent:
+        return list(hit[1])
+    if (
+        recent
+        and recent[0].restart == restart == recent[-1].restart  # restarts only go up
+        and min(map(_SECONDS, recent)) > 0
+        and (phase is None or set(map(_PHASE, recent)) == {phase})
+    ):
+        out = recent  # the usual window: all of it (checked at C speed)
+    else:
+        out = tuple(
+            s
+            for s in recent
+            if s.restart == restart and s.step_seconds > 0 and (phase is None or s.phase == phase)
+        )
+    if len(_SAMPLES) >= _SAMPLES_MAX:
+        _SAMPLES.clear()  # windows of passes gone by: cheaper than tracking their age
+    _SAMPLES[key] = (recent, out)
+    return list(out)
 
 
 def median(values: Sequence[float]) -> float:

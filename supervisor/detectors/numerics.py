@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from ...contract.numbers import json_safe
@@ -48,6 +50,9 @@ class NumericsConfig:
             raise ValueError(f"spike_min_ratio must be >= 1, not {self.spike_min_ratio!r}")
 
 
+_LOSS = attrgetter("loss")
+
+
 def _bad(x: float | None) -> bool:
     return x is not None and not math.isfinite(x)
 
@@ -56,7 +61,16 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
     out = []
     for job in obs.jobs():
         restart, ranks = incarnation(obs, job)
-        hit = _non_finite(ranks, restart) or _spike(ranks, restart, cfg)
+        window = chain.from_iterable(samples_of(r, restart) for r in ranks)
+        losses = [x for x in map(_LOSS, window) if x is not None]
+        # a sum is finite only if every term is: one C-speed check spares the per-rank
+        # scan in the usual case (a finite sum can overflow to inf: then the scan decides)
+        clean = math.isfinite(sum(losses)) and not any(_bad(r.loss) for r in ranks)
+        if not clean:
+            losses = finite(losses)
+        hit = (None if clean else _non_finite(ranks, restart)) or _spike(
+            losses, ranks, restart, cfg
+        )
         if hit is None:
             continue
         rank, step, loss, how = hit
@@ -83,14 +97,21 @@ def _non_finite(ranks: list[RankObs], restart: int) -> Hit | None:
     return r, step, loss, {"reason": "non_finite"}
 
 
-def _spike(ranks: list[RankObs], restart: int, cfg: DetectorConfig) -> Hit | None:
-    """A rank's latest loss far above the job's recent losses: both many MADs above the
-    median (robust to a few outliers) and a multiple of it (a tiny MAD once the loss
-    flattens must not turn noise into a spike)."""
-    losses = finite(s.loss for r in ranks for s in samples_of(r, restart))
+def _spike(
+    recent: list[float], ranks: list[RankObs], restart: int, cfg: DetectorConfig
+) -> Hit | None:
+    """A rank's latest loss far above the job's recent losses (`recent`: every rank's
+    window, finite): both many MADs above the median (robust to a few outliers) and a
+    multiple of it (a tiny MAD once the loss flattens must not turn noise into a spike)."""
+    latest = finite(r.loss for r in ranks)
+    if not latest:
+        return None
+    losses = recent
     if len(losses) < cfg.numerics.spike_min_samples:
         return None
     center = median(losses)
+    if max(latest) <= cfg.numerics.spike_min_ratio * center:
+        return None  # below the limit whatever the spread: skip the MAD (scale)
     spread = mad(losses, center)
     limit = max(center + cfg.numerics.spike_mads * spread, cfg.numerics.spike_min_ratio * center)
     spiking = [r for r in ranks if r.loss is not None and math.isfinite(r.loss) and r.loss > limit]

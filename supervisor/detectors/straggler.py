@@ -42,7 +42,15 @@ class StragglerConfig:
 
     enabled: bool = True
     window: int = 12  # steps compared
-    threshold: float = 0.10  # slower by this share of the peers' median
+    # Slower by this share of the peers' median over the window. 0.15 (was 0.10): on the
+    # shared 2-core machine, CPU contention alone made one rank's median 1.14x its peer's
+    # for several seconds, while a rank slowed 1.2x measured 1.27x to 1.31x (issue 16).
+    threshold: float = 0.15
+    # ... and slower by `step_threshold` on this share of the window's steps. The step
+    # test is looser than the median's (was the same 0.10): a 1.2x rank's single steps
+    # dip under 1.1x with host noise, its suspicion flickered, and every flicker restarted
+    # the persistence count (named more than 30 steps after the slowdown in 2 of 3 runs).
+    step_threshold: float = 0.05
     consistency: float = 0.75  # share of window steps on which it must be slower
     wait_share: float = 0.5  # peers' extra comm wait, as a share of the compute gap
     warmup_steps: int = 20  # first steps of an incarnation are not judged
@@ -52,7 +60,7 @@ class StragglerConfig:
     def __post_init__(self) -> None:
         check_settings(self)
         at_least(self, window=3, warmup_steps=0, persist_steps=0)
-        positive(self, "threshold")
+        positive(self, "threshold", "step_threshold")
         if not 0 < self.consistency <= 1:
             raise ValueError(f"consistency must be in (0, 1], not {self.consistency}")
 
@@ -139,13 +147,10 @@ def suspects(obs: ClusterObs, cfg: DetectorConfig, history: History) -> list[Fin
 
 
 def _window(r: RankObs, restart: int, start: int, cfg: DetectorConfig) -> _Window | None:
-    # training steps only, past the incarnation's warm-up
-    samples = [
-        s
-        for s in samples_of(r, restart, phase="train")
-        if s.step >= start + cfg.straggler.warmup_steps
-    ][-cfg.straggler.window :]
-    if len(samples) < cfg.straggler.window:
+    # training steps only, past the incarnation's warm-up; steps only go up within an
+    # incarnation, so the last `window` samples qualify when the oldest of them does
+    samples = samples_of(r, restart, phase="train")[-cfg.straggler.window :]
+    if len(samples) < cfg.straggler.window or samples[0].step < start + cfg.straggler.warmup_steps:
         return None
     return _Window(
         r,
@@ -169,13 +174,14 @@ def _judge(
     if peers_compute <= 0:
         return None
     ratio = suspect.compute / peers_compute
-    slower = ratio >= 1 + cfg.straggler.threshold
-    consistency = _slower_steps_fraction(suspect, peers, 1 + cfg.straggler.threshold)
+    if ratio < 1 + cfg.straggler.threshold:
+        return None  # most ranks stop here, before the per-step comparison
+    consistency = _slower_steps_fraction(suspect, peers, 1 + cfg.straggler.step_threshold)
     # the peers sit in the all-reduce for it, for a good part of the gap
     waited_for = peers_comm - suspect.comm >= cfg.straggler.wait_share * (
         suspect.compute - peers_compute
     )
-    if not (slower and consistency >= cfg.straggler.consistency and waited_for):
+    if not (consistency >= cfg.straggler.consistency and waited_for):
         return None
     r = suspect.rank
     return Finding(
@@ -197,6 +203,7 @@ def _judge(
             "ratio": ratio,
             "slower_steps_fraction": consistency,
             "threshold": 1 + cfg.straggler.threshold,
+            "step_threshold": 1 + cfg.straggler.step_threshold,
             "window": cfg.straggler.window,
             "median_compute_seconds": suspect.compute,
             "peers_median_compute_seconds": peers_compute,

@@ -369,3 +369,18 @@ def test_loop_with_a_real_store(tmp_path):
         ]
     finally:
         store.close()
+
+
+def test_straggler_exclusion_is_a_config_file_setting_off_by_default(tmp_path):
+    """[policy] exclude_stragglers in the supervisor's config file: off by default (a
+    confirmed straggler is reported only); on, its node is excluded."""
+    from rankguard.supervisor.config import load
+
+    f = finding(STRAGGLER, rank=2)
+    default = load(None).runtime().policy
+    assert default.exclude_stragglers is False and one(f, cfg=default).action == ACT_NONE
+    path = tmp_path / "supervisor.toml"
+    path.write_text("[policy]\nexclude_stragglers = true\n")
+    on = load(path).runtime().policy
+    d = one(f, cfg=on)
+    assert d.action == ACT_EXCLUDE_NODE and d.target == {"node": "n1", "job": "j"}

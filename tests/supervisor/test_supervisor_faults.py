@@ -138,7 +138,6 @@ def test_query_commands_on_a_healthy_run(clean):
     assert gone.returncode == 2 and "unreachable" in gone.stderr
 
 
-@pytest.mark.soak
 def test_clean_500_steps_report_no_straggler(rig):
     proc = torchrun(["--steps", "500", *STRAGGLER_MODEL, "--job", "long"], cwd=rig.tmp,
                     env={"RANKGUARD_TELEMETRY_SOCKET": str(rig.agent.socket)}, timeout=400)  # fmt: skip
@@ -178,7 +177,6 @@ def test_hung_rank_is_found_named_and_ended(rig, clean, how):
     assert inc["state"] == "resolved"
 
 
-@pytest.mark.soak
 def test_straggler_named_within_30_steps(rig):
     proc = torchrun(["--steps", "120", *STRAGGLER_MODEL, "--job", "job", "--fault",
                      "slow:step=60:rank=1:factor=1.2"], cwd=rig.tmp,

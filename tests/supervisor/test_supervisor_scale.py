@@ -3,6 +3,7 @@ re-read while the supervisor runs, sd_notify, and a small run of the scale simul
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -104,10 +105,12 @@ def test_a_slow_agent_is_shown_by_its_last_answer(sim):
         real = poller._poll_one
         calls = []
 
-        def slow(c, now):
+        async def slow(c, now):  # polls run on the poller's event loop (agent_io.py)
             calls.append(now)
-            gate.wait(5)
-            return real(c, now)
+            deadline = time.monotonic() + 5
+            while not gate.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return await real(c, now)
 
         poller._poll_one = slow
         second = poller.poll([client]).nodes[0]
@@ -230,3 +233,38 @@ def test_median_without_one_equals_the_peers_median(values, data):
     i = data.draw(st.integers(0, len(values) - 1))
     others = values[:i] + values[i + 1 :]
     assert _median_without(sorted(values), values[i]) == median(others)
+
+
+def test_64_simulated_nodes_stay_cheap_and_fast(tmp_path):
+    """The scale regression check: bench/supervisor_scale.py with 64 simulated nodes x 8
+    ranks (a real supervisor process, a death every ~2 s). Bounds are generous for a
+    loaded 2-core CI machine (the measured figures: bench/results/supervisor_scale.md), so
+    only a real slow-down of the loop fails: CPU per pass, pass time, missed deaths."""
+    out = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/supervisor_scale.py"), "--nodes", "64",
+         "--duration", "8", "--warmup", "2", "--fault-every", "1.0", "--restart-delay", "0.5",
+         "--interval", "0.25", "--settle", "1.5", "--json", str(out),
+         "--out", str(tmp_path / "scale.md")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())
+    assert r["passes"] >= 12, r  # 8 s at 0.25 s: a loop that cannot keep up falls short
+    assert r["cpu_per_pass_ms"] < 250, r
+    assert r["loop_p50"] < 0.45, r
+    assert r["faults"] >= 2 and r["missed"] == 0, r
+    assert r["detect"]["dead"]["max"] < 1.5, r
+
+
+def test_a_pass_over_its_cpu_share_is_followed_by_a_longer_pause():
+    """[supervisor] cpu_share: a pass that used 0.4 s of CPU in 0.5 s at a 0.5-core share
+    waits 0.3 s more (0.8 s of wall for 0.4 s of CPU), not the interval's rest (none)."""
+    from types import SimpleNamespace
+
+    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+
+    sup = SimpleNamespace(cfg=SupervisorConfig(interval=0.25, cpu_share=0.5))
+    now = time.process_time()
+    assert Supervisor.pause(sup, 0.5, now - 0.4) == pytest.approx(0.3, abs=0.02)
+    assert Supervisor.pause(sup, 0.05, now) == pytest.approx(0.2, abs=0.02)  # the interval

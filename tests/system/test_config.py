@@ -105,7 +105,12 @@ def test_flags_override_the_file_and_a_bad_flag_is_named(tmp_path):
     proc = rankguard("supervisor", "--config", str(path), "--interval", "0.5",
                      "--process-idle-seconds", "9", "--print-config")  # fmt: skip
     cfg = tomllib.loads(proc.stdout)
-    assert cfg["supervisor"] == {"interval": 0.5, "agent_timeout": 5.0, "startup_trace": ""}
+    assert cfg["supervisor"] == {
+        "interval": 0.5,
+        "agent_timeout": 5.0,
+        "startup_trace": "",
+        "cpu_share": 0.5,
+    }
     assert cfg["detectors"]["process_hang"]["idle_seconds"] == 9.0
     assert cfg["detectors"]["straggler"]["enabled"] is False
     assert cfg["policy"]["max_restarts"] == 4
