@@ -22,6 +22,12 @@ On CPU the marks are `time.perf_counter()`; on CUDA they are events recorded on 
 stream, read one step later (by then they have completed), so the hot path never
 synchronises the host with the device.
 
+Data wait is the host time the loop spends getting its next batch: for a `DataLoader`
+with workers, the time blocked in `next(iterator)` while the workers have nothing ready
+(a slow filesystem, a starved pool), measured where the loop blocks (:func:`timed_batches`).
+A batch fetched between two steps (``for batch in loader:`` around the step) is carried
+into the step that follows: its data wait, and its step time from the fetch's start.
+
 Torch is imported lazily: this module imports with the standard library alone, and only
 a CUDA clock, the DDP hook and the FSDP wrappers touch torch.
 """
@@ -131,12 +137,25 @@ class StepTimer:
         self.comm_delay_seconds = 0.0  # fault hook: extra latency per all-reduce
         # the futures `then` made this step: their last reference stays on this thread
         self._chained: list = []
+        self._carried: tuple[float, float] | None = None  # (fetch start, seconds) before begin
+
+    def carry_data_wait(self, started: float, seconds: float) -> None:
+        """A batch fetched before the step opened: counted in the next step begun."""
+        if self._carried is not None:  # two fetches for one step: both are its wait
+            started, seconds = self._carried[0], self._carried[1] + seconds
+        self._carried = (started, seconds)
 
     # -- hot path ---------------------------------------------------------------
     def begin(self, step: int, start: float | None = None) -> None:
         """Open `step`, started at `start` (perf_counter; now by default)."""
-        self._current = _PendingStep(step, time.perf_counter() if start is None else start)
+        start = time.perf_counter() if start is None else start
+        carried, self._carried = self._carried, None
+        if carried is not None:
+            start = min(start, carried[0])
+        self._current = _PendingStep(step, start)
         self._chained = []
+        if carried is not None:
+            self._current.host["data_wait"] = carried[1]
 
     def mark(self, name: str) -> None:
         self._current.marks[name] = self.clock.mark()
@@ -190,6 +209,26 @@ class StepTimer:
             optimizer_seconds=max(0.0, optimizer),
             checkpoint_block_seconds=p.host.get("checkpoint_block", 0.0),
         )
+
+
+def timed_batches(timer: StepTimer, iterable, *, in_step_data_phase=lambda: False):
+    """Yield from ``iterable`` (a `DataLoader`, with workers or not), timing each
+    ``next()``: inside an open step it is that step's data wait, before one it is carried
+    into the next step begun. ``in_step_data_phase()`` True means the caller already
+    counts this time as data wait (the Reporter's unnamed or "data" phase)."""
+    it = iter(iterable)
+    while True:
+        start = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        seconds = time.perf_counter() - start
+        if timer._current is None:
+            timer.carry_data_wait(start, seconds)
+        elif not in_step_data_phase():
+            timer.host("data_wait", seconds)
+        yield item
 
 
 def timed_allreduce_hook(timer: StepTimer, bucket):

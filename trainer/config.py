@@ -175,10 +175,13 @@ class TrainConfig:
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
     fault_file: str | None = None
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    data_workers: int = 0  # DataLoader worker processes (0: load in the training process)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
+        if not 0 <= self.data_workers <= 64:
+            raise ConfigError("--data-workers must be between 0 and 64")
         if self.snapshot.every and self.fsdp:
             raise ConfigError("--snapshot-every: not supported with --fsdp yet (DDP only)")
         if self.log_every < 0:
@@ -258,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated other holders searched at resume (default $RANKGUARD_SNAPSHOT_PEERS)",
     )
     p.add_argument("--data", type=Path, help="token shards from `rankguard trainer prepare`")
+    p.add_argument(
+        "--data-workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes loading batches ahead (0: in the training loop)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--summary", type=Path, help="rank 0 writes final step, loss, digest here")
     p.add_argument("--job", default=None, help="job id for telemetry (default: torchrun's run id)")
@@ -357,6 +366,7 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         steps=args.steps,
         seed=args.seed,
         data_dir=args.data,
+        data_workers=args.data_workers,
         summary=args.summary,
         job=args.job
         or environ.get("RANKGUARD_JOB")

@@ -10,6 +10,9 @@ A spec is `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`:
 - nan         the loss of step N becomes NaN (bad numerics)
 - comm-delay  from step N on, every gradient all-reduce is `seconds` longer
 - ckpt-delay  from step N on, every background checkpoint write is `seconds` longer
+- data-stall  from step N on, loading each of this rank's batches takes `seconds` longer
+              (a slow filesystem or a starved loader; in the DataLoader's worker when
+              `--data-workers` > 0; a large `seconds` is a stuck loader)
 
 A fault fires only in the incarnation whose torchrun restart count is `restart`
 (default 0), so a crash at step 27 does not crash again after the resume.
@@ -31,7 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("crash", "exception", "hang", "spin", "slow", "nan", "comm-delay", "ckpt-delay")
+KINDS = ("crash", "exception", "hang", "spin", "slow", "nan", "comm-delay", "ckpt-delay",
+         "data-stall")  # fmt: skip
 
 
 class FaultSpecError(ValueError):
@@ -58,7 +62,9 @@ class FaultSpec:
             raise FaultSpecError("fault step and rank must be >= 0")
         if self.kind == "slow" and not (self.factor >= 1 and math.isfinite(self.factor)):
             raise FaultSpecError("slow needs factor >= 1")
-        if self.kind.endswith("-delay") and not (0 < self.seconds < 3600):
+        if self.kind in ("comm-delay", "ckpt-delay", "data-stall") and not (
+            0 < self.seconds < 3600
+        ):
             raise FaultSpecError(f"{self.kind} needs 0 < seconds < 3600")
 
 
@@ -164,6 +170,13 @@ class FaultInjector:
 
     def comm_delay(self, step: int) -> float:
         spec = self._active("comm-delay", step, from_step=True)
+        return spec.seconds if spec else 0.0
+
+    def data_stall(self, step: int) -> float:
+        """Extra seconds to load step `step`'s batches (asked by the loader, maybe in a
+        DataLoader worker: a copy of this injector that polls the fault file itself)."""
+        self.poll_file()
+        spec = self._active("data-stall", step, from_step=True)
         return spec.seconds if spec else 0.0
 
     def ckpt_delay(self, step: int) -> float:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ..client import Reporter, StepTiming
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
-from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
+from .data import GlobalSampler, MemmapTokens, StepBatches, StepLoader, SyntheticTokens
 from .distributed import DistInfo, agree_incarnation, init_distributed, unwrap, wrap_model
 from .faults import FaultInjector
 from .mfu import peak_flops
@@ -115,6 +115,11 @@ class Trainer:
             self.dataset = SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_len, cfg.seed)
         self.sampler = GlobalSampler(len(self.dataset), cfg.batch.global_batch, cfg.seed)
         self.accum = cfg.batch.accum_steps(info.world_size)
+        self.batches = StepBatches(
+            self.dataset, self.sampler, info.rank, info.world_size, self.accum,
+            cfg.batch.micro_batch, self.faults,
+        )  # fmt: skip
+        self.loader: StepLoader | None = None  # opened at the resumed step (run)
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.raw_model = GPT(cfg.model).to(info.device)
@@ -258,14 +263,11 @@ class Trainer:
         timer.comm_delay_seconds = self.faults.comm_delay(step)
         timer.begin(step)
 
+        # Data wait: blocked in next() until the step's batches are there (a DataLoader's
+        # workers with nothing ready, or the load itself without workers).
         data_start = time.perf_counter()
-        micro = rank_slice(
-            self.sampler.indices(step - 1), info.rank, info.world_size, self.accum,
-            cfg.batch.micro_batch,
-        )  # fmt: skip
         batches = [
-            tuple(t.to(info.device, non_blocking=True) for t in collate(self.dataset, idx))
-            for idx in micro
+            tuple(t.to(info.device, non_blocking=True) for t in pair) for pair in next(self.loader)
         ]
         timer.host("data_wait", time.perf_counter() - data_start)
 
@@ -335,10 +337,15 @@ class Trainer:
         self.phase = "train"
         self.send_heartbeat()
         first_step, start = self.step, time.perf_counter()
+        self.loader = StepLoader(
+            self.batches, self.step + 1, self.cfg.steps, self.cfg.data_workers,
+            pin_memory=self.info.device.type == "cuda",
+        )  # fmt: skip
         for step in range(self.step + 1, self.cfg.steps + 1):
             self.train_step(step)
             if step == first_step + 1:
                 trace.mark("first_step")
+        self.loader.close()
         self._report(self.timer.ready(flush=True))
         if self.ckpt:
             self.send_heartbeat("checkpoint_save")
