@@ -51,6 +51,7 @@ class DataStallConfig:
 
 @dataclass(frozen=True)
 class _Wait:
+    steps: list[StepSample]  # every judged step of the incarnation, oldest first
     recent: list[StepSample]  # the newest `window` steps
     baseline: float | None  # median data wait of the older steps (None: too few)
 
@@ -78,7 +79,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
                 if len(older) >= c.min_history
                 else None
             )
-            waits[r.rank] = (r, _Wait(steps[-c.window :], baseline))
+            waits[r.rank] = (r, _Wait(steps, steps[-c.window :], baseline))
         recent = {k: median([s.data_wait_seconds for s in w.recent]) for k, (_, w) in waits.items()}
         for k, (r, w) in waits.items():
             if w.baseline is None:
@@ -96,6 +97,13 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
             ):
                 continue
             newest = w.recent[-1]
+            first = _first_slow(w.steps, reference, c)
+            # when the first slow step began: the newest record's age, then the slow steps
+            began = (
+                obs.time
+                - (r.heartbeat_age_seconds or 0.0)
+                - sum(s.step_seconds for s in w.steps if s.step >= first)
+            )
             peers_text = f"peers' {peers_wait:.3f}s" if peers_wait is not None else "no peers"
             out.append(
                 Finding(
@@ -108,7 +116,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
                     job=job,
                     node=r.node,
                     rank=r.rank,
-                    occurred_at=obs.time,
+                    occurred_at=began,
                     evidence={
                         "restart": restart,
                         "step": newest.step,
@@ -121,19 +129,21 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
                         "step_seconds": step,
                         "data_wait_share": share,
                         "window": c.window,
-                        "first_slow_step": _first_slow(w.recent, reference, c),
+                        "first_slow_step": first,
                     },
                 )
             )
     return out
 
 
-def _first_slow(recent: list[StepSample], reference: float, c: DataStallConfig) -> int:
-    """The first step of the window that waited past the bar (where the stall began)."""
-    for s in recent:
-        if (
-            s.data_wait_seconds >= c.factor * reference
-            and s.data_wait_seconds - reference >= c.min_seconds
-        ):
-            return s.step
-    return recent[-1].step
+def _first_slow(steps: list[StepSample], reference: float, c: DataStallConfig) -> int:
+    """Where the stall began: the first step of the newest run of steps that waited past
+    the bar (the window's first slow step when the stall is intermittent)."""
+    first = None
+    for s in reversed(steps):
+        wait = s.data_wait_seconds
+        if wait >= c.factor * reference and wait - reference >= c.min_seconds:
+            first = s.step
+        elif first is not None:
+            break
+    return first if first is not None else steps[-1].step

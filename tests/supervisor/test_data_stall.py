@@ -39,6 +39,9 @@ def test_a_rank_whose_loader_slows_is_named_with_its_phase():
     assert f.evidence["peers_data_wait_seconds"] == 0.002
     assert f.evidence["data_wait_share"] > 0.9
     assert [x.kind for x in run_all(obs, History())] == [DATA_STALL]
+    # a stall longer than the window: still dated from its first slow step
+    (f,) = data_stall.detect(job(waits(1, 40), waits(1, 40, slow_from=33)), History(), CFG)
+    assert f.evidence["first_slow_step"] == 33
 
 
 def test_one_slow_batch_is_not_a_stall():
