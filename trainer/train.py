@@ -22,7 +22,7 @@ from .config import ConfigError, TrainConfig, config_from_args
 from .data import GlobalSampler, MemmapTokens, StepBatches, StepLoader, SyntheticTokens
 from .distributed import DistInfo, agree_incarnation, init_distributed, unwrap, wrap_model
 from .faults import FaultInjector
-from .mfu import peak_flops
+from .mfu import peak_flops_and_source
 from .model import GPT, parameter_digest
 from .snapshots import TierZero
 from .startup_trace import StartupTrace
@@ -134,7 +134,7 @@ class Trainer:
         self.ckpt = AsyncCheckpointer(cfg.ckpt, info, self.faults) if cfg.ckpt.dir else None
         self.snap = TierZero(cfg.snapshot, info, cfg.job) if cfg.snapshot.every else None
         self.resume_source: str | None = None  # holder, replica@ADDR or disk
-        self.peak_flops = peak_flops(info.device, cfg.peak_flops)
+        self.peak_flops, self.peak_flops_source = peak_flops_and_source(info.device, cfg.peak_flops)
         self.telemetry.flops_per_token = self.flops_per_token  # for MFU
         self.telemetry.peak_flops = self.peak_flops
         self._settle_ddp_buckets()
@@ -416,6 +416,7 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(self.info.device),
             "flops_per_token": self.flops_per_token,
             "peak_flops": self.peak_flops,
+            "peak_flops_source": self.peak_flops_source,
             "mfu": self.flops_per_token * tps / self.peak_flops if tps else 0.0,
         }
 
