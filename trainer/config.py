@@ -176,12 +176,15 @@ class TrainConfig:
     fault_file: str | None = None
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     data_workers: int = 0  # DataLoader worker processes (0: load in the training process)
+    spike_skip: int = 8  # data steps skipped up to a loss spike after its rollback
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
         if not 0 <= self.data_workers <= 64:
             raise ConfigError("--data-workers must be between 0 and 64")
+        if not 0 <= self.spike_skip <= 100_000:
+            raise ConfigError("--spike-skip-batches must be between 0 and 100000")
         if self.snapshot.every and self.fsdp:
             raise ConfigError("--snapshot-every: not supported with --fsdp yet (DDP only)")
         if self.log_every < 0:
@@ -266,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="DataLoader worker processes loading batches ahead (0: in the training loop)",
+    )
+    p.add_argument(
+        "--spike-skip-batches",
+        type=int,
+        default=8,
+        help="after a loss spike's rollback, skip this many data steps up to the spike's [8]",
     )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--summary", type=Path, help="rank 0 writes final step, loss, digest here")
@@ -367,6 +376,7 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         seed=args.seed,
         data_dir=args.data,
         data_workers=args.data_workers,
+        spike_skip=args.spike_skip_batches,
         summary=args.summary,
         job=args.job
         or environ.get("RANKGUARD_JOB")

@@ -645,17 +645,16 @@ class StepBatches:
 
 
 class StepLoader:
-    """``next()`` gives the batches of steps ``first..last`` in order: loaded in this
+    """``next()`` gives the batches of data steps ``steps`` in order: loaded in this
     process when ``workers`` is 0, else by a ``torch.utils.data.DataLoader`` with that
     many worker processes, each loading whole steps ahead of the loop (``prefetch``
     steps per worker). The loop's data wait is the time blocked in ``next()``."""
 
     def __init__(
-        self, batches: StepBatches, first: int, last: int, workers: int = 0, *,
+        self, batches: StepBatches, steps: Sequence[int], workers: int = 0, *,
         prefetch: int = 2, pin_memory: bool = False,
     ) -> None:  # fmt: skip
         self.batches, self.workers = batches, workers
-        steps = range(first, last + 1)
         if workers == 0 or not steps:
             self._it = (batches[s] for s in steps)
             self._loader = None

@@ -10,6 +10,9 @@ A spec is `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`:
 - nan         the loss of step N becomes NaN (bad numerics)
 - comm-delay  from step N on, every gradient all-reduce is `seconds` longer
 - ckpt-delay  from step N on, every background checkpoint write is `seconds` longer
+- poison      the batch of data step N makes rank R's loss `factor` times larger (default
+              20: a loss spike caused by the data, so a rollback that replays the batch
+              meets it again; fires in every incarnation unless `restart=` is given)
 - data-stall  from step N on, loading each of this rank's batches takes `seconds` longer
               (a slow filesystem or a starved loader; in the DataLoader's worker when
               `--data-workers` > 0; a large `seconds` is a stuck loader)
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("crash", "exception", "hang", "spin", "slow", "nan", "comm-delay", "ckpt-delay",
-         "data-stall")  # fmt: skip
+         "data-stall", "poison")  # fmt: skip
 
 
 class FaultSpecError(ValueError):
@@ -60,6 +63,8 @@ class FaultSpec:
             raise FaultSpecError(f"unknown fault kind {self.kind!r}; one of {', '.join(KINDS)}")
         if self.step < 0 or self.rank < 0:
             raise FaultSpecError("fault step and rank must be >= 0")
+        if self.kind == "poison" and not (self.factor > 1 and math.isfinite(self.factor)):
+            raise FaultSpecError("poison needs factor > 1")
         if self.kind == "slow" and not (self.factor >= 1 and math.isfinite(self.factor)):
             raise FaultSpecError("slow needs factor >= 1")
         if self.kind in ("comm-delay", "ckpt-delay", "data-stall") and not (
@@ -90,6 +95,9 @@ def parse_fault_spec(text: str) -> FaultSpec:
             raise FaultSpecError(f"{text!r}: bad value for {key}: {value!r}") from None
     if "step" not in fields:
         raise FaultSpecError(f"{text!r}: step=N is required")
+    if kind == "poison":  # bad data is bad in every incarnation, and spikes by default 20x
+        fields.setdefault("restart", None)
+        fields.setdefault("factor", 20.0)
     return FaultSpec(kind=kind, **fields)
 
 
@@ -178,6 +186,11 @@ class FaultInjector:
         self.poll_file()
         spec = self._active("data-stall", step, from_step=True)
         return spec.seconds if spec else 0.0
+
+    def poison_factor(self, data_step: int) -> float:
+        """How many times larger the loss of data step `data_step`'s batch is (1: clean)."""
+        spec = self._active("poison", data_step, from_step=False)
+        return spec.factor if spec else 1.0
 
     def ckpt_delay(self, step: int) -> float:
         spec = self._active("ckpt-delay", step, from_step=True)

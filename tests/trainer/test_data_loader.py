@@ -19,8 +19,8 @@ def step_batches(faults=None, rank=1):
 
 
 def test_workers_give_exactly_the_in_process_batches_from_any_step():
-    inline = list(StepLoader(step_batches(), 5, 12, workers=0))
-    loader = StepLoader(step_batches(), 5, 12, workers=2)
+    inline = list(StepLoader(step_batches(), range(5, 13), workers=0))
+    loader = StepLoader(step_batches(), range(5, 13), workers=2)
     pooled = list(loader)
     loader.close()
     assert len(inline) == len(pooled) == 8
@@ -28,7 +28,7 @@ def test_workers_give_exactly_the_in_process_batches_from_any_step():
         assert len(a) == len(b) == 2  # accumulation micro-batches
         for (xa, ya), (xb, yb) in zip(a, b, strict=True):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    assert list(StepLoader(step_batches(), 3, 2, workers=2)) == []  # nothing left to train
+    assert list(StepLoader(step_batches(), range(3, 3), workers=2)) == []  # nothing left to train
 
 
 def test_data_stall_fault_slows_the_worker_and_the_wait_is_timed_in_next():
@@ -38,7 +38,7 @@ def test_data_stall_fault_slows_the_worker_and_the_wait_is_timed_in_next():
     assert FaultInjector((spec,), rank=0, restart_count=0).data_stall(4) == 0.0
     with pytest.raises(FaultSpecError):
         parse_fault_spec("data-stall:step=4")  # needs seconds
-    loader = StepLoader(step_batches(faults), 1, 5, workers=1, prefetch=1)
+    loader = StepLoader(step_batches(faults), range(1, 6), workers=1, prefetch=1)
     waits = []
     for _ in range(5):
         start = time.perf_counter()
