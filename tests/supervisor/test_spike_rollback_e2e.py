@@ -44,7 +44,9 @@ def test_data_caused_spike_rolls_back_skips_its_batches_and_completes(tmp_path):
     assert ev["checkpoint_step"] == 40 and inc["resumed_step"] == 40, inc
     assert inc["restarted_at"] and inc["state"] == "resolved", inc
     # the spike was recorded once: the replay never met the poisoned batch again
-    records = [json.loads(x) for x in (tmp_path / "ckpt/spikes.jsonl").read_text().split() if x]
+    records = [
+        json.loads(x) for x in (tmp_path / "ckpt/spikes.jsonl").read_text().splitlines() if x
+    ]
     assert [(r["data_step"], r["step"], r["rank"]) for r in records] == [(POISONED, POISONED, 1)]
     assert "skipping data steps [41, 42, 43, 44, 45] after the rollback to step 40" in proc.stderr
     assert [i["kind"] for i in incidents] == ["bad_numerics"], incidents
