@@ -7,8 +7,12 @@ when its future completed.
 
 - `comm_seconds`: wall time during which at least one all-reduce was in flight (the
   union of the buckets' intervals), overlapped with backward or not.
-- `comm_exposed_seconds`: the part of backward spent only waiting for communication:
-  all-reduce time after the last bucket's launch (autograd has no work left then) and
+- `comm_exposed_seconds`: the part of backward spent only waiting for communication,
+  measured where the step waits: the DDP hook queues an autograd callback at its first
+  bucket, which runs when autograd's graph is done, just before DDP's reducer
+  finalization (queued after the last bucket's launch) blocks on every bucket's future;
+  from that mark to backward's return the step did nothing but wait. Without the mark
+  (FSDP2, or a timer fed by hand) it is the all-reduce time after the last launch and
   before backward's return.
 - `compute_seconds`: forward+backward minus the exposed communication.
 
@@ -125,6 +129,7 @@ class _PendingStep:
     marks: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
     comm: list = field(default_factory=list)
+    autograd_queued: bool = False  # the "autograd_done" callback is queued for this step
 
 
 class StepTimer:
@@ -194,7 +199,12 @@ class StepTimer:
         fwd_bwd = bwd_end - start if start is not None and bwd_end is not None else 0.0
         optimizer = opt_end - bwd_end if bwd_end is not None and opt_end is not None else 0.0
         exposed = 0.0
-        if comm and bwd_end is not None:  # in flight after the last launch, until backward returned
+        done = s.get("autograd_done")
+        if done is not None and bwd_end is not None and comm:  # measured where it blocked
+            exposed = min(max(0.0, bwd_end - done), union_length(comm))
+        elif (
+            comm and bwd_end is not None
+        ):  # in flight after the last launch, until backward returned
             last_launch, end = max(a for a, _ in comm), bwd_end
             exposed = union_length(
                 [(max(a, last_launch), min(b, end)) for a, b in comm if b > last_launch and a < end]
@@ -250,17 +260,61 @@ def timed_allreduce_hook(timer: StepTimer, bucket):
             op = dist.ReduceOp.AVG
         else:
             tensor.div_(world)
+    _mark_autograd_done(timer)
     launched = timer.comm_launched()
     fut = dist.all_reduce(tensor, op=op, group=group, async_op=True).get_future()
     delay = timer.comm_delay_seconds
+    if delay:
+        return _delayed(timer, fut, launched, delay, tensor)
 
     def done(f):
-        if delay:
-            time.sleep(delay)  # fault hook: a slow link
         timer.comm_done(launched)
         return f.value()[0]
 
     return _chain(timer, fut, done)
+
+
+def _delayed(timer: StepTimer, fut, launched, delay: float, tensor):
+    """Fault hook, a slow link: the bucket's future completes `delay` seconds after its
+    all-reduce did, from a thread of its own. Never by sleeping in the callback: a future
+    already complete runs `then` inline, in the backward pass, and the delay would be
+    taken for compute instead of a wait on communication."""
+    import torch
+
+    cuda = tensor.device.type == "cuda"
+    out = torch.futures.Future(devices=[tensor.device] if cuda else None)
+
+    def late(f):
+        def finish():
+            time.sleep(delay)
+            timer.comm_done(launched)  # the step is open: backward waits on `out`
+            out.set_result(f.value()[0])
+
+        threading.Thread(target=finish, name="rankguard-comm-delay", daemon=True).start()
+
+    _chain(timer, fut, late)
+    return out
+
+
+def _mark_autograd_done(timer: StepTimer) -> None:
+    """Queue, once per step, an autograd callback marking when the graph is done. Queued
+    at the first bucket, it runs before DDP's finalization (queued after the last bucket's
+    launch), which waits there for the buckets' all-reduces."""
+    cur = timer._current
+    if cur is None or cur.autograd_queued:
+        return
+    cur.autograd_queued = True
+    try:
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(lambda: _mark_if_open(timer, cur))
+    except Exception:  # not inside a backward pass (a hook called by hand): interval method
+        pass
+
+
+def _mark_if_open(timer: StepTimer, step: _PendingStep) -> None:
+    if timer._current is step:  # never raise inside backward
+        timer.mark("autograd_done")
 
 
 def _timed_work(timer: StepTimer, launched, work):
