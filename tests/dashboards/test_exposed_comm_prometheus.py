@@ -26,7 +26,7 @@ ALERT = 'ALERTS{alertname="CommunicationOverheadHigh"}'
 
 def test_exposed_comm_alert_silent_on_a_clean_job_and_firing_on_a_delayed_one(tmp_path):
     prometheus_bin()
-    targets = rules.Targets(comm_window="15s", comm_for="0s")
+    targets = rules.Targets(comm_window="10s", comm_for="0s")
     gen = tmp_path / "gen"
     build.write(gen, build.render_all(targets))
     prom_dir = gen / "prometheus"
@@ -46,7 +46,7 @@ def test_exposed_comm_alert_silent_on_a_clean_job_and_firing_on_a_delayed_one(tm
             ("clean", []),
             ("delayed", ["--fault", "comm-delay:step=1:rank=0:seconds=0.1"]),
         ):
-            proc = torchrun(["--steps", "150", "--job", job, *MODEL, *extra], cwd=tmp_path,
+            proc = torchrun(["--steps", "100", "--job", job, *MODEL, *extra], cwd=tmp_path,
                             env=env, timeout=240)  # fmt: skip
             assert proc.returncode == 0, proc.stderr[-3000:]
         time.sleep(2)  # the last scrapes and rule evaluations
