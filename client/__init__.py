@@ -19,7 +19,15 @@ Nothing here blocks on the node agent or raises into training: failures are coun
 from .checkpoints import CheckpointError, CheckpointStatus, CheckpointStore
 from .reporter import ERROR_REASONS, STEP_PHASES, Reporter, Step
 from .sender import DROP_REASONS, TelemetrySender
-from .timing import Clock, StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook, union_length
+from .timing import (
+    Clock,
+    StepTimer,
+    StepTiming,
+    attach_fsdp,
+    timed_allreduce_hook,
+    timed_batches,
+    union_length,
+)
 
 __all__ = [
     "CheckpointError",
@@ -36,5 +44,6 @@ __all__ = [
     "TelemetrySender",
     "attach_fsdp",
     "timed_allreduce_hook",
+    "timed_batches",
     "union_length",
 ]

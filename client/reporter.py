@@ -3,7 +3,8 @@
     rg = Reporter(model)                  # torchrun's env, $RANKGUARD_TELEMETRY_SOCKET;
     for n in range(1, steps + 1):         # DDP or FSDP2: communication timed
         s = rg.step(n, tokens=tokens)     # or: with rg.step(n) as s:
-        x, y = next(batches)              # before "compute": the data wait
+        x, y = next(batches)              # before "compute": the data wait (or wrap the
+                                          # loader: `for x, y in rg.batches(loader)`)
         s.phase("compute"); loss = model(x, y); loss.backward()
         s.phase("optimizer"); opt.step(); opt.zero_grad()
         s.loss(loss)                      # a tensor is read a step late, never synced
@@ -43,7 +44,7 @@ from typing import Any
 
 from ..contract.telemetry import MAX_JOB_CHARS, PHASES, SCHEMA_VERSION, socket_path_from_env
 from .sender import TelemetrySender
-from .timing import StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook
+from .timing import StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook, timed_batches
 
 __all__ = ["ERROR_REASONS", "STEP_PHASES", "Reporter", "Step"]
 
@@ -322,6 +323,17 @@ class Reporter:
     def set_comm_delay(self, seconds: float) -> None:
         """Fault injection: sleep this long in every gradient all-reduce's completion."""
         self.timer.comm_delay_seconds = seconds
+
+    def batches(self, iterable: Any):
+        """``for x, y in rg.batches(loader):``: the time blocked in ``next()`` (a
+        `DataLoader`'s workers with nothing ready included) is the data wait of the step it
+        feeds, whether fetched inside the step or just before it opens."""
+
+        def counted_by_step() -> bool:  # the open step's data phase already counts it
+            s = self._open
+            return s is not None and s._phase in (None, "data")
+
+        return timed_batches(self.timer, iterable, in_step_data_phase=counted_by_step)
 
     # -- the step -----------------------------------------------------------------------
     def step(self, step: int, *, tokens: int | float | None = None) -> Step:

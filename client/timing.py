@@ -7,8 +7,12 @@ when its future completed.
 
 - `comm_seconds`: wall time during which at least one all-reduce was in flight (the
   union of the buckets' intervals), overlapped with backward or not.
-- `comm_exposed_seconds`: the part of backward spent only waiting for communication:
-  all-reduce time after the last bucket's launch (autograd has no work left then) and
+- `comm_exposed_seconds`: the part of backward spent only waiting for communication,
+  measured where the step waits: the DDP hook queues an autograd callback at its first
+  bucket, which runs when autograd's graph is done, just before DDP's reducer
+  finalization (queued after the last bucket's launch) blocks on every bucket's future;
+  from that mark to backward's return the step did nothing but wait. Without the mark
+  (FSDP2, or a timer fed by hand) it is the all-reduce time after the last launch and
   before backward's return.
 - `compute_seconds`: forward+backward minus the exposed communication.
 
@@ -21,6 +25,12 @@ and the intervals join the DDP buckets' in the same union.
 On CPU the marks are `time.perf_counter()`; on CUDA they are events recorded on the
 stream, read one step later (by then they have completed), so the hot path never
 synchronises the host with the device.
+
+Data wait is the host time the loop spends getting its next batch: for a `DataLoader`
+with workers, the time blocked in `next(iterator)` while the workers have nothing ready
+(a slow filesystem, a starved pool), measured where the loop blocks (:func:`timed_batches`).
+A batch fetched between two steps (``for batch in loader:`` around the step) is carried
+into the step that follows: its data wait, and its step time from the fetch's start.
 
 Torch is imported lazily: this module imports with the standard library alone, and only
 a CUDA clock, the DDP hook and the FSDP wrappers touch torch.
@@ -119,6 +129,7 @@ class _PendingStep:
     marks: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
     comm: list = field(default_factory=list)
+    autograd_queued: bool = False  # the "autograd_done" callback is queued for this step
 
 
 class StepTimer:
@@ -131,12 +142,25 @@ class StepTimer:
         self.comm_delay_seconds = 0.0  # fault hook: extra latency per all-reduce
         # the futures `then` made this step: their last reference stays on this thread
         self._chained: list = []
+        self._carried: tuple[float, float] | None = None  # (fetch start, seconds) before begin
+
+    def carry_data_wait(self, started: float, seconds: float) -> None:
+        """A batch fetched before the step opened: counted in the next step begun."""
+        if self._carried is not None:  # two fetches for one step: both are its wait
+            started, seconds = self._carried[0], self._carried[1] + seconds
+        self._carried = (started, seconds)
 
     # -- hot path ---------------------------------------------------------------
     def begin(self, step: int, start: float | None = None) -> None:
         """Open `step`, started at `start` (perf_counter; now by default)."""
-        self._current = _PendingStep(step, time.perf_counter() if start is None else start)
+        start = time.perf_counter() if start is None else start
+        carried, self._carried = self._carried, None
+        if carried is not None:
+            start = min(start, carried[0])
+        self._current = _PendingStep(step, start)
         self._chained = []
+        if carried is not None:
+            self._current.host["data_wait"] = carried[1]
 
     def mark(self, name: str) -> None:
         self._current.marks[name] = self.clock.mark()
@@ -175,7 +199,12 @@ class StepTimer:
         fwd_bwd = bwd_end - start if start is not None and bwd_end is not None else 0.0
         optimizer = opt_end - bwd_end if bwd_end is not None and opt_end is not None else 0.0
         exposed = 0.0
-        if comm and bwd_end is not None:  # in flight after the last launch, until backward returned
+        done = s.get("autograd_done")
+        if done is not None and bwd_end is not None and comm:  # measured where it blocked
+            exposed = min(max(0.0, bwd_end - done), union_length(comm))
+        elif (
+            comm and bwd_end is not None
+        ):  # in flight after the last launch, until backward returned
             last_launch, end = max(a for a, _ in comm), bwd_end
             exposed = union_length(
                 [(max(a, last_launch), min(b, end)) for a, b in comm if b > last_launch and a < end]
@@ -190,6 +219,26 @@ class StepTimer:
             optimizer_seconds=max(0.0, optimizer),
             checkpoint_block_seconds=p.host.get("checkpoint_block", 0.0),
         )
+
+
+def timed_batches(timer: StepTimer, iterable, *, in_step_data_phase=lambda: False):
+    """Yield from ``iterable`` (a `DataLoader`, with workers or not), timing each
+    ``next()``: inside an open step it is that step's data wait, before one it is carried
+    into the next step begun. ``in_step_data_phase()`` True means the caller already
+    counts this time as data wait (the Reporter's unnamed or "data" phase)."""
+    it = iter(iterable)
+    while True:
+        start = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        seconds = time.perf_counter() - start
+        if timer._current is None:
+            timer.carry_data_wait(start, seconds)
+        elif not in_step_data_phase():
+            timer.host("data_wait", seconds)
+        yield item
 
 
 def timed_allreduce_hook(timer: StepTimer, bucket):
@@ -211,17 +260,61 @@ def timed_allreduce_hook(timer: StepTimer, bucket):
             op = dist.ReduceOp.AVG
         else:
             tensor.div_(world)
+    _mark_autograd_done(timer)
     launched = timer.comm_launched()
     fut = dist.all_reduce(tensor, op=op, group=group, async_op=True).get_future()
     delay = timer.comm_delay_seconds
+    if delay:
+        return _delayed(timer, fut, launched, delay, tensor)
 
     def done(f):
-        if delay:
-            time.sleep(delay)  # fault hook: a slow link
         timer.comm_done(launched)
         return f.value()[0]
 
     return _chain(timer, fut, done)
+
+
+def _delayed(timer: StepTimer, fut, launched, delay: float, tensor):
+    """Fault hook, a slow link: the bucket's future completes `delay` seconds after its
+    all-reduce did, from a thread of its own. Never by sleeping in the callback: a future
+    already complete runs `then` inline, in the backward pass, and the delay would be
+    taken for compute instead of a wait on communication."""
+    import torch
+
+    cuda = tensor.device.type == "cuda"
+    out = torch.futures.Future(devices=[tensor.device] if cuda else None)
+
+    def late(f):
+        def finish():
+            time.sleep(delay)
+            timer.comm_done(launched)  # the step is open: backward waits on `out`
+            out.set_result(f.value()[0])
+
+        threading.Thread(target=finish, name="rankguard-comm-delay", daemon=True).start()
+
+    _chain(timer, fut, late)
+    return out
+
+
+def _mark_autograd_done(timer: StepTimer) -> None:
+    """Queue, once per step, an autograd callback marking when the graph is done. Queued
+    at the first bucket, it runs before DDP's finalization (queued after the last bucket's
+    launch), which waits there for the buckets' all-reduces."""
+    cur = timer._current
+    if cur is None or cur.autograd_queued:
+        return
+    cur.autograd_queued = True
+    try:
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(lambda: _mark_if_open(timer, cur))
+    except Exception:  # not inside a backward pass (a hook called by hand): interval method
+        pass
+
+
+def _mark_if_open(timer: StepTimer, step: _PendingStep) -> None:
+    if timer._current is step:  # never raise inside backward
+        timer.mark("autograd_done")
 
 
 def _timed_work(timer: StepTimer, launched, work):

@@ -51,6 +51,11 @@ KINDS: dict[str, Kind] = {
              help="every background checkpoint write takes SECONDS longer"),
         Kind("load-delay", (TRAINER,), ("seconds",), ("seconds",),
              help="loading a checkpoint of step N or later takes SECONDS longer (slow storage)"),
+        Kind("data-stall", (TRAINER,), ("seconds",), ("seconds",),
+             help="from step N on, loading each of the rank's batches takes SECONDS longer"),
+        Kind("poison", (TRAINER,), ("factor",),
+             help="the batch of data step N makes the loss FACTOR (20) times larger, in every"
+                  " incarnation: a spike the data causes"),
         Kind("corrupt-checkpoint", (CHECKPOINT,),
              help="flip one byte of the newest validated checkpoint (a resume must refuse it)"),
     )
@@ -61,6 +66,9 @@ DEPRECATED = {"crash": "kill"}
 
 KEYS = ("rank", "step", "at", "factor", "seconds", "restart")
 DEFAULT_FACTOR = 1.5  # slow: a straggler the detector names (a 20% one is within noise on CI)
+POISON_FACTOR = 20.0  # poison: a spike far outside the loss's noise
+# the incarnation a kind fires in when restart= is not given: bad data is bad in every one
+DEFAULT_RESTART: dict[str, int | None] = {"poison": None}
 _NAME = re.compile(r"^[a-z][a-z-]*$")
 _NUMBER = r"[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"  # what repr() of a float can print
 _SECONDS = re.compile(rf"^({_NUMBER})s?$")
@@ -97,7 +105,7 @@ class Fault:
         for key in ("factor", "seconds"):
             if getattr(self, key) is not None:
                 parts.append(f"{key}={_num(getattr(self, key))}")
-        if self.restart != 0:
+        if self.restart != DEFAULT_RESTART.get(self.kind, 0):
             parts.append(f"restart={'any' if self.restart is None else self.restart}")
         return ":".join(parts)
 
@@ -167,6 +175,10 @@ def parse(spec: str) -> Fault:
         fields.setdefault("factor", DEFAULT_FACTOR)
         if fields["factor"] < 1:
             raise FaultError(f"{spec!r}: slow needs factor >= 1")
+    if kind == "poison":
+        fields.setdefault("factor", POISON_FACTOR)
+    if kind in DEFAULT_RESTART:
+        fields.setdefault("restart", DEFAULT_RESTART[kind])
     if "seconds" in fields and not 0 < fields["seconds"] < 3600:
         raise FaultError(f"{spec!r}: {kind} needs 0 < seconds < 3600")
     if CHECKPOINT in k.by and set(fields) - {"at"}:

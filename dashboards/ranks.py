@@ -84,6 +84,21 @@ def build():
                    "percentunit", max_value=1,
                    description="FLOPs done over 1m (a counter) over the device's peak FLOP/s."),
     ]  # fmt: skip
+    # What each rank's GPU waited for (issue 20): its batches, and communication the step
+    # blocked on (exposed: not hidden behind backward; what the 20% alert judges).
+    waits = [
+        timeseries("Exposed communication share of step time",
+                   [Query(_per_rank("rankguard_rank_comm_exposed_step_ratio"), RANK)], "percentunit",
+                   max_value=1, thresholds=(("green", None), ("red", 0.2)),
+                   description="Communication the step waited for (not overlapped with compute) "
+                               "over step time. Target: under 20%."),
+        timeseries("Data wait per rank",
+                   [Query(with_node(live(f'rankguard_rank_phase_seconds{{{JOB}, phase="data_wait"}}')), RANK)],
+                   "s",
+                   description="Seconds of the last step the rank waited for its next batch "
+                               "(DataLoader workers with nothing ready included). One rank far "
+                               "above its peers is a data stall."),
+    ]  # fmt: skip
     memory = [
         timeseries("Peak GPU memory per rank",
                    [Query(with_node(f"rankguard_rank_peak_memory_bytes{{{JOB}}}"), RANK)], "bytes",
@@ -100,5 +115,5 @@ def build():
         UID,
         "rankguard / Ranks and communication",
         "Per rank: communication and data-wait shares, stragglers, step split, memory.",
-        [top, comm, split, memory],
+        [top, comm, waits, split, memory],
     )

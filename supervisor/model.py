@@ -21,8 +21,9 @@ NODE_FAULT = "node_fault"
 CHECKPOINT_STALE = "checkpoint_stale"
 AGENT_UNREACHABLE = "agent_unreachable"
 CRASH_LOOP = "crash_loop"
+DATA_STALL = "data_stall"
 KINDS = (RANK_DEAD, RANK_HUNG, STRAGGLER, BAD_NUMERICS, NODE_FAULT, CHECKPOINT_STALE,
-         AGENT_UNREACHABLE, CRASH_LOOP)  # fmt: skip
+         AGENT_UNREACHABLE, CRASH_LOOP, DATA_STALL)  # fmt: skip
 
 SEVERITIES = ("info", "warning", "critical")
 

@@ -189,10 +189,16 @@ class TrainConfig:
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
     fault_file: str | None = None
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    data_workers: int = 0  # DataLoader worker processes (0: load in the training process)
+    spike_skip: int = 8  # data steps skipped up to a loss spike after its rollback
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
+        if not 0 <= self.data_workers <= 64:
+            raise ConfigError("--data-workers must be between 0 and 64")
+        if not 0 <= self.spike_skip <= 100_000:
+            raise ConfigError("--spike-skip-batches must be between 0 and 100000")
         if self.log_every < 0:
             raise ConfigError("--log-every must be >= 0")
 
@@ -277,6 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
         " (default $RANKGUARD_SNAPSHOT_TOKEN_FILE)",
     )
     p.add_argument("--data", type=Path, help="token shards from `rankguard trainer prepare`")
+    p.add_argument(
+        "--data-workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes loading batches ahead (0: in the training loop)",
+    )
+    p.add_argument(
+        "--spike-skip-batches",
+        type=int,
+        default=8,
+        help="after a loss spike's rollback, skip this many data steps up to the spike's [8]",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--summary", type=Path, help="rank 0 writes final step, loss, digest here")
     p.add_argument("--job", default=None, help="job id for telemetry (default: torchrun's run id)")
@@ -376,6 +394,8 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         steps=args.steps,
         seed=args.seed,
         data_dir=args.data,
+        data_workers=args.data_workers,
+        spike_skip=args.spike_skip_batches,
         summary=args.summary,
         job=args.job
         or environ.get("RANKGUARD_JOB")

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +45,8 @@ __all__ = [
     "DataError",
     "GlobalSampler",
     "MemmapTokens",
+    "StepBatches",
+    "StepLoader",
     "SyntheticTokens",
     "collate",
     "prepare_corpus",
@@ -601,3 +604,82 @@ def collate(dataset: Any, indices: Sequence[int]) -> tuple[torch.Tensor, torch.T
         raise ValueError("collate needs at least one index")
     x = torch.stack([dataset[int(i)] for i in indices]).to(torch.long)
     return x[:, :-1], x[:, 1:]
+
+
+# ------------------------------------------------------------------------ loading
+
+
+class StepBatches:
+    """Map-style: item ``step`` is this rank's micro-batches of training step ``step``,
+    collated on the CPU. What a DataLoader worker runs (so it pickles: the dataset's
+    memory maps are reopened in each worker).
+
+    ``faults`` (the rank's FaultInjector, or None) may slow the load of a step down: the
+    ``data-stall`` fault, in the process that loads, as a slow filesystem would.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sampler: GlobalSampler,
+        rank: int,
+        world_size: int,
+        accum_steps: int,
+        micro_batch: int,
+        faults: Any = None,
+    ) -> None:
+        self.dataset, self.sampler, self.faults = dataset, sampler, faults
+        self.rank, self.world_size = rank, world_size
+        self.accum_steps, self.micro_batch = accum_steps, micro_batch
+
+    def __getitem__(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.faults is not None:
+            delay = self.faults.data_stall(step)
+            if delay:
+                time.sleep(delay)
+        micro = rank_slice(
+            self.sampler.indices(step - 1), self.rank, self.world_size, self.accum_steps,
+            self.micro_batch,
+        )  # fmt: skip
+        return [collate(self.dataset, idx) for idx in micro]
+
+
+class StepLoader:
+    """``next()`` gives the batches of data steps ``steps`` in order: loaded in this
+    process when ``workers`` is 0, else by a ``torch.utils.data.DataLoader`` with that
+    many worker processes, each loading whole steps ahead of the loop (``prefetch``
+    steps per worker). The loop's data wait is the time blocked in ``next()``."""
+
+    def __init__(
+        self, batches: StepBatches, steps: Sequence[int], workers: int = 0, *,
+        prefetch: int = 2, pin_memory: bool = False,
+    ) -> None:  # fmt: skip
+        self.batches, self.workers = batches, workers
+        if workers == 0 or not steps:
+            self._it = (batches[s] for s in steps)
+            self._loader = None
+            return
+        from torch.utils.data import DataLoader
+
+        self._loader = DataLoader(
+            batches,  # type: ignore[arg-type]
+            batch_size=None,  # an item is already a step's batches
+            sampler=steps,
+            num_workers=workers,
+            prefetch_factor=prefetch,
+            pin_memory=pin_memory,
+        )
+        self._it = iter(self._loader)
+
+    def __iter__(self) -> StepLoader:
+        return self
+
+    def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return next(self._it)
+
+    def close(self) -> None:
+        """Stop the worker processes now (they also end with this process)."""
+        it, self._it = self._it, iter(())
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()

@@ -2,7 +2,8 @@
 
 A spec is one of the grammar's trainer faults (`rankguard.contract.faults`, described in
 docs/faults.md): `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`, KIND one
-of kill, exception, hang, spin, slow, nan, comm-delay, ckpt-delay, load-delay (`crash` is the old
+of kill, exception, hang, spin, slow, nan, comm-delay, ckpt-delay, load-delay,
+data-stall, poison (`crash` is the old
 name of `kill`: accepted with a deprecation line). `stop` and `corrupt-checkpoint` are
 done from outside (`rankguard inject`), never by the trainer.
 
@@ -53,9 +54,13 @@ class FaultSpec:
             raise FaultSpecError(f"unknown fault kind {self.kind!r}; one of {', '.join(KINDS)}")
         if self.step < 0 or self.rank < 0:
             raise FaultSpecError("fault step and rank must be >= 0")
+        if self.kind == "poison" and not (self.factor > 1 and math.isfinite(self.factor)):
+            raise FaultSpecError("poison needs factor > 1")
         if self.kind == "slow" and not (self.factor >= 1 and math.isfinite(self.factor)):
             raise FaultSpecError("slow needs factor >= 1")
-        if self.kind.endswith("-delay") and not (0 < self.seconds < 3600):
+        if self.kind in ("comm-delay", "ckpt-delay", "data-stall") and not (
+            0 < self.seconds < 3600
+        ):
             raise FaultSpecError(f"{self.kind} needs 0 < seconds < 3600")
 
 
@@ -149,6 +154,18 @@ class FaultInjector:
     def comm_delay(self, step: int) -> float:
         spec = self._active("comm-delay", step, from_step=True)
         return spec.seconds if spec else 0.0
+
+    def data_stall(self, step: int) -> float:
+        """Extra seconds to load step `step`'s batches (asked by the loader, maybe in a
+        DataLoader worker: a copy of this injector that polls the fault file itself)."""
+        self.poll_file()
+        spec = self._active("data-stall", step, from_step=True)
+        return spec.seconds if spec else 0.0
+
+    def poison_factor(self, data_step: int) -> float:
+        """How many times larger the loss of data step `data_step`'s batch is (1: clean)."""
+        spec = self._active("poison", data_step, from_step=False)
+        return spec.factor if spec else 1.0
 
     def ckpt_delay(self, step: int) -> float:
         """The longest active one: a stuck save injected at run time over a slow one."""

@@ -10,6 +10,7 @@ import os
 import resource
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -20,12 +21,13 @@ from ..client import Reporter, StepTiming
 from . import announce
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
-from .data import GlobalSampler, MemmapTokens, SyntheticTokens, collate, rank_slice
+from .data import GlobalSampler, MemmapTokens, StepBatches, StepLoader, SyntheticTokens
 from .distributed import DistInfo, agree_incarnation, init_distributed, unwrap, wrap_model
 from .faults import FaultInjector
-from .mfu import peak_flops
+from .mfu import peak_flops_and_source
 from .model import GPT, parameter_digest
 from .snapshots import TierZero
+from .spikes import HISTORY, data_step, is_spike, plan_skips, read_spikes, record_spike
 from .startup_trace import StartupTrace
 
 log = logging.getLogger("rankguard.trainer")
@@ -120,6 +122,17 @@ class Trainer:
             self.dataset = SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_len, cfg.seed)
         self.sampler = GlobalSampler(len(self.dataset), cfg.batch.global_batch, cfg.seed)
         self.accum = cfg.batch.accum_steps(info.world_size)
+        self.batches = StepBatches(
+            self.dataset, self.sampler, info.rank, info.world_size, self.accum,
+            cfg.batch.micro_batch, self.faults,
+        )  # fmt: skip
+        self.loader: StepLoader | None = None  # opened at the resumed step (run)
+        # Loss spikes (trainer/spikes.py): data steps skipped, this incarnation's losses,
+        # and whether it saw a spike (then it validates no more checkpoints).
+        self.data_skips: list[int] = []
+        self.losses: deque[float] = deque(maxlen=HISTORY)
+        self.judged_step = 0
+        self.spiked_at: int | None = None
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.raw_model = GPT(cfg.model).to(info.device)
@@ -137,7 +150,7 @@ class Trainer:
         )
         self.resume_source: str | None = None  # holder, replica@ADDR or disk
         self.resume_sources: list[str | None] = []  # every rank's, with tier 0
-        self.peak_flops = peak_flops(info.device, cfg.peak_flops)
+        self.peak_flops, self.peak_flops_source = peak_flops_and_source(info.device, cfg.peak_flops)
         self.telemetry.flops_per_token = self.flops_per_token  # for MFU
         self.telemetry.peak_flops = self.peak_flops
         self._settle_ddp_buckets()
@@ -199,6 +212,7 @@ class Trainer:
         tokens = self.accum * self.cfg.batch.micro_batch * self.cfg.model.seq_len
         for t in timings:
             loss = self._pending_loss.pop(t.step).item()
+            self._judge_loss(t.step, loss)
             self.last_loss = loss
             self.step_times.append((t.step_seconds, t.data_wait_seconds))
             self._sync_telemetry()
@@ -229,6 +243,7 @@ class Trainer:
                 state = self.ckpt.resume(self.model, self.optim)
                 self.resume_source = "disk" if state else None
             self.faults.load_delay(state["step"] if state else None)
+        self._plan_skips(state)
         if state is None:
             return
         if state["global_batch"] != self.cfg.batch.global_batch:
@@ -252,6 +267,23 @@ class Trainer:
                 self.info.world_size, self.accum,
             )  # fmt: skip
 
+    def _plan_skips(self, state: dict | None) -> None:
+        """The data steps to skip from here: the checkpoint's, plus the window before each
+        spike recorded past its data position (the same on every rank: same file, same
+        checkpoint)."""
+        if not self.cfg.ckpt.dir:
+            return
+        saved = list(state.get("data_skips", [])) if state else []
+        resumed = state["step"] if state else 0
+        spikes = read_spikes(self.cfg.ckpt.dir)
+        self.data_skips = plan_skips(saved, spikes, self.cfg.spike_skip, resumed)
+        new = sorted(set(self.data_skips) - set(saved))
+        if new and self.info.rank == 0:
+            log.warning(
+                "loss spike at data step(s) %s: skipping data steps %s after the rollback to"
+                " step %d", sorted(d for d in spikes if d in new), new, resumed,
+            )  # fmt: skip
+
     def trainer_state(self) -> dict:
         cuda = self.info.device.type == "cuda"
         return {
@@ -262,6 +294,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state(self.info.device) if cuda else None,
+            "data_skips": list(self.data_skips),
         }
 
     # -- the loop -------------------------------------------------------------------
@@ -271,26 +304,26 @@ class Trainer:
         timer.comm_delay_seconds = self.faults.comm_delay(step)
         timer.begin(step)
 
+        # Data wait: blocked in next() until the step's batches are there (a DataLoader's
+        # workers with nothing ready, or the load itself without workers).
         data_start = time.perf_counter()
-        micro = rank_slice(
-            self.sampler.indices(step - 1), info.rank, info.world_size, self.accum,
-            cfg.batch.micro_batch,
-        )  # fmt: skip
         batches = [
-            tuple(t.to(info.device, non_blocking=True) for t in collate(self.dataset, idx))
-            for idx in micro
+            tuple(t.to(info.device, non_blocking=True) for t in pair) for pair in next(self.loader)
         ]
         timer.host("data_wait", time.perf_counter() - data_start)
 
         timer.mark("compute_start")
         compute_start = time.perf_counter()
         total = torch.zeros((), device=info.device)
+        poison = self.faults.poison_factor(data_step(step, self.data_skips))
         for k, (x, y) in enumerate(batches):
             last = k == self.accum - 1
             with self._grad_sync(last), self._kernels():
                 loss = self.model(x, y)
                 if self.faults.corrupt_loss(step):
                     loss = loss * float("nan")
+                if poison != 1.0:  # a bad batch: its loss (and gradient) spikes
+                    loss = loss * poison
                 self.faults.slow_compute(step, self._natural_compute)
                 (loss / self.accum).backward()
             total += loss.detach() / self.accum
@@ -334,12 +367,34 @@ class Trainer:
         self.model.set_requires_gradient_sync(enabled)  # FSDP2
         return contextlib.nullcontext()
 
+    def _judge_loss(self, step: int, loss: float) -> None:
+        """Once per step, in order: a spike is recorded for the restart to skip its data."""
+        if step <= self.judged_step:
+            return
+        self.judged_step = step
+        if is_spike(self.losses, loss) and self.cfg.ckpt.dir:
+            d = data_step(step, self.data_skips)
+            record_spike(self.cfg.ckpt.dir, d, step, loss, self.info.rank)
+            if self.spiked_at is None:
+                self.spiked_at = step
+            log.error(
+                "step %d (data step %d): loss spike %.4f on rank %d; no checkpoint is validated"
+                " after it in this incarnation", step, d, loss, self.info.rank,
+            )  # fmt: skip
+        if math.isfinite(loss):
+            self.losses.append(loss)
+
     def _loss_finite_everywhere(self, loss: torch.Tensor) -> bool:
-        """Never checkpoint a state that already holds bad numerics (agreed by all ranks)."""
-        flag = torch.tensor([1.0 if math.isfinite(float(loss)) else 0.0])
+        """Never checkpoint a state that already holds bad numerics or a loss spike
+        (agreed by all ranks). Losses not yet reported are judged now (read a step late
+        on a GPU), so a spike one step before a save is not saved."""
+        for s in sorted(self._pending_loss):
+            self._judge_loss(s, float(self._pending_loss[s]))
+        ok = math.isfinite(float(loss)) and self.spiked_at is None
+        flag = torch.tensor([1.0 if ok else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # main thread: the default group
         if flag.item() < 1 and self.info.rank == 0:
-            log.error("step %d: non-finite loss, checkpoint skipped", self.step)
+            log.error("step %d: non-finite loss or a loss spike, checkpoint skipped", self.step)
         return flag.item() >= 1
 
     def run(self, trace: StartupTrace | None = None) -> dict:
@@ -349,10 +404,18 @@ class Trainer:
         self.phase = "train"
         self.send_heartbeat()
         first_step, start = self.step, time.perf_counter()
+        data_steps = [
+            data_step(t, self.data_skips) for t in range(self.step + 1, self.cfg.steps + 1)
+        ]
+        self.loader = StepLoader(
+            self.batches, data_steps, self.cfg.data_workers,
+            pin_memory=self.info.device.type == "cuda",
+        )  # fmt: skip
         for step in range(self.step + 1, self.cfg.steps + 1):
             self.train_step(step)
             if step == first_step + 1:
                 trace.mark("first_step")
+        self.loader.close()
         self._report(self.timer.ready(flush=True))
         if self.ckpt:
             self.send_heartbeat("checkpoint_save")
@@ -391,6 +454,7 @@ class Trainer:
             **(self.ckpt.stats() if self.ckpt else {}),
             "resume_source": self.resume_source,
             "resume_sources": self.resume_sources,
+            "data_skips": self.data_skips,
             "snapshot_saves": self.snap.saves if self.snap else 0,
             "snapshot_serialize_seconds": self.snap.serialize_seconds if self.snap else 0.0,
             "snapshot_send_failures": self.snap.client.failures if self.snap else 0,
@@ -431,6 +495,7 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(self.info.device),
             "flops_per_token": self.flops_per_token,
             "peak_flops": self.peak_flops,
+            "peak_flops_source": self.peak_flops_source,
             "mfu": self.flops_per_token * tps / self.peak_flops if tps else 0.0,
         }
 

@@ -100,6 +100,11 @@ def rank_metrics(ranks: list[RankAnswer]) -> list[Metric]:
     comm_step = gauge(f"{p}comm_step_ratio",
                       "Communication time (in flight, overlapped or not) over step time, 0..1.",
                       RANK)  # fmt: skip
+    # What the step waited for (not hidden behind backward): what costs throughput, and
+    # what the 20% communication alert judges.
+    comm_exposed = gauge(f"{p}comm_exposed_step_ratio",
+                         "Exposed communication (the step blocked on it, not overlapped with "
+                         "compute) over step time, 0..1.", RANK)  # fmt: skip
     data_wait = gauge(f"{p}data_wait_ratio", "Data wait over step time, 0..1.", RANK)
     cpu = counter(f"{p}cpu_seconds_total", "CPU time (user + system) of the rank's process.", RANK)
     client = counter(CLIENT_ERRORS,
@@ -124,13 +129,14 @@ def rank_metrics(ranks: list[RankAnswer]) -> list[Metric]:
             for field in SPLIT_FIELDS:
                 split.add((*key, field.removesuffix("_seconds")), getattr(r, field))
             comm_step.add(key, _share(r.comm_seconds, r.step_seconds))
+            comm_exposed.add(key, _share(r.comm_exposed_seconds, r.step_seconds))
             data_wait.add(key, _share(r.data_wait_seconds, r.step_seconds))
         if r.cpu_seconds is not None:
             cpu.add(key, r.cpu_seconds)
         for reason, count in sorted(r.client_errors.items()):
             client.add((*key, reason), count)
-    return [rank_info, up, state, phase, *simple.values(), split, comm_step, data_wait, cpu,
-            client]  # fmt: skip
+    return [rank_info, up, state, phase, *simple.values(), split, comm_step, comm_exposed,
+            data_wait, cpu, client]  # fmt: skip
 
 
 def counter_metrics(ranks: list[tuple[str, int, RankCounters]]) -> list[Metric]:

@@ -23,6 +23,7 @@ log = logging.getLogger("rankguard.supervisor.detectors")
 # DetectorConfig is defined: the modules use it for type hints only.
 from . import (  # noqa: E402
     checkpoint,
+    data_stall,
     dead,
     hang,
     node,
@@ -49,6 +50,7 @@ class DetectorConfig:
     unreachable: unreachable.UnreachableConfig = field(
         default_factory=unreachable.UnreachableConfig
     )
+    data_stall: data_stall.DataStallConfig = field(default_factory=data_stall.DataStallConfig)
 
     def enabled(self, name: str) -> bool:
         section = getattr(self, name, None)
@@ -67,6 +69,7 @@ DETECTORS: tuple[tuple[str, Detector], ...] = (
     ("node", node.detect),
     ("checkpoint", checkpoint.detect),
     ("unreachable", unreachable.detect),
+    ("data_stall", data_stall.detect),
 )
 
 advance_history = checkpoint.advance_history

@@ -41,10 +41,15 @@ class NumericsConfig:
     spike_mads: float = 10.0
     spike_min_ratio: float = 2.0
     spike_min_samples: int = 20
+    # A spike is judged in each rank's newest steps, not its latest loss alone: a spike one
+    # batch long (a bad batch) is over before the next poll, and a rollback must still
+    # skip past it (issue 20). The newest only: early training's falling loss is far above
+    # the window's median in its oldest steps.
+    spike_recent_steps: int = 8
 
     def __post_init__(self) -> None:
         check_settings(self)
-        at_least(self, spike_min_samples=3)
+        at_least(self, spike_min_samples=3, spike_recent_steps=1)
         positive(self, "spike_mads")
         if self.spike_min_ratio < 1:
             raise ValueError(f"spike_min_ratio must be >= 1, not {self.spike_min_ratio!r}")
@@ -114,23 +119,26 @@ def _spike(
         return None  # below the limit whatever the spread: skip the MAD (scale)
     spread = mad(losses, center)
     limit = max(center + cfg.numerics.spike_mads * spread, cfg.numerics.spike_min_ratio * center)
-    spiking = [r for r in ranks if r.loss is not None and math.isfinite(r.loss) and r.loss > limit]
+    spiking = []  # (step, loss, rank) of each recent loss above the limit
+    for r in ranks:
+        recent = samples_of(r, restart)[-cfg.numerics.spike_recent_steps :]
+        seen = [(s.step, s.loss) for s in recent if _above(s.loss, limit)]
+        if _above(r.loss, limit) and (r.step, r.loss) not in seen:
+            seen.append((r.step, r.loss))
+        spiking += [(step, loss, r) for step, loss in seen]
     if not spiking:
         return None
-    r = max(spiking, key=lambda r: r.loss)
+    # the earliest spiking step (where the anomaly began), its highest loss
+    first = min(step if step is not None else math.inf for step, _, _ in spiking)
+    step, loss, r = max((x for x in spiking if x[0] == first or first == math.inf),
+                        key=lambda x: x[1])  # fmt: skip
     how = {"reason": "spike", "median_loss": center, "mad": spread, "limit": limit}
     how["samples"] = len(losses)
-    return r, _spike_start(r, restart, limit), r.loss, how
+    return r, step, loss, how
 
 
-def _spike_start(r: RankObs, restart: int, limit: float) -> int | None:
-    """The first step of the rank's trailing run of losses above the limit."""
-    start = r.step
-    for s in reversed(samples_of(r, restart)):
-        if s.loss is None or not (s.loss > limit):
-            break
-        start = s.step
-    return start
+def _above(loss: float | None, limit: float) -> bool:
+    return loss is not None and math.isfinite(loss) and loss > limit
 
 
 def _estimated_time(obs: ClusterObs, r: RankObs, restart: int, step: int | None) -> float:

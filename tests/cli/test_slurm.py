@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from harness import free_port, http_json, start_agent
+from harness import free_port, http_json, start_agent, start_supervisor
 
 from rankguard.supervisor.agents import AgentsFile
 
@@ -64,16 +64,14 @@ def test_concurrent_prologs_lose_no_node(tmp_path):
     assert sorted(AgentsFile(path).urls()) == [f"http://node{i:02d}:9407" for i in range(16)]
 
 
-@pytest.mark.slow
-def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
-    """One node: the script's srun calls run here (stub), torchrun rendezvous through
-    `rankguard rendezvous` started as a step on the "first node", the trainer's telemetry reaches the node's agent, and the job's
-    supervisor is started on its agents file and stopped at the end."""
-    agent = start_agent(tmp_path, "localhost")
+def _stubs(tmp_path: Path) -> Path:
+    """srun runs the command here (and notes the supervisor URL its steps see); scontrol
+    lists the node list's hosts."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(
         "#!/usr/bin/env bash\n# test stub: drop the options, run the command on this host\n"
+        f'echo "${{RANKGUARD_SUPERVISOR:-unset}}" >>{tmp_path}/srun-supervisor\n'
         'while [[ $# -gt 0 && $1 == -* ]]; do shift; done\nexec "$@"\n'
     )
     (bin_dir / "scontrol").write_text(
@@ -81,6 +79,75 @@ def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
     )
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
+    return bin_dir
+
+
+def _sbatch(tmp_path: Path, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SLURM / "rankguard-train.sbatch"), "--preset", "tiny", "--steps", "20",
+         "--log-every", "0"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["job", "none", "localhost:9408"])
+def test_sbatch_refuses_a_supervisor_variable_that_is_not_a_url(tmp_path, value):
+    """RANKGUARD_SUPERVISOR has the CLI's meaning (a URL); the old job|none switch is
+    RANKGUARD_SUPERVISOR_MODE now, and the old values stop the script with one line."""
+    env = {**os.environ, "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1",
+           "RANKGUARD_DIR": str(tmp_path / "job"), "RANKGUARD_SUPERVISOR": value}  # fmt: skip
+    proc = _sbatch(tmp_path, env, timeout=30)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "RANKGUARD_SUPERVISOR_MODE" in proc.stderr and "Traceback" not in proc.stderr
+    both = {**env, "RANKGUARD_SUPERVISOR": "http://head:9408", "RANKGUARD_SUPERVISOR_MODE": "job"}
+    assert _sbatch(tmp_path, both, timeout=30).returncode == 2
+    bad_mode = {**env, "RANKGUARD_SUPERVISOR_MODE": "cluster"}
+    bad_mode.pop("RANKGUARD_SUPERVISOR")
+    proc = _sbatch(tmp_path, bad_mode, timeout=30)
+    assert proc.returncode == 2 and "job or none" in proc.stderr
+
+
+@pytest.mark.slow
+def test_sbatch_uses_an_exported_supervisor_url(tmp_path):
+    """A running (cluster-wide) supervisor exported as RANKGUARD_SUPERVISOR: the script
+    starts none of its own, the job's steps see the URL, and that supervisor watched the
+    job to its end."""
+    agent = start_agent(tmp_path, "localhost")
+    supervisor = start_supervisor(tmp_path, [agent.url])
+    env = {
+        **os.environ,
+        "PATH": f"{_stubs(tmp_path)}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4343", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+        "RANKGUARD": str(Path(sys.executable).with_name("rankguard")), "PYTHON": sys.executable,
+        "RANKGUARD_DIR": str(tmp_path / "job"),
+        "RANKGUARD_AGENT_PORT": agent.url.rsplit(":", 1)[1],
+        "RANKGUARD_TOKEN_FILE": str(tmp_path / "token"),
+        "RANKGUARD_TELEMETRY_SOCKET": str(agent.socket),
+        "RANKGUARD_SUPERVISOR": supervisor.url,
+        "RDZV_PORT": str(free_port()), "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    try:
+        proc = _sbatch(tmp_path, env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        assert f"supervisor {supervisor.url} (RANKGUARD_SUPERVISOR; none started" in proc.stdout
+        assert f"incidents --supervisor {supervisor.url}" in proc.stdout
+        assert not (tmp_path / "job" / "supervisor.log").exists()
+        seen = set((tmp_path / "srun-supervisor").read_text().split())
+        assert seen == {supervisor.url}, seen  # every step (rendezvous, training) saw it
+        job = http_json(supervisor.url + "/v1/cluster")["jobs"]["slurm-4343"]
+        assert (job["state"], job["max_step"]) == ("finished", 20), job
+    finally:
+        supervisor.stop()
+        agent.stop()
+
+
+@pytest.mark.slow
+def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
+    """One node: the script's srun calls run here (stub), torchrun rendezvous through
+    `rankguard rendezvous` started as a step on the "first node", the trainer's telemetry reaches the node's agent, and the job's
+    supervisor is started on its agents file and stopped at the end."""
+    agent = start_agent(tmp_path, "localhost")
+    bin_dir = _stubs(tmp_path)
     sup_port, agent_port = free_port(), int(agent.url.rsplit(":", 1)[1])
     env = {
         **os.environ,
@@ -100,12 +167,11 @@ def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
         "OMP_NUM_THREADS": "1",
     }
     try:
-        proc = subprocess.run(
-            [str(SLURM / "rankguard-train.sbatch"), "--preset", "tiny", "--steps", "20",
-             "--log-every", "0"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+        proc = _sbatch(tmp_path, env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        # the job's own supervisor, and its steps see its URL
+        sup_url = f"http://localhost:{sup_port}"
+        assert set((tmp_path / "srun-supervisor").read_text().split()) == {"unset", sup_url}
         assert (
             "--nnodes 1:1 --nproc-per-node 2 --rdzv-backend rankguard --rdzv-endpoint localhost:"
             in proc.stdout

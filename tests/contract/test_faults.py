@@ -25,7 +25,7 @@ def faults(draw) -> g.Fault:
         "at": draw(NUMBER) if when == "at" else None,
         "restart": draw(st.none() | st.integers(0, 100)),
     }
-    if kind == "slow":
+    if "factor" in k.keys:  # slow, poison: parse() gives each a default factor
         fields["factor"] = draw(st.floats(min_value=1, max_value=100))
     if "seconds" in k.keys:
         fields["seconds"] = draw(st.floats(min_value=0.001, max_value=3599))
