@@ -224,7 +224,7 @@ def part_comm(_: argparse.Namespace) -> str:
 def part_checkpoint(_: argparse.Namespace) -> str:
     cmd = [PY, str(ROOT / "bench" / "checkpoint_overhead.py"), "--nproc", "1", "--preset",
            "small", "--model-args", "--global-batch 32 --micro-batch 32", "--steps", "40",
-           "--every", "10", "--repeats", "3", "--snapshot-every", "5,10"]  # fmt: skip
+           "--every", "10", "--repeats", "1", "--snapshot-every", "10"]  # fmt: skip
     table = must(sh(cmd, cwd=ROOT, timeout=1200)).stdout.strip()
     floor = d2h_floor()
     return "\n".join([
@@ -276,7 +276,7 @@ def part_agent(_: argparse.Namespace) -> str:
 
 def part_recovery(_: argparse.Namespace) -> str:
     cmd = [PY, str(ROOT / "bench" / "recovery.py"), "--steps", "200", "--hang-wait", "20",
-           "--stacks", "plain,rankguard,warm+t0"]  # fmt: skip
+           "--stacks", "plain,warm+t0"]  # fmt: skip
     table = must(sh(cmd, cwd=ROOT, timeout=1200)).stdout.strip()
     return "\n".join([
         f"Command: `{shown(cmd)}`", "",
