@@ -300,7 +300,7 @@ def up(
              "--trainer-arg": trainer_arg or None, "--cold-start": cold_start or None,
              "--warm-start": warm_start or None, "--snapshot-every": snapshot_every}  # fmt: skip
     if cold_start and warm_start:
-        raise typer.BadParameter("--cold-start and --warm-start: choose one (warm is the default)")
+        raise typer.Exit(_fail("--cold-start and --warm-start: choose one (warm is the default)"))
     if script:
         _check_script(script)
         refused = [name for name in TRAINER_ONLY if given[name] is not None]
