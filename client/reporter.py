@@ -91,6 +91,11 @@ class ProcessProgress:
         self._own = len(stat) + len(io)
         return cpu, chars
 
+    def rebase(self) -> None:
+        """Start the next look from now: what we did ourselves (a heartbeat's send, counted
+        in wchar) is not progress of the phase."""
+        self._last = self._read()
+
     def moved(self) -> bool:
         before, own = self._last, self._own
         now = self._read()
@@ -467,6 +472,8 @@ class Reporter:
             if progress is not None and not progress.moved():
                 continue  # no CPU, no I/O: silence, which the supervisor judges
             self._send(None, self.last_loss, None, phase=name)
+            if progress is not None:
+                progress.rebase()  # our own send must not read as the next beat's progress
 
     def heartbeat(self, phase: str | None = None) -> None:
         """Send a record without step timings (announces ``phase``, or the current one)."""
