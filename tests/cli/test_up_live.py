@@ -79,7 +79,11 @@ class Run:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    up = UpPty(tmp_path_factory.mktemp("live"), "--steps", "100000", "--ckpt-every", "20")
+    # cold start: under warm start a SIGKILLed rank 1 is named as rank 0 (the agent stamps
+    # both exits in one pass and the dead detector breaks the tie by rank number), a known
+    # bug written down in docs/architecture.md; this module checks each inject kind
+    up = UpPty(tmp_path_factory.mktemp("live"), "--steps", "100000", "--ckpt-every", "20",
+               "--cold-start")  # fmt: skip
     try:
         yield Run(up)
     finally:
@@ -140,8 +144,9 @@ def test_inject_exception(run):
 
 
 def test_inject_slow(run):
-    """A slowed rank: its compute time grows by the factor; its peer waits in comm."""
-    run.training()
+    """A slowed rank: its compute time grows by the factor (against its own before: its
+    peer may wait for it inside backward, where the wait counts as compute)."""
+    before = {r["rank"]: r["compute_seconds"] for r in run.training()}[1]
     result = json.loads(run.inject("slow", "--rank", "1", "--factor", "4", "--json"))
     assert result["spec"].startswith("slow:rank=1:step=")
 
@@ -149,10 +154,10 @@ def test_inject_slow(run):
         rows = {r["rank"]: r for r in run.ranks()}
         if (rows[1]["step"] or 0) < result["step"] + 5:
             return None
-        c0, c1 = rows[0]["compute_seconds"], rows[1]["compute_seconds"]
-        return (c0, c1) if c0 and c1 and c1 > 2 * c0 else None
+        c1 = rows[1]["compute_seconds"]
+        return c1 if before and c1 and c1 > 2 * before else None
 
-    wait_until(slowed, 60, "rank 1's compute time at least twice rank 0's")
+    wait_until(slowed, 90, "rank 1's compute time at least twice its own before the fault")
 
 
 def test_ctrl_c_stops_training_and_prints_the_summary(run):
