@@ -105,17 +105,19 @@ def _non_finite(ranks: list[RankObs], restart: int) -> Hit | None:
 def _spike(
     recent: list[float], ranks: list[RankObs], restart: int, cfg: DetectorConfig
 ) -> Hit | None:
-    """A rank's latest loss far above the job's recent losses (`recent`: every rank's
+    """A rank's newest losses far above the job's recent losses (`recent`: every rank's
     window, finite): both many MADs above the median (robust to a few outliers) and a
     multiple of it (a tiny MAD once the loss flattens must not turn noise into a spike)."""
-    latest = finite(r.loss for r in ranks)
-    if not latest:
-        return None
     losses = recent
     if len(losses) < cfg.numerics.spike_min_samples:
         return None
+    n = cfg.numerics.spike_recent_steps
+    newest = finite(r.loss for r in ranks)  # each rank's latest and its newest n steps
+    newest += finite(s.loss for r in ranks for s in samples_of(r, restart)[-n:])
+    if not newest:
+        return None
     center = median(losses)
-    if max(latest) <= cfg.numerics.spike_min_ratio * center:
+    if max(newest) <= cfg.numerics.spike_min_ratio * center:
         return None  # below the limit whatever the spread: skip the MAD (scale)
     spread = mad(losses, center)
     limit = max(center + cfg.numerics.spike_mads * spread, cfg.numerics.spike_min_ratio * center)
