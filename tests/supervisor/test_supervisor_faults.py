@@ -177,6 +177,9 @@ def test_hung_rank_is_found_named_and_ended(rig, clean, how):
     assert inc["state"] == "resolved"
 
 
+# Back in soak: named late in the full suite of 2026-11-23 on 2 loaded cores (it passed
+# alone); issue 16 asks for three runs out of three, which these thresholds do not show yet.
+@pytest.mark.soak
 def test_straggler_named_within_30_steps(rig):
     proc = torchrun(["--steps", "120", *STRAGGLER_MODEL, "--job", "job", "--fault",
                      "slow:step=60:rank=1:factor=1.2"], cwd=rig.tmp,
