@@ -324,9 +324,9 @@ def _args(tmp: Path, holders: Holders, *extra: str) -> list[str]:
             "--summary", str(tmp / "s.json"), *extra]  # fmt: skip
 
 
-def _crash_at_27(tmp: Path, holders: Holders) -> None:
-    """A run that dies at step 27 (no restart): snapshot 25 held in A and replicated to B."""
-    proc = torchrun(_args(tmp, holders, "--fault", "crash:step=27:rank=1"), cwd=tmp)
+def _crash_at_29(tmp: Path, holders: Holders) -> None:
+    """A run that dies at step 29 (no restart; four steps after snapshot 25, so under load it has landed): snapshot 25 held in A and replicated to B."""
+    proc = torchrun(_args(tmp, holders, "--fault", "crash:step=29:rank=1"), cwd=tmp)
     assert proc.returncode != 0 and "exitcode: -9" in proc.stderr
     _wait(lambda: any(e["step"] == 25 and e["complete"]
                       for e in holders.status(holders.b)["snapshots"]))  # fmt: skip
@@ -334,7 +334,7 @@ def _crash_at_27(tmp: Path, holders: Holders) -> None:
 
 @pytest.mark.slow
 def test_tier0_exact_resume_after_sigkill(tmp_path, holders, clean_40):
-    run_ok(_args(tmp_path, holders, "--fault", "crash:step=27:rank=1"), cwd=tmp_path,
+    run_ok(_args(tmp_path, holders, "--fault", "crash:step=29:rank=1"), cwd=tmp_path,
            max_restarts=1)  # fmt: skip
     s = read_json(tmp_path / "s.json")
     assert s["restart_count"] == 1 and s["resumed_from"] == 25  # not the disk's 20
@@ -348,7 +348,7 @@ def test_tier0_exact_resume_after_sigkill(tmp_path, holders, clean_40):
 
 @pytest.mark.slow
 def test_node_loss_resumes_from_the_peer_replica(tmp_path, holders, clean_40):
-    _crash_at_27(tmp_path, holders)
+    _crash_at_29(tmp_path, holders)
     holders.kill("a")  # the node's holder is gone with its memory
     run_ok(_args(tmp_path, holders, "--snapshot-peers", holders.b), cwd=tmp_path)
     s = read_json(tmp_path / "s.json")
@@ -358,7 +358,7 @@ def test_node_loss_resumes_from_the_peer_replica(tmp_path, holders, clean_40):
 
 @pytest.mark.slow
 def test_corrupt_snapshots_are_refused(tmp_path, holders, clean_40):
-    _crash_at_27(tmp_path, holders)
+    _crash_at_29(tmp_path, holders)
     ask = {"op": "corrupt", "job": "snapjob", "step": 25, "rank": 1}
     wire.request(holders.a, {**ask, "kind": "local"})
     wire.request(holders.b, {**ask, "kind": "replica"})  # no good copy of rank 1's step 25
@@ -372,7 +372,7 @@ def test_corrupt_snapshots_are_refused(tmp_path, holders, clean_40):
 
 @pytest.mark.slow
 def test_tier1_exact_resume_with_tier0_wiped(tmp_path, holders, clean_40):
-    _crash_at_27(tmp_path, holders)
+    _crash_at_29(tmp_path, holders)
     holders.stop()
     holders.start()  # fresh, empty holders
     run_ok(_args(tmp_path, holders), cwd=tmp_path)
