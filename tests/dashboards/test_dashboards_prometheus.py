@@ -82,6 +82,11 @@ def test_every_panel_query_has_data_and_rank_dead_fires(tmp_path):
         for gpu, rank in zip(state["gpus"], sorted(ranks, key=lambda r: r["rank"]), strict=True):
             gpu["processes"] = [{"pid": rank["pid"], "used_memory": 8 * 2**30}]
         write_state(double, state)
+        # Prometheus must have scraped both daemons before the fault: a counter first
+        # scraped after its incident starts at 1, and increase() never sees that step.
+        wait_until(lambda: prom.query('up{job="rankguard-supervisor"} == 1')
+                   and prom.query("rankguard_rank_gpu_memory_bytes"),
+                   120, "Prometheus scraping the supervisor and the ranks' GPU memory")  # fmt: skip
         # The one fault: kill rank 1 once training is past its first checkpoint (a fixed
         # delay would race torch's start-up on a loaded machine).
         wait_until(lambda: min(r["step"] or 0 for r in http_json(f"http://{agent}/v1/ranks")["ranks"]) >= 25,
@@ -120,7 +125,7 @@ def test_every_panel_query_has_data_and_rank_dead_fires(tmp_path):
             for where, expr in exprs:
                 # Grafana's All is ".*"; its $__rate_interval is 4 scrape intervals.
                 q = promql.substitute_variables(expr, interval="4s")
-                if not prom.query_range(q, start, end, 2):
+                if not prom.query_range(q, start, end, 1):
                     empty.add(where)
         assert empty == set(NO_DATA_HERE), f"queries without data: {sorted(empty)}"
         # The recording rules the dashboards join on were evaluated.
