@@ -81,6 +81,8 @@ def rendezvous(
     log.info("rendezvous store listening on port %d (every address)", store.port)
     notify(f"READY=1\nSTATUS=rendezvous store on port {store.port}")
     ping = watchdog_interval()
+    if ping is not None:  # a check that hangs must miss the ping, not hold up a stop for 30 s
+        store.set_timeout(timedelta(seconds=max(1.0, ping)))
     while True:
         if ping is None:
             sig = signal.sigwait(stop)

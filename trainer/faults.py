@@ -143,10 +143,15 @@ class FaultInjector:
         if self._active("spin", step, from_step=False):
             _spin_forever()
 
-    def slow_compute(self, step: int, compute_seconds: float) -> None:
+    def slow_compute(self, step: int, compute_seconds: float) -> float:
+        """Sleep (factor - 1) x the natural compute time; the seconds slept, which the
+        caller leaves out of its next natural time (else the slowdown would compound)."""
         spec = self._active("slow", step, from_step=True)
-        if spec and spec.factor > 1:
-            time.sleep(compute_seconds * (spec.factor - 1))
+        if not (spec and spec.factor > 1):
+            return 0.0
+        extra = compute_seconds * (spec.factor - 1)
+        time.sleep(extra)
+        return extra
 
     def corrupt_loss(self, step: int) -> bool:
         return self._active("nan", step, from_step=False) is not None

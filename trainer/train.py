@@ -314,6 +314,7 @@ class Trainer:
 
         timer.mark("compute_start")
         compute_start = time.perf_counter()
+        injected = 0.0  # seconds of a `slow` fault's sleep, not part of the natural time
         total = torch.zeros((), device=info.device)
         poison = self.faults.poison_factor(data_step(step, self.data_skips))
         for k, (x, y) in enumerate(batches):
@@ -324,11 +325,11 @@ class Trainer:
                     loss = loss * float("nan")
                 if poison != 1.0:  # a bad batch: its loss (and gradient) spikes
                     loss = loss * poison
-                self.faults.slow_compute(step, self._natural_compute)
+                injected += self.faults.slow_compute(step, self._natural_compute)
                 (loss / self.accum).backward()
             total += loss.detach() / self.accum
         timer.mark("backward_end")
-        self._natural_compute = (time.perf_counter() - compute_start) / self.accum
+        self._natural_compute = (time.perf_counter() - compute_start - injected) / self.accum
         if self.ckpt:  # the save in flight must have copied the weights before they change
             self._checkpoint_block(self.ckpt.wait_staged())
         if cfg.optim.grad_clip:
