@@ -42,7 +42,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..contract.telemetry import MAX_JOB_CHARS, PHASES, SCHEMA_VERSION, socket_path_from_env
+from ..contract.telemetry import (
+    MAX_JOB_CHARS,
+    PHASES,
+    SCHEMA_VERSION,
+    skip_ranges,
+    socket_path_from_env,
+)
 from .sender import TelemetrySender
 from .timing import StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook, timed_batches
 
@@ -283,6 +289,7 @@ class Reporter:
         # the first step whose loss was NaN/Inf: CheckpointStore validates nothing after it
         self.nonfinite_loss_step: int | None = None
         self.checkpoint_step: int | None = None
+        self.resume_skips: tuple[tuple[int, int], ...] = ()  # see data_skipped()
         self.timings: list[StepTiming] = []  # the newest resolved steps (bounded)
         self._open: Step | None = None
         self._pending: dict[int, tuple[Any, float | None]] = {}
@@ -491,6 +498,18 @@ class Reporter:
             return
         self.checkpoint_step = step
 
+    def data_skipped(self, steps: Any) -> None:
+        """The data steps (whole numbers >= 1) this run's resume skips, e.g. the batches
+        before a loss spike: every later record carries them (as ranges, at most 16), and
+        the supervisor writes them into the incident whose restart this is."""
+        try:
+            steps = list(steps)
+            if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in steps):
+                raise ValueError(steps)
+            self.resume_skips = skip_ranges(steps)
+        except Exception:
+            self._count("bad_value")
+
     def close(self) -> None:
         """Flush pending steps, announce ``done`` and close the socket. Idempotent; runs
         by itself at interpreter exit."""
@@ -573,6 +592,8 @@ class Reporter:
                 record["flops"] = float(self.flops_per_token * tokens)
             if self.peak_flops > 0:
                 record["peak_flops"] = float(self.peak_flops)
+            if self.resume_skips:
+                record["resume_skips"] = self.resume_skips
         except Exception as exc:
             self._count("record")
             self.sender.count_drop("invalid", exc)

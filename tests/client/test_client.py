@@ -149,6 +149,20 @@ def test_next_step_and_long_phase_end_the_open_step(sock_dir):
     assert records[2].step_seconds < 0.05
 
 
+def test_skipped_data_steps_ride_on_every_later_record(sock_dir):
+    path = sock_dir / "t.sock"
+    with TelemetrySink(path) as sink:
+        rg = reporter(path, heartbeat_seconds=0)
+        rg.data_skipped([45, 41, 42, 43, 44])
+        rg.data_skipped([3, True])  # refused (counted): the skips stand
+        rg.step(41)
+        rg.close()
+        records = wait_for(sink, 3)
+    assert rg.errors == {"bad_value": 1}
+    assert [(r.phase, r.resume_skips) for r in records] == [
+        ("init", None), ("train", ((41, 45),)), ("done", ((41, 45),))]  # fmt: skip
+
+
 def test_heartbeats_during_a_long_phase_then_stop_at_the_limit(sock_dir):
     path = sock_dir / "t.sock"
     with TelemetrySink(path) as sink:
