@@ -163,9 +163,9 @@ def test_a_stuck_save_is_caught_against_the_budget_learned_from_past_saves(phase
     ev = json.loads(inc["evidence"])
     assert ev["hung_phase"] == "checkpoint_save" and ev["decided_by"] == "budget", inc["summary"]
     assert ev["budget"]["source"] == "learned", ev["budget_reason"]
-    # caught as the budget ran out: the ranks' silence then is the budget and one pass or so
-    budget = ev["budget"]["seconds"]
-    assert all(budget <= age <= budget + 3.0 for age in ev["heartbeat_ages"].values()), ev
+    # caught as the budget ran out: the ranks' silence then is the budget and a pass or so
+    budget, ages = ev["budget"]["seconds"], ev["heartbeat_ages"].values()
+    assert budget < min(ages) <= budget + 2.0, (budget, ev["heartbeat_ages"])
     # stacks name the rank whose save thread is not in the checkpoint group's collective
     assert inc["rank"] == 1 and inc["state"] == "resolved", inc["summary"]
     assert code == 0
