@@ -560,6 +560,7 @@ class _Rank:
             cpu_active_at=self.cpu_active_at + to_unix,
             records_received=self.records_received,
             client_errors=dict(rec.client_errors or {}),
+            resume_skips=(rec.resume_skips or ()) if telemetry else (),
             recent=samples,
             recent_from=first,
             stand_in=self.stand_in.answer(to_unix) if self.stand_in else None,

@@ -282,6 +282,8 @@ def incidents(
                 parts = [(k, e["detail"].get(k)) for k in RESTART_PHASES]
                 typer.echo("    restart: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}s"
                                                        for k, v in parts if v is not None))  # fmt: skip
+            elif e["what"] == "data skipped" and isinstance(e["detail"].get("text"), str):
+                typer.echo(f"    {e['detail']['text']}")  # a loss spike's batches left out
         if inc.get("verdict"):
             typer.echo(f"    verdict: {inc['verdict']}")
 

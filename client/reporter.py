@@ -42,7 +42,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..contract.telemetry import MAX_JOB_CHARS, PHASES, SCHEMA_VERSION, socket_path_from_env
+from ..contract.telemetry import (
+    MAX_JOB_CHARS,
+    PHASES,
+    SCHEMA_VERSION,
+    skip_ranges,
+    socket_path_from_env,
+)
 from .sender import TelemetrySender
 from .timing import StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook, timed_batches
 
@@ -68,28 +74,50 @@ _HOST_PHASES = {"data": "data_wait", "checkpoint": "checkpoint_block"}
 
 
 class ProcessProgress:
-    """Whether this process did anything since the last look: CPU time (utime + stime,
-    /proc/self/stat) or bytes read or written (/proc/self/io rchar + wchar, minus the
-    bytes of these very reads). Linux only; elsewhere every look says it moved."""
+    """Whether this process did work since the last look: CPU time of its Python threads
+    (the process's CPU, less that of its native threads and of the thread looking, all in
+    nanoseconds), at least :attr:`MIN_CPU_SECONDS`, or bytes read or written
+    (``/proc/self/io`` rchar + wchar, minus the bytes of these very reads). Linux only;
+    elsewhere every look says it moved.
+
+    Why not the process's CPU (``/proc/self/stat``, as before): native service threads use
+    CPU while the phase is stuck (gloo's TCP loop, idle, about 3 ms a second per process
+    group; NCCL's watchdogs), and in that file's 10 ms ticks their CPU crossed a tick every
+    few seconds, so a save stuck for good kept sending beats and never met its budget.
+    The phase's work runs in Python threads (the loop, a save thread, a stager), which are
+    counted even when they end between two looks (the process's clock keeps their time);
+    the minimum absorbs their bookkeeping wake-ups (a timed wait costs microseconds)."""
+
+    MIN_CPU_SECONDS = 0.002
 
     def __init__(self) -> None:
-        self._last = self._read()
         self._own = 0  # bytes of our own /proc reads since the last sample
+        self._last = self._read()
 
-    def _read(self) -> tuple[int, int] | None:
+    def _read(self) -> tuple[int, dict[int, int], set[int], int] | None:
+        """(process CPU ns, {thread id: its CPU ns}, the Python threads' ids, rchar +
+        wchar) now."""
+        own = 0
+        threads: dict[int, int] = {}
         try:
-            with open("/proc/self/stat", "rb") as f:
-                stat = f.read()
+            python = {t.native_id for t in threading.enumerate()}
+            total = time.process_time_ns()
+            for name in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{name}/schedstat", "rb") as f:
+                        text = f.read()
+                except FileNotFoundError:
+                    continue  # the thread ended since the listing
+                own += len(text)
+                threads[int(name)] = int(text.split()[0])
             with open("/proc/self/io", "rb") as f:
                 io = f.read()
-        except OSError:
+        except (OSError, ValueError, IndexError):
             return None
-        fields = stat.rsplit(b")", 1)[1].split()
-        cpu = int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
         counters = dict(line.split(b":", 1) for line in io.splitlines() if b":" in line)
         chars = int(counters.get(b"rchar", 0)) + int(counters.get(b"wchar", 0))
-        self._own = len(stat) + len(io)
-        return cpu, chars
+        self._own = own + len(io)
+        return total, threads, python, chars
 
     def rebase(self) -> None:
         """Start the next look from now: what we did ourselves (a heartbeat's send, counted
@@ -102,7 +130,14 @@ class ProcessProgress:
         self._last = now
         if before is None or now is None:
             return True
-        return now[0] > before[0] or now[1] - before[1] > own + self._own
+        me = threading.get_native_id()  # the looking thread's own CPU is not progress
+        python = now[2] | before[2]  # a Python thread that just ended is still listed
+        # native: seen at both looks and Python at neither (service threads live long; a
+        # thread new since the last look counts as work, once)
+        not_work = sum(ns - before[1].get(tid, 0) for tid, ns in now[1].items()
+                       if tid == me or (tid in before[1] and tid not in python))  # fmt: skip
+        work = now[0] - before[0] - not_work
+        return work >= self.MIN_CPU_SECONDS * 1e9 or now[3] - before[3] > own + self._own
 
 
 def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -283,6 +318,7 @@ class Reporter:
         # the first step whose loss was NaN/Inf: CheckpointStore validates nothing after it
         self.nonfinite_loss_step: int | None = None
         self.checkpoint_step: int | None = None
+        self.resume_skips: tuple[tuple[int, int], ...] = ()  # see data_skipped()
         self.timings: list[StepTiming] = []  # the newest resolved steps (bounded)
         self._open: Step | None = None
         self._pending: dict[int, tuple[Any, float | None]] = {}
@@ -491,6 +527,18 @@ class Reporter:
             return
         self.checkpoint_step = step
 
+    def data_skipped(self, steps: Any) -> None:
+        """The data steps (whole numbers >= 1) this run's resume skips, e.g. the batches
+        before a loss spike: every later record carries them (as ranges, at most 16), and
+        the supervisor writes them into the incident whose restart this is."""
+        try:
+            steps = list(steps)
+            if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in steps):
+                raise ValueError(steps)
+            self.resume_skips = skip_ranges(steps)
+        except Exception:
+            self._count("bad_value")
+
     def close(self) -> None:
         """Flush pending steps, announce ``done`` and close the socket. Idempotent; runs
         by itself at interpreter exit."""
@@ -573,6 +621,8 @@ class Reporter:
                 record["flops"] = float(self.flops_per_token * tokens)
             if self.peak_flops > 0:
                 record["peak_flops"] = float(self.peak_flops)
+            if self.resume_skips:
+                record["resume_skips"] = self.resume_skips
         except Exception as exc:
             self._count("record")
             self.sender.count_drop("invalid", exc)

@@ -26,7 +26,13 @@ from typing import Any, TypeVar
 from .errors import ContractError
 from .numbers import decode_float, encode_float
 from .states import LIVE_STATES, RANK_SOURCES, RANK_STATES, STAND_IN_STATES
-from .telemetry import MAX_CLIENT_ERRORS, MAX_JOB_CHARS, MAX_REASON_CHARS, PHASES
+from .telemetry import (
+    MAX_CLIENT_ERRORS,
+    MAX_JOB_CHARS,
+    MAX_REASON_CHARS,
+    PHASES,
+    check_skip_ranges,
+)
 
 __all__ = [
     "API_VERSION",
@@ -302,6 +308,8 @@ class RankAnswer:
     records_received: int = 0
     # the client library's failure counters, by reason, from the rank's newest record
     client_errors: Mapping[str, int] = field(default_factory=dict)
+    # data steps the rank's resume skipped (a loss spike's window), from its newest record
+    resume_skips: tuple[tuple[int, int], ...] = ()
     stand_in: StandInAnswer | None = None  # warm start: the shim torchrun watches
     recent: tuple[Sample, ...] = ()
     recent_from: int | None = None  # incremental answers: the window's oldest seq
@@ -346,6 +354,8 @@ class RankAnswer:
             client_errors=dict(self.client_errors),
             stand_in=self.stand_in.to_json() if self.stand_in else None,
         )
+        if self.resume_skips:  # left out when none: most ranks never skip (answer size)
+            out["resume_skips"] = [list(r) for r in self.resume_skips]
         if incremental:
             out["recent_from"] = self.recent_from
         out["recent"] = [s.to_json() for s in self.recent]
@@ -390,6 +400,10 @@ class RankAnswer:
             cpu_active_at=_float(o, "cpu_active_at"),
             records_received=_int(o, "records_received"),
             client_errors=_counts(o, "client_errors", MAX_CLIENT_ERRORS),
+            # optional on the wire: an agent from before issue 20's skips does not send it
+            resume_skips=()
+            if o.get("resume_skips") is None
+            else check_skip_ranges("resume_skips", o["resume_skips"]),
             stand_in=None
             if o.get("stand_in") is None
             else _nested(o, "stand_in", StandInAnswer.from_json),

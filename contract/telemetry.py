@@ -27,7 +27,11 @@ Rules:
   :data:`MAX_REASON_CHARS` characters) and a count; the agent shows them per rank;
 * ``flops`` (optional) is the model FLOPs the step did and ``peak_flops`` (optional) the
   rank's peak FLOP/s, finite and ``>= 0``: the agent counts FLOPs done
-  (``rankguard_rank_flops_total``), so MFU over any window is a ``rate()`` over the peak.
+  (``rankguard_rank_flops_total``), so MFU over any window is a ``rate()`` over the peak;
+* ``resume_skips`` (optional) is the data steps the rank's resume skipped (a loss spike's
+  window, issue 20), as at most :data:`MAX_SKIP_RANGES` ``[first, last]`` ranges of whole
+  numbers ``>= 1``, ascending and apart; the supervisor puts them in the incident that
+  restarted the job.
 
 Unknown extra fields in a datagram are ignored (forward compatible within a schema
 version); a different ``v`` is refused with reason ``wrong_version``.
@@ -53,6 +57,7 @@ __all__ = [
     "MAX_DATAGRAM_BYTES",
     "MAX_JOB_CHARS",
     "MAX_JSON_DEPTH",
+    "MAX_SKIP_RANGES",
     "PHASES",
     "REASONS",
     "SCHEMA_VERSION",
@@ -60,11 +65,13 @@ __all__ = [
     "SPLIT_FIELDS",
     "TelemetryError",
     "TelemetryRecord",
+    "check_skip_ranges",
     "comm_compute_ratio",
     "decode",
     "encode",
     "fast_record",
     "is_reason_name",
+    "skip_ranges",
     "socket_path_from_env",
 ]
 
@@ -84,6 +91,8 @@ MAX_INT = 2**63
 MAX_CLIENT_ERRORS = 32
 MAX_REASON_CHARS = 48
 _REASON_NAME = re.compile(r"[a-z][a-z0-9_]*")
+#: Ranges of skipped data steps a record may carry (one spike gives one range).
+MAX_SKIP_RANGES = 16
 
 
 def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
@@ -206,6 +215,35 @@ def _check_client_errors(value: Any) -> dict[str, int] | None:
     return out or None
 
 
+def check_skip_ranges(name: str, value: Any) -> tuple[tuple[int, int], ...]:
+    """``[[first, last], ...]`` ranges of data steps: at most MAX_SKIP_RANGES, whole
+    numbers >= 1, each first <= last, ascending and apart. Raises ContractError."""
+    if not isinstance(value, (list, tuple)):
+        raise _bad_type(name, "array", value)
+    if len(value) > MAX_SKIP_RANGES:
+        raise _out_of_range(name, f"{len(value)} ranges > {MAX_SKIP_RANGES}")
+    out: list[tuple[int, int]] = []
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _bad_type(name, "[first, last] pairs", pair)
+        first, last = (_check_int(name, x, 1) for x in pair)
+        if first > last or (out and first <= out[-1][1] + 1):
+            raise _out_of_range(name, "ranges must be ascending, apart, first <= last")
+        out.append((first, last))
+    return tuple(out)
+
+
+def skip_ranges(steps: Any) -> tuple[tuple[int, int], ...]:
+    """Whole numbers >= 1 as ``(first, last)`` ranges, the first MAX_SKIP_RANGES of them."""
+    out: list[list[int]] = []
+    for d in sorted(set(steps)):
+        if out and d == out[-1][1] + 1:
+            out[-1][1] = d
+        else:
+            out.append([d, d])
+    return tuple((a, b) for a, b in out[:MAX_SKIP_RANGES])
+
+
 def _check_nonneg_float(name: str, value: Any) -> float:
     f = _to_float(name, value)
     if not (math.isfinite(f) and f >= 0.0):
@@ -253,6 +291,7 @@ class TelemetryRecord:
     client_errors: Mapping[str, int] | None = None
     flops: float | None = None
     peak_flops: float | None = None
+    resume_skips: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
@@ -307,6 +346,10 @@ class TelemetryRecord:
         for name in OPTIONAL_FLOAT_FIELDS:
             value = getattr(self, name)
             out[name] = None if value is None else _check_nonneg_float(name, value)
+        skips = self.resume_skips
+        out["resume_skips"] = (
+            None if skips is None else check_skip_ranges("resume_skips", skips) or None
+        )
         return out
 
     @property
@@ -348,7 +391,7 @@ class TelemetryRecord:
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TelemetryRecord))
 #: Fields a record may leave out (added within schema version 1).
 OPTIONAL_FLOAT_FIELDS: tuple[str, ...] = ("flops", "peak_flops")
-OPTIONAL_FIELDS: tuple[str, ...] = ("client_errors", *OPTIONAL_FLOAT_FIELDS)
+OPTIONAL_FIELDS: tuple[str, ...] = ("client_errors", *OPTIONAL_FLOAT_FIELDS, "resume_skips")
 #: Every field but the optional ones.
 REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if n not in OPTIONAL_FIELDS)
 
@@ -436,7 +479,7 @@ def fast_record(obj: dict) -> TelemetryRecord | None:
             return None  # ints, and non-finite losses in their wire spelling: the full path
         if cs is not None and (type(cs) is not int or not 0 <= cs < MAX_INT):
             return None
-        if obj.get("client_errors") is not None:
+        if obj.get("client_errors") is not None or obj.get("resume_skips") is not None:
             return None
         for name in OPTIONAL_FLOAT_FIELDS:
             x = obj.get(name)
@@ -445,7 +488,8 @@ def fast_record(obj: dict) -> TelemetryRecord | None:
             values[name] = x
     except KeyError:
         return None
-    values.update(job=job, phase=phase, loss=loss, checkpoint_step=cs, client_errors=None)
+    values.update(job=job, phase=phase, loss=loss, checkpoint_step=cs, client_errors=None,
+                  resume_skips=None)  # fmt: skip
     record = object.__new__(TelemetryRecord)
     record.__dict__.update(values)  # frozen: no __setattr__, but a plain instance dict
     return record

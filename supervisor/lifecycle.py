@@ -49,6 +49,7 @@ EV_STACKS = "stacks captured"
 EV_CAUSED_DEATH = "rank exited (our action)"
 EV_RESTARTED = "group restarted"
 EV_FIRST_STEP = "first new step"
+EV_DATA_SKIPPED = "data skipped"  # the resume skipped data steps (a loss spike's window)
 
 
 @dataclass(frozen=True)
@@ -205,10 +206,40 @@ def _recovery(inc, obs: ClusterObs) -> Transition | None:
         first = min(s.step for s in samples)
         values.update(first_step_at=obs.time, resumed_step=first - 1)
         events.append((EV_FIRST_STEP, {"step": first}))
+        newest = max(r.restart for r in newer)
+        skipped = data_skipped([r for r in newer if r.restart == newest], first - 1)
+        if skipped is not None:
+            events.append((EV_DATA_SKIPPED, skipped))
         return Transition(inc.id, RESOLVED, values, tuple(events))
     if values:
         return Transition(inc.id, RECOVERING, values, tuple(events))
     return None
+
+
+def data_skipped(ranks: Sequence, resumed_step: int) -> dict | None:
+    """What the new incarnation's resume skipped, as its ranks report it (every rank
+    plans the same skips; their union in case one differs), and the step it resumed
+    from: the timeline event that says which batches a loss spike's rollback left out."""
+    merged: list[list[int]] = []  # ranges merged, never expanded (a record bounds no range)
+    for a, b in sorted(x for r in ranks for x in r.resume_skips):
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    if not merged:
+        return None
+    count = sum(b - a + 1 for a, b in merged)
+    return {
+        "data_steps": merged[:16],
+        "count": count,
+        "resumed_step": resumed_step,
+        "text": f"skipped data steps {describe_ranges(merged[:16])} ({count} steps) after "
+        f"the rollback to the checkpoint of step {resumed_step}",
+    }
+
+
+def describe_ranges(ranges: Sequence) -> str:
+    return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in ranges)
 
 
 # --------------------------------------------------------------------------- the job

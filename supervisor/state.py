@@ -64,6 +64,8 @@ class RankObs:
     stand_in_pid: int | None = None
     stand_in_state: str | None = None
     stand_in_since: float | None = None
+    # data steps this incarnation's resume skipped (a loss spike's window), as ranges
+    resume_skips: tuple[tuple[int, int], ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -90,7 +92,7 @@ class RankObs:
             recent=recent, source=a.source, state_since=a.state_since,
             cpu_active_at=a.cpu_active_at, stand_in_pid=shim.pid if shim else None,
             stand_in_state=shim.state if shim else None,
-            stand_in_since=shim.state_since if shim else None,
+            stand_in_since=shim.state_since if shim else None, resume_skips=a.resume_skips,
         )  # fmt: skip
 
 

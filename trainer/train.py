@@ -278,6 +278,7 @@ class Trainer:
         spikes = read_spikes(self.cfg.ckpt.dir)
         self.data_skips = plan_skips(saved, spikes, self.cfg.spike_skip, resumed)
         new = sorted(set(self.data_skips) - set(saved))
+        self.telemetry.data_skipped(new)  # the supervisor's incident says what was skipped
         if new and self.info.rank == 0:
             log.warning(
                 "loss spike at data step(s) %s: skipping data steps %s after the rollback to"

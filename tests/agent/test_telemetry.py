@@ -105,6 +105,7 @@ def test_constants():
         "client_errors",
         "flops",
         "peak_flops",
+        "resume_skips",
     ]
 
 
@@ -123,6 +124,20 @@ def test_round_trip_full_record():
 def test_non_finite_loss_round_trips(loss):
     back = decode(encode(make(loss=loss)))
     assert repr(back.loss) == repr(loss)
+
+
+def test_resume_skips_are_ranges_ascending_and_apart():
+    back = decode(encode(make(resume_skips=[[41, 45], [50, 50]])))
+    assert back.resume_skips == ((41, 45), (50, 50))
+    assert make(resume_skips=[]).resume_skips is None and make().resume_skips is None
+    for bad, reason in (([[5, 3]], "out_of_range"), ([[1, 4], [5, 9]], "out_of_range"),
+                        ([[0, 1]], "out_of_range"), ([[1, 1.0]], "bad_type"), ("1-4", "bad_type"),
+                        ([[k, k] for k in range(1, 40, 2)], "out_of_range")):  # fmt: skip
+        with pytest.raises(TelemetryError) as err:
+            make(resume_skips=bad)
+        assert (err.value.reason, err.value.field) == (reason, "resume_skips"), bad
+    assert tm.skip_ranges([45, 41, 42, 43, 44, 50]) == ((41, 45), (50, 50))
+    assert len(tm.skip_ranges(range(1, 100, 2))) == tm.MAX_SKIP_RANGES
 
 
 def test_none_loss_and_checkpoint_step():
@@ -664,8 +679,9 @@ def test_sender_close_is_idempotent_and_drops_after(sock_dir):
 @given(
     records(),
     st.dictionaries(
-        st.sampled_from([*valid_fields(), "flops", "peak_flops", "client_errors"]),
-        json_values | st.sampled_from([-0.0, 1.0, 2**63, 2**64, True, "NaN", 1e308]),
+        st.sampled_from([*valid_fields(), "flops", "peak_flops", "client_errors", "resume_skips"]),
+        json_values
+        | st.sampled_from([-0.0, 1.0, 2**63, 2**64, True, "NaN", 1e308, [[3, 5]], [[5, 3]]]),
         max_size=3,
     ),
 )

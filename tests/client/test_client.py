@@ -149,6 +149,57 @@ def test_next_step_and_long_phase_end_the_open_step(sock_dir):
     assert records[2].step_seconds < 0.05
 
 
+def test_skipped_data_steps_ride_on_every_later_record(sock_dir):
+    path = sock_dir / "t.sock"
+    with TelemetrySink(path) as sink:
+        rg = reporter(path, heartbeat_seconds=0)
+        rg.data_skipped([45, 41, 42, 43, 44])
+        rg.data_skipped([3, True])  # refused (counted): the skips stand
+        rg.step(41)
+        rg.close()
+        records = wait_for(sink, 3)
+    assert rg.errors == {"bad_value": 1}
+    assert [(r.phase, r.resume_skips) for r in records] == [
+        ("init", None), ("train", ((41, 45),)), ("done", ((41, 45),))]  # fmt: skip
+
+
+def test_native_service_threads_are_not_a_phase_s_progress(tmp_path):
+    """A save stuck for good kept beating: gloo's TCP loop uses CPU while idle, which
+    the process's CPU counted as progress. Only this process's Python threads count."""
+    import threading
+
+    import torch.distributed as dist
+
+    from rankguard.client.reporter import ProcessProgress
+
+    # four groups, four idle gloo loops: about 10 ms of CPU in the window
+    pgs = [dist.ProcessGroupGloo(dist.FileStore(str(tmp_path / f"s{n}"), 1), 0, 1)
+           for n in range(4)]  # fmt: skip
+
+    def native_ns() -> int:  # CPU of the threads that are not Python's
+        python = {t.native_id for t in threading.enumerate()}
+        tasks = [t for t in os.listdir("/proc/self/task") if int(t) not in python]
+        return sum(int(Path(f"/proc/self/task/{t}/schedstat").read_text().split()[0])
+                   for t in tasks)  # fmt: skip
+
+    before = native_ns()  # (read before the looks: these reads are I/O of this process)
+    progress = ProcessProgress()
+    time.sleep(1.5)  # idle: the gloo loops alone run
+    assert not progress.moved()  # no progress of ours...
+    assert native_ns() - before >= 3e6  # ...while they used CPU (about 2 ms a second each)
+    progress.rebase()
+    for started in (False, True):  # a Python thread's work counts, even once it ended
+        go = threading.Event()
+        busy = threading.Thread(target=lambda go=go: go.wait() and sum(range(3_000_000)))
+        busy.start()
+        if started:
+            assert not progress.moved()  # it exists, idle
+        go.set()
+        busy.join()
+        assert progress.moved() and not progress.moved()
+    del pgs
+
+
 def test_heartbeats_during_a_long_phase_then_stop_at_the_limit(sock_dir):
     path = sock_dir / "t.sock"
     with TelemetrySink(path) as sink:

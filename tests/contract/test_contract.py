@@ -112,6 +112,7 @@ def rank_answers(draw, incremental: bool) -> RankAnswer:
         cpu_active_at=draw(finite),
         records_received=draw(counts),
         client_errors=draw(st.dictionaries(reason, counts, max_size=5)),
+        resume_skips=draw(st.sampled_from(((), ((3, 3),), ((1, 8), (10, 2**62))))),
         stand_in=draw(
             optional(
                 st.builds(
@@ -254,6 +255,13 @@ def valid_ranks_json() -> dict:
         (("ranks", 0, "client_errors"), [], "not_object"),
         (("ranks", 0, "client_errors"), {"bad_value": -1}, "out_of_range"),
         (("ranks", 0, "client_errors"), {"bad_value": "1"}, "bad_type"),
+        (("ranks", 0, "resume_skips"), {}, "bad_type"),
+        (("ranks", 0, "resume_skips"), [[5, 3]], "out_of_range"),
+        (("ranks", 0, "resume_skips"), [[1, 4], [5, 6]], "out_of_range"),  # not apart
+        (("ranks", 0, "resume_skips"), [[0, 4]], "out_of_range"),
+        (("ranks", 0, "resume_skips"), [[1, True]], "bad_type"),
+        (("ranks", 0, "resume_skips"), [[1, 2, 3]], "bad_type"),
+        (("ranks", 0, "resume_skips"), [[2 * k, 2 * k] for k in range(1, 18)], "out_of_range"),
         (("ranks", 0, "recent"), {}, "bad_type"),
         (("ranks", 0, "recent", 0, "step"), None, "bad_type"),
         (("ranks", 0, "recent", 0, "seq"), "3", "bad_type"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rankguard.supervisor.lifecycle import (
+    EV_DATA_SKIPPED,
     EV_FIRST_STEP,
     EV_RESTARTED,
     EV_STACKS,
@@ -135,6 +136,28 @@ def test_recovery_is_followed_to_the_first_new_step():
     t = only(transitions([inc], [], [], [], first))
     assert (t.state, t.values) == ("resolved", {"first_step_at": T0 + 7, "resumed_step": 20})
     assert t.events == ((EV_FIRST_STEP, {"step": 21}),)
+
+
+def test_the_first_new_step_says_which_data_steps_the_resume_skipped():
+    # a loss spike's rollback: the new incarnation's ranks report the skipped data steps
+    inc = incident(kind="bad_numerics", state="recovering", action="kill_rank",
+                   restart_before=0, restarted_at=T0 + 5)  # fmt: skip
+    skips = ((41, 45), (50, 50))
+    new = [dataclasses.replace(rank(r, restart=1, step=41, recent=[sample(41, 1)]),
+                               resume_skips=skips) for r in (0, 1)]  # fmt: skip
+    stale = dataclasses.replace(rank(0, restart=0, state="exited"), resume_skips=((1, 9),))
+    t = only(transitions([inc], [], [], [], cluster(*new, time=T0 + 7)))
+    assert t.events[0] == (EV_FIRST_STEP, {"step": 41})
+    assert t.events[1] == (EV_DATA_SKIPPED, {
+        "data_steps": [[41, 45], [50, 50]], "count": 6, "resumed_step": 40,
+        "text": "skipped data steps 41..45, 50 (6 steps) after the rollback to the checkpoint"
+                " of step 40"})  # fmt: skip
+    # ranges are merged, never expanded; a restart that skipped nothing says nothing
+    huge = [dataclasses.replace(new[0], resume_skips=((1, 2**62),)), stale]
+    (_, (what, detail)) = only(transitions([inc], [], [], [], cluster(*huge))).events
+    assert what == EV_DATA_SKIPPED and detail["count"] == 2**62
+    plain = cluster(rank(0, restart=1, step=41, recent=[sample(41, 1)]))
+    assert only(transitions([inc], [], [], [], plain)).events == ((EV_FIRST_STEP, {"step": 41}),)
 
 
 def test_a_kill_and_its_whole_recovery_in_one_pass_apply_in_order():

@@ -92,6 +92,16 @@ def test_a_slow_save_is_within_its_budget_and_a_stuck_one_is_caught():
     assert "checkpoint_save" in f.summary and "learned" in f.summary
     # the same 8 s save on a job that has shown no save yet: the 30 s default
     assert hang.detect(saving(8.0), History(), CFG) == []
+    # steps that include the saves' blocking (1.5 s) make a 15 s step budget: it is the
+    # save's budget only until saves were learned
+    slow_steps = tuple(dataclasses.replace(s, step_seconds=1.5 if s.step % 10 == 0 else 0.1)
+                       for s in trainee)  # fmt: skip
+    blocked = at(0, *[rank(n, phase="checkpoint_save", step=30, age=8.0, recent=slow_steps)
+                      for n in (0, 1)])  # fmt: skip
+    [f] = hang.detect(blocked, learned, CFG)
+    assert f.evidence["budget"]["seconds"] == pytest.approx(7.35)
+    assert f.evidence["train_budget_seconds"] == pytest.approx(15.0, rel=0.01)
+    assert hang.detect(blocked, History(), CFG) == []  # nothing learned: the 30 s default
 
 
 def stopped(r, since, **kw):
