@@ -72,13 +72,14 @@ def ranks(sup_url: str) -> list[dict]:
         return []  # the supervisor is being restarted
 
 
-@pytest.mark.parametrize("daemon", ["supervisor", "agent"])
-def test_up_restarts_a_killed_daemon_and_a_later_rank_death_is_recorded(tmp_path, daemon):
+def test_up_restarts_killed_daemons_and_a_later_rank_death_is_recorded(tmp_path):
+    """One run (cold start: the other `up` tests cover warm workers) in which the agent,
+    then the supervisor, is SIGKILLed; each comes back, and a rank killed afterwards is
+    recorded through both restarted daemons."""
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "800", "--ckpt-every", "20",
-         "--run-dir", str(run), *SMALL_MODEL,
-         *(["--cold-start"] if daemon == "agent" else [])],  # one run opts out of warm start
+         "--run-dir", str(run), *SMALL_MODEL, "--cold-start"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     out = Output(proc)
@@ -90,19 +91,21 @@ def test_up_restarts_a_killed_daemon_and_a_later_rank_death_is_recorded(tmp_path
         )  # fmt: skip
         wait_until(lambda: min((r.get("step") or 0 for r in ranks(sup_url)), default=0) >= 20,
                    120, "training under way")  # fmt: skip
-        victim = daemon_pid(proc.pid, daemon)
-        assert victim is not None, children(proc.pid)
-        os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: f"{daemon} restarted (1 so far)" in out.text, 60, f"{daemon} restarted")
-        restarted_at = time.time()
-        assert daemon_pid(proc.pid, daemon) not in (None, victim)
-        # the restarted daemon sees the ranks training (an agent learns them anew)
-        before = {r["rank"]: r.get("step") or 0 for r in ranks(sup_url)}
-        live = wait_until(
-            lambda: [r for r in ranks(sup_url) if r["state"] == "alive"
-                     and (r.get("step") or 0) > before.get(r["rank"], 0)],
-            60, "ranks training after the restart",
-        )  # fmt: skip
+        for daemon in ("agent", "supervisor"):
+            victim = daemon_pid(proc.pid, daemon)
+            assert victim is not None, children(proc.pid)
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda d=daemon: f"{d} restarted (1 so far)" in out.text, 60,
+                       f"{daemon} restarted")  # fmt: skip
+            restarted_at = time.time()
+            assert daemon_pid(proc.pid, daemon) not in (None, victim)
+            # the restarted daemon sees the ranks training (an agent learns them anew)
+            before = {r["rank"]: r.get("step") or 0 for r in ranks(sup_url)}
+            live = wait_until(
+                lambda b=before: [r for r in ranks(sup_url) if r["state"] == "alive"
+                                  and (r.get("step") or 0) > b.get(r["rank"], 0)],
+                60, f"ranks training after the {daemon}'s restart",
+            )  # fmt: skip
         rank1 = next((r for r in live if r["rank"] == 1), None) or wait_until(
             lambda: next((r for r in ranks(sup_url) if r["rank"] == 1 and r["state"] == "alive"),
                          None), 30, "rank 1 alive")  # fmt: skip
@@ -117,9 +120,10 @@ def test_up_restarts_a_killed_daemon_and_a_later_rank_death_is_recorded(tmp_path
     print(text)  # the timeline, for a failure or -s
     assert proc.returncode == 0, text[-4000:]
     assert "training completed: step 800" in text
-    assert f"rankguard up: {daemon} killed by SIGKILL; restarting it" in text
-    assert f"restarted during the run: {daemon} 1x" in text
-    assert (run / "warm.log").is_file() == (daemon != "agent")  # --cold-start: no warm server
+    for daemon in ("agent", "supervisor"):
+        assert f"rankguard up: {daemon} killed by SIGKILL; restarting it" in text
+    assert "rankguard up: restarted during the run: agent 1x, supervisor 1x" in text
+    assert not (run / "warm.log").is_file()  # --cold-start: no warm server
     assert f"rankguard incidents --db {run / 'rankguard.db'}" in text
     assert "--supervisor http" not in text  # no URL that dies with `up`
     with sqlite3.connect(run / "rankguard.db") as db:

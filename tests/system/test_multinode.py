@@ -198,6 +198,9 @@ def test_killed_rank_restarts_every_node_and_resumes_exactly(rig, clean):
     assert incarnations == {1}, incarnations
 
 
+# In soak, not the default suite (its time): the same shrink to two nodes from disk is run
+# by the partition and hardware-fault tests, a lost node by the rank-0 and replica tests.
+@pytest.mark.soak
 def test_lost_node_job_continues_on_two_nodes(rig, resumed_reference):
     victim = rig.nodes[2]
     rig.train()
