@@ -66,9 +66,16 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
+def spawn(args: list[str], log: Path, cpus: set[int] | None = None) -> subprocess.Popen:
     with open(log, "w") as out:  # the child keeps its own copy of the fd
-        return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
+    if cpus:  # pinned before it starts threads: they inherit the mask
+        os.sched_setaffinity(proc.pid, cpus)
+    return proc
+
+
+def cpu_set(text: str | None) -> set[int] | None:
+    return None if not text else {int(c) for c in text.split(",")}
 
 
 def written_at(log: Path) -> dict[int, float]:
@@ -121,7 +128,7 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
          "--step-seconds", str(args.step_seconds), "--seed", str(args.seed),
          "--restart-delay", str(args.restart_delay),
          "--stats-file", str(work / "sim-stats.json"), *(["--full-reads"] if full_reads else [])],
-        work / "sim.log",
+        work / "sim.log", cpu_set(args.sim_cpus),
     )  # fmt: skip
     port = free_port()
     sup = None
@@ -135,7 +142,7 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
              str(agents), "--db", str(work / "rankguard.db"), "--token-file", str(token),
              "--bind", f"127.0.0.1:{port}", "--interval", str(args.interval),
              "--log-level", "warning"],
-            work / "supervisor.log",
+            work / "supervisor.log", cpu_set(args.supervisor_cpus),
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -316,6 +323,8 @@ def main(argv=None) -> None:
     p.add_argument("--fault-every", type=float, default=6.0)
     p.add_argument("--step-seconds", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sim-cpus", help="pin the simulator to these CPUs (e.g. 1)")
+    p.add_argument("--supervisor-cpus", help="pin the supervisor to these CPUs (e.g. 0)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/supervisor_scale.md")
     p.add_argument("--json", type=Path, help="also write the raw results here")
     mode = p.add_mutually_exclusive_group()
@@ -343,8 +352,12 @@ def main(argv=None) -> None:
         "",
         f"Command: `{cmd}`",
         "",
-        f"Machine: {os.cpu_count()} CPUs ({cpu}), shared with other engineers' test runs; the "
-        "simulator of all agents runs on the same 2 cores as the supervisor. Python "
+        f"Machine: {os.cpu_count()} CPUs ({cpu}), shared with other engineers' work; "
+        + (f"the simulator pinned to CPU {args.sim_cpus}, the supervisor to CPU "
+           f"{args.supervisor_cpus} (each measured on its own process). "
+           if args.sim_cpus or args.supervisor_cpus else
+           "the simulator of all agents runs on the same cores as the supervisor. ")
+        + "Python "
         f"{platform.python_version()}. Supervisor --interval {args.interval} s; simulated step "
         f"{args.step_seconds} s; faults ({args.faults}) every ~{args.fault_every} s "
         f"(0.5x to 1.5x), simulated restart after {args.restart_delay} s; {args.duration:.0f} s "

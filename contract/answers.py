@@ -212,6 +212,13 @@ class Sample:
 
     @classmethod
     def from_json(cls, obj: Any, incremental: bool = False) -> Sample:
+        fast = _sample_fast(obj, incremental)
+        return fast if fast is not None else cls._read(obj, incremental)
+
+    @classmethod
+    def _read(cls, obj: Any, incremental: bool = False) -> Sample:
+        """Every check, one field at a time: what an answer the fast path declines gets,
+        and where its error (the first bad field, named) comes from."""
         o = _object(obj)
         return cls(
             step=_int(o, "step"),
@@ -363,6 +370,12 @@ class RankAnswer:
 
     @classmethod
     def from_json(cls, obj: Any, incremental: bool = False) -> RankAnswer:
+        fast = _rank_fast(obj, incremental)
+        return fast if fast is not None else cls._read(obj, incremental)
+
+    @classmethod
+    def _read(cls, obj: Any, incremental: bool = False) -> RankAnswer:
+        """Every check, one field at a time (see Sample._read)."""
         o = _object(obj)
         state = _str(o, "state", choices=RANK_STATES)
         if _bool(o, "up") != (state in LIVE_STATES):
@@ -410,6 +423,136 @@ class RankAnswer:
             recent=_list(o, "recent", lambda s: Sample.from_json(s, incremental), _MAX_SAMPLES),
             recent_from=_int(o, "recent_from", optional=True) if incremental else None,
         )
+
+
+# --------------------------------------------------------------------------- fast paths
+#
+# The supervisor reads every rank of every node on every pass: at 1,024 nodes the
+# field-by-field checks above were most of its CPU (docs/scaling.md). A fast path checks
+# a usual answer with a few type() tests per field and builds the same object; anything
+# it is not sure of (an int where a float goes, a non-finite loss, client errors, a
+# stand-in, any bad value) returns None and goes through the checked read, which then
+# accepts it or names the bad field exactly as before. It accepts only what the checked
+# read accepts, with the same result (a property test, tests/contract/test_contract.py).
+
+_PHASE_SET = frozenset(PHASES)
+_STATE_SET = frozenset(RANK_STATES)
+_SOURCE_SET = frozenset(RANK_SOURCES)
+_SAMPLE_FLOATS = ("step_seconds", "data_wait_seconds", "compute_seconds", "comm_seconds")
+_RANK_INTS = ("rank", "local_rank", "pid", "restart", "process_changes", "records_received")
+_RANK_OPT_INTS = ("exit_code", "step", "timed_step", "peak_memory_bytes", "checkpoint_step")
+_RANK_REQ_FLOATS = ("state_since", "first_seen_at", "cpu_active_at")
+_RANK_OPT_FLOATS = (
+    "exited_at",
+    "heartbeat_age_seconds",
+    "last_heartbeat_at",
+    *_RANK_FLOATS,
+    "cpu_seconds",
+    "cpu_utilization",
+)
+
+
+def _nat(v: Any) -> bool:
+    """An int in [0, 2**63), as _int accepts it (bools are not ints here)."""
+    return type(v) is int and 0 <= v < _MAX_INT
+
+
+def _fin(v: Any) -> bool:
+    """A finite float (an int goes the checked way: it is converted there)."""
+    return type(v) is float and v - v == 0.0
+
+
+def _sample_fast(o: Any, incremental: bool) -> Sample | None:
+    if type(o) is not dict:
+        return None
+    try:
+        step, phase, restart, pid = o["step"], o["phase"], o["restart"], o["pid"]
+        a, b, c, d = (o[k] for k in _SAMPLE_FLOATS)
+        loss = o["loss"]
+        seq = o["seq"] if incremental else None
+    except KeyError:
+        return None
+    if not (
+        _nat(step)
+        and type(phase) is str
+        and phase in _PHASE_SET
+        and _nat(restart)
+        and _nat(pid)
+        and _fin(a)
+        and _fin(b)
+        and _fin(c)
+        and _fin(d)
+        and (loss is None or _fin(loss))
+        and (not incremental or _nat(seq))
+    ):
+        return None
+    return Sample(step, phase, restart, pid, a, b, c, d, loss, seq)
+
+
+def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
+    if type(o) is not dict:
+        return None
+    try:
+        state, up, job, source = o["state"], o["up"], o["job"], o["source"]
+        world_size, detail, phase, loss = o["world_size"], o["state_detail"], o["phase"], o["loss"]
+        errors, stand_in, recent = o["client_errors"], o["stand_in"], o["recent"]
+        ints = [o[k] for k in _RANK_INTS]
+        opt_ints = [o[k] for k in _RANK_OPT_INTS]
+        req_floats = [o[k] for k in _RANK_REQ_FLOATS]
+        opt_floats = [o[k] for k in _RANK_OPT_FLOATS]
+        recent_from = o["recent_from"] if incremental else None
+    except KeyError:
+        return None
+    if not (
+        type(state) is str
+        and state in _STATE_SET
+        and type(up) is bool
+        and up == (state in LIVE_STATES)
+        and type(job) is str
+        and len(job) <= MAX_JOB_CHARS
+        and type(source) is str
+        and source in _SOURCE_SET
+        and type(world_size) is int
+        and 1 <= world_size < _MAX_INT
+        and (detail is None or (type(detail) is str and len(detail) <= _MAX_TEXT))
+        and (phase is None or (type(phase) is str and phase in _PHASE_SET))
+        and (loss is None or _fin(loss))
+        and type(errors) is dict
+        and not errors
+        and stand_in is None
+        and type(recent) is list
+        and len(recent) <= _MAX_SAMPLES
+        and all(map(_nat, ints))
+        and ints[0] < world_size  # rank
+        and all(v is None or _nat(v) for v in opt_ints)
+        and all(map(_fin, req_floats))
+        and all(v is None or _fin(v) for v in opt_floats)
+        and (recent_from is None or _nat(recent_from))
+    ):
+        return None
+    samples = []
+    for item in recent:
+        sample = _sample_fast(item, incremental)
+        if sample is None:
+            return None
+        samples.append(sample)
+    rank, local_rank, pid, restart, process_changes, records_received = ints
+    exit_code, step, timed_step, peak_memory_bytes, checkpoint_step = opt_ints
+    state_since, first_seen_at, cpu_active_at = req_floats
+    exited_at, heartbeat_age, last_heartbeat_at, *rest = opt_floats
+    cpu_seconds, cpu_utilization = rest[-2:]
+    return RankAnswer(
+        job=job, rank=rank, local_rank=local_rank, world_size=world_size, pid=pid,
+        restart=restart, state=state, source=source, process_changes=process_changes,
+        state_detail=detail, state_since=state_since, exit_code=exit_code,
+        exited_at=exited_at, first_seen_at=first_seen_at, step=step, phase=phase,
+        heartbeat_age_seconds=heartbeat_age, last_heartbeat_at=last_heartbeat_at,
+        timed_step=timed_step, **dict(zip(_RANK_FLOATS, rest[:-2], strict=True)),
+        loss=loss, peak_memory_bytes=peak_memory_bytes, checkpoint_step=checkpoint_step,
+        cpu_seconds=cpu_seconds, cpu_utilization=cpu_utilization,
+        cpu_active_at=cpu_active_at, records_received=records_received, client_errors={},
+        stand_in=None, recent=tuple(samples), recent_from=recent_from,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from concurrent.futures import Future, wait
 from dataclasses import replace
 from pathlib import Path
 
+import orjson
+
 from ..contract.answers import NodeAnswer, RanksAnswer
 from ..contract.errors import ContractError
 from .state import ClusterObs, NodeObs
@@ -114,7 +116,16 @@ def _read_capped(resp: http.client.HTTPResponse, limit: int) -> bytes:
 
 def decode_answer(raw: bytes) -> dict:
     """JSON of an answer, or ContractError: bad UTF-8, not JSON, or nested deeper than the
-    parser's recursion limit (a 200k-deep answer raised RecursionError out of every pass)."""
+    parser's recursion limit (a 200k-deep answer raised RecursionError out of every pass).
+
+    orjson first (~3x faster than json at ~10 KB an answer, at 1,024 agents a pass); what it
+    refuses (bad UTF-8, deep nesting, NaN literals) is read again by json, which accepts
+    it or gives the reason as before. An integer past 64 bits comes back from orjson as a
+    float: still refused where an integer goes (as a float, not as out of range)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -413,10 +424,14 @@ class Poller:
         for name, owner in list(self._owners.items()):
             if owner not in urls:
                 del self._owners[name]
+        names_of: dict[str, list[str]] = {}  # url -> the names it owns (one pass: O(N))
+        for name, owner in self._owners.items():
+            names_of.setdefault(owner, []).append(name)
         for n in nodes:  # an agent that renamed itself gives its old name up
             if n.reachable:
-                for name in [k for k, v in self._owners.items() if v == n.url and k != n.node]:
-                    del self._owners[name]
+                for name in names_of.get(n.url, ()):
+                    if name != n.node:
+                        del self._owners[name]
         out = []
         for n in nodes:
             owner = self._owners.setdefault(n.node, n.url) if n.reachable else None

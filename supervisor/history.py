@@ -97,3 +97,14 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
             history.phases or PhaseTrace(), obs, (cfg or DetectorConfig()).hang.phases
         ),
     )
+
+
+def advance_unreachable(history: History, obs: ClusterObs, cfg: object = None) -> History:
+    """Only `unreachable_since` after this poll: a pass that runs the per-pass detectors
+    alone (reconcile.py: the window detectors and the rest of the history are paced)."""
+    unreachable = {
+        n.url: history.unreachable_since.get(n.url, n.observed_at)
+        for n in obs.nodes
+        if not n.reachable
+    }
+    return dataclasses.replace(history, unreachable_since=unreachable)

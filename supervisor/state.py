@@ -96,6 +96,14 @@ class RankObs:
         )  # fmt: skip
 
 
+def _aged_rank(r: RankObs, age: float) -> RankObs:
+    """dataclasses.replace(r, heartbeat_age_seconds=age) without its per-field overhead:
+    every rank of every node is aged on every pass (80 ms a pass at 8,192 ranks)."""
+    new = object.__new__(RankObs)
+    new.__dict__.update(r.__dict__, heartbeat_age_seconds=age)
+    return new
+
+
 @dataclass(frozen=True)
 class NodeObs:
     node: str
@@ -145,7 +153,7 @@ class NodeObs:
         pressure = self.telemetry_pressure_age
         return replace(self, telemetry_pressure_age=None if pressure is None else pressure + late,
                        ranks=tuple(
-            replace(r, heartbeat_age_seconds=r.heartbeat_age_seconds + late)
+            _aged_rank(r, r.heartbeat_age_seconds + late)
             if r.heartbeat_age_seconds is not None else r for r in self.ranks
         ))  # fmt: skip
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
@@ -71,6 +72,22 @@ def median(values: Sequence[float]) -> float:
         raise ValueError("median of nothing")
     mid = n // 2
     return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def median_without(ordered: list[float], value: float) -> float:
+    """median(ordered with one occurrence of `value` removed); `ordered` is sorted. A
+    rank's peers' median in O(log N): sorting the N-1 others per rank was O(N^2 log N)
+    (85% of the supervisor's CPU at 2,048 ranks in the straggler detector)."""
+    i = bisect_left(ordered, value)
+    n = len(ordered) - 1
+
+    def at(k: int) -> float:  # k-th element of the list without ordered[i]
+        return ordered[k] if k < i else ordered[k + 1]
+
+    if n <= 0:
+        raise ValueError("median of nothing")
+    mid = n // 2
+    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2
 
 
 def quantile(values: Sequence[float], q: float) -> float:

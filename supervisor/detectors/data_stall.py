@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING
 
 from ..model import DATA_STALL, Finding, History
 from ..state import LIVE_STATES, ClusterObs, StepSample
-from .common import at_least, check_settings, incarnation, median, node_url, samples_of
+from .common import (
+    at_least,
+    check_settings,
+    incarnation,
+    median,
+    median_without,
+    node_url,
+    samples_of,
+)
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -81,11 +89,11 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
             )
             waits[r.rank] = (r, _Wait(steps, steps[-c.window :], baseline))
         recent = {k: median([s.data_wait_seconds for s in w.recent]) for k, (_, w) in waits.items()}
+        ordered = sorted(recent.values())  # the peers' median by bisection: O(N log N)
         for k, (r, w) in waits.items():
             if w.baseline is None:
                 continue
-            peers = [v for j, v in recent.items() if j != k]
-            peers_wait = median(peers) if peers else None
+            peers_wait = median_without(ordered, recent[k]) if len(ordered) > 1 else None
             wait = recent[k]
             step = median([s.step_seconds for s in w.recent])
             reference = max(w.baseline, peers_wait or 0.0)

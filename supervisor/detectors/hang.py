@@ -266,10 +266,17 @@ def _evidence(
     world = max(r.world_size for r in live)
     if len(live) < 2 or len(live) < world:
         return None  # a peer out of view may be behind too
-    for r in live:
-        mine = START_ORDER.get(str(phase_of[r.rank]))
-        peers = [START_ORDER.get(str(phase_of[p.rank])) for p in live if p is not r]
-        if mine is None or any(p is None or p <= mine for p in peers):
+    # Only a rank alone at the earliest start-up phase, every peer's phase known and
+    # later, can be behind them all: found in one pass (comparing each rank with every
+    # peer was O(N^2), 60% of a pass at 1,024 ranks).
+    orders = [START_ORDER.get(str(phase_of[r.rank])) for r in live]
+    if None in orders:
+        return None
+    first = min(orders)
+    if orders.count(first) != 1:
+        return None
+    for r, mine in zip(live, orders, strict=True):
+        if mine != first:
             continue
         idle = None if r.cpu_active_at is None else obs.time - r.cpu_active_at
         silent = r.heartbeat_age_seconds

@@ -16,7 +16,6 @@ once it has looked slow for `straggler_persist_steps` consecutive steps and
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +26,7 @@ from .common import (
     check_settings,
     incarnation,
     median,
+    median_without,
     node_url,
     positive,
     samples_of,
@@ -97,18 +97,7 @@ def _peers(windows: list[_Window]) -> _Peers:
     )
 
 
-def _median_without(ordered: list[float], value: float) -> float:
-    """median(ordered with one occurrence of `value` removed); `ordered` is sorted."""
-    i = bisect_left(ordered, value)
-    n = len(ordered) - 1
-
-    def at(k: int) -> float:  # k-th element of the list without ordered[i]
-        return ordered[k] if k < i else ordered[k + 1]
-
-    if n <= 0:
-        raise ValueError("median of nothing")
-    mid = n // 2
-    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2
+_median_without = median_without  # the name the property test imports
 
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:

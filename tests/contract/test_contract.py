@@ -367,6 +367,39 @@ def test_a_valid_answer_with_one_field_broken_is_refused(data):
         assert parsed.ranks[0].job == "j"
 
 
+def _read_both(model, obj, incremental):
+    """(from_json's outcome, the checked read's): a result or the error's (reason, field)."""
+    out = []
+    for read in (model.from_json, model._read):
+        try:
+            out.append(read(obj, incremental))
+        except ContractError as e:
+            out.append((e.reason, e.field, str(e)))
+    return out
+
+
+@FAST
+@given(st.data(), st.booleans())
+def test_the_fast_path_reads_exactly_what_the_checked_read_reads(data, incremental):
+    """RankAnswer/Sample.from_json try a fast path first (the supervisor's hot loop,
+    docs/scaling.md): on valid ranks, and on ranks with one field (or one sample's field)
+    replaced by any JSON value, the outcome (the object, or the error's reason and field)
+    equals the field-by-field read's."""
+    rank = data.draw(rank_answers(incremental)).to_json(incremental)
+    rank = over_json(rank)
+    if data.draw(st.booleans()):
+        target = rank
+        if rank["recent"] and data.draw(st.booleans()):
+            target = rank["recent"][0]
+        name = data.draw(st.sampled_from(sorted(target)))
+        target[name] = data.draw(json_values | st.integers(-1, 3) | finite)
+    fast, checked = _read_both(RankAnswer, rank, incremental)
+    assert repr(fast) == repr(checked)  # repr: a NaN loss equals itself
+    for sample in rank["recent"] if isinstance(rank["recent"], list) else ():
+        fast, checked = _read_both(Sample, sample, incremental)
+        assert repr(fast) == repr(checked)
+
+
 # --------------------------------------------------------------------------- states
 
 

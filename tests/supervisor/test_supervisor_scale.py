@@ -268,3 +268,49 @@ def test_a_pass_over_its_cpu_share_is_followed_by_a_longer_pause():
     now = time.process_time()
     assert Supervisor.pause(sup, 0.5, now - 0.4) == pytest.approx(0.3, abs=0.02)
     assert Supervisor.pause(sup, 0.05, now) == pytest.approx(0.2, abs=0.02)  # the interval
+
+
+def test_window_detectors_are_paced_and_a_death_is_seen_every_pass(tmp_path, monkeypatch):
+    """At scale the window detectors (straggler, numerics, hang...) cost ~1 s a pass: they
+    run when their pace allows and their findings are carried; the state detectors (dead)
+    run every pass; a new incarnation runs them all at once."""
+    from builders import cluster, hung, rank, trained
+
+    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+    from rankguard.supervisor.store import IncidentStore
+
+    store = IncidentStore(tmp_path / "db.sqlite")
+    sup = Supervisor(store, lambda: [], None, SupervisorConfig(interval=0.25))
+    try:
+        kinds = lambda obs: sorted(f.kind for f in sup._detect(obs))  # noqa: E731
+        hung_obs = cluster(*hung(2, age=60.0))
+        assert kinds(hung_obs) == ["rank_hung"]  # the first pass runs everything
+        sup._window_next = time.monotonic() + 100  # as after a costly window run
+        healthy = cluster(*trained(2))
+        assert kinds(healthy) == ["rank_hung"]  # carried, not recomputed
+        dead = cluster(rank(0, step=30), rank(1, step=30, state="exited", exited_at=1.0))
+        assert "rank_dead" in kinds(dead)  # state detectors: every pass
+        restarted = cluster(*trained(2, restart=1))
+        assert kinds(restarted) == []  # a new incarnation: the window detectors ran again
+    finally:
+        sup.close()
+        store.close()
+
+
+def test_cpu_credit_lets_a_costly_pass_be_followed_by_a_short_pause():
+    """Unused share accrues (up to a cap): a pass over the share right after idle passes
+    is not followed by a long pause; the average stays within the share."""
+    from types import SimpleNamespace
+
+    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+
+    sup = SimpleNamespace(cfg=SupervisorConfig(interval=0.25, cpu_share=0.5), _credit=0.0,
+                          _credit_cap=1.0)  # fmt: skip
+    now = time.process_time()
+    for _ in range(8):  # idle passes: 0.125 s of credit each (pass and pause)
+        Supervisor.pause(sup, 0.0, now)
+    assert sup._credit == pytest.approx(1.0, abs=0.02)  # capped
+    # passes of 0.8 s at a full core: 0.4 s over the share each, paid from the credit ...
+    busy = [Supervisor.pause(sup, 0.8, time.process_time() - 0.8) for _ in range(3)]
+    assert busy == pytest.approx([0.0, 0.0, 0.4], abs=0.05)  # ... then by pausing
+    assert sup._credit == pytest.approx(0.0, abs=0.05)
