@@ -490,7 +490,7 @@ def _sample_fast(o: Any, incremental: bool) -> Sample | None:
 
 
 def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
-    if type(o) is not dict:
+    if type(o) is not dict or o.get("resume_skips") is not None:  # rare: the checked read
         return None
     try:
         state, up, job, source = o["state"], o["up"], o["job"], o["source"]
