@@ -30,8 +30,9 @@ blocking, so this thread only decodes and hands over, nothing slow.
 Batching (issue 16). A wake-up costs several times what judging a record does (the
 scheduler, ``poll``, the GIL hand-over: about 150 us against 15 us on a 2-core VM), so the
 thread does not wake per datagram: after a drain it lets datagrams gather for a while
-(:class:`Pacer`: half the kernel queue at the rate just seen, at most 0.1 s), and after an
-empty drain it blocks until the next one (an idle agent never wakes). Records may then wait
+(:class:`Pacer`: half the kernel queue at the rate just seen, at most 0.1 s); with sparse
+traffic, or after an empty drain, it blocks until the next datagram (an idle agent never
+wakes, and a lone record is judged at once). Records may then wait
 in the queue, so whoever needs the table current drains first (:meth:`flush`): the rank
 table before it marks an exited process dead (a final "done" record makes it finished, not
 exited), and ``/v1/ranks`` before it answers.
@@ -131,16 +132,20 @@ class Pacer:
 
     ``qlen`` datagrams fit in the kernel's queue; a sender that finds it full drops its
     record. So the wait aims at ``fill`` of the queue at the rate the last drain saw, and
-    never exceeds ``max_wait`` (how stale an unread record may get). A drain that found
-    the queue at its cap halves the wait and reports pressure (senders may have dropped);
-    an empty drain answers None: block until a datagram arrives.
+    never exceeds ``max_wait`` (how stale an unread record may get). Where fewer than
+    ``min_batch`` records would gather in ``max_wait`` (sparse traffic, or the first drain:
+    no rate yet) waiting saves nothing and only delays: block until the next datagram. A
+    drain that found the queue at its cap halves the wait and reports pressure (senders
+    may have dropped); an empty drain blocks too (an idle agent never wakes).
     """
 
-    def __init__(self, qlen: int, *, max_wait: float = 0.1, fill: float = 0.5) -> None:
-        if qlen < 1 or max_wait < 0 or not 0 < fill <= 1:
-            raise ValueError("qlen >= 1, max_wait >= 0 and 0 < fill <= 1")
-        self.qlen, self.max_wait, self.fill = qlen, max_wait, fill
-        self.wait = max_wait
+    def __init__(
+        self, qlen: int, *, max_wait: float = 0.1, fill: float = 0.5, min_batch: float = 2.0
+    ) -> None:
+        if qlen < 1 or max_wait < 0 or not 0 < fill <= 1 or min_batch < 0:
+            raise ValueError("qlen >= 1, max_wait >= 0, 0 < fill <= 1, min_batch >= 0")
+        self.qlen, self.max_wait, self.fill, self.min_batch = qlen, max_wait, fill, min_batch
+        self.wait: float | None = None  # None: block until a datagram arrives
         self._last: float | None = None
 
     def next_wait(self, n: int, now: float) -> tuple[float | None, bool]:
@@ -148,15 +153,14 @@ class Pacer:
         drain, or None to block until one arrives; whether the queue was at its cap)."""
         elapsed = None if self._last is None else now - self._last
         self._last = now
-        if n == 0:
-            return None, False
         if n >= self.qlen:
-            self.wait /= 2
+            self.wait = None if self.wait is None else self.wait / 2
             return self.wait, True
-        if elapsed is None or elapsed <= 0:
-            self.wait = self.max_wait
-        else:  # fill of the queue at the rate just seen: qlen * fill / (n / elapsed)
-            self.wait = min(self.max_wait, self.fill * self.qlen * elapsed / n)
+        rate = n / elapsed if elapsed else 0.0  # records per second, as this drain saw
+        if n == 0 or rate * self.max_wait < self.min_batch:
+            self.wait = None
+        else:
+            self.wait = min(self.max_wait, self.fill * self.qlen / rate)
         return self.wait, False
 
 

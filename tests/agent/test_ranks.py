@@ -611,13 +611,15 @@ def test_collector_without_table():
 
 def test_pacer_fills_half_the_kernel_queue_at_the_rate_seen():
     p = Pacer(10, max_wait=0.1)
-    assert p.next_wait(1, 100.0) == (0.1, False)  # first drain: nothing known, the most
+    assert p.next_wait(1, 100.0) == (None, False)  # no rate yet: block, judge at once
     assert p.next_wait(8, 100.1) == (pytest.approx(0.0625), False)  # 80/s: 5 in 62.5 ms
-    assert p.next_wait(1, 100.2) == (0.1, False)  # 10/s: capped by max_wait
+    assert p.next_wait(3, 100.2) == (0.1, False)  # 30/s: 3 gather in 0.1 s, the most
     wait, full = p.next_wait(10, 100.3)  # at the cap: senders may have dropped
     assert full and wait == pytest.approx(0.05)
     assert p.next_wait(12, 100.31) == (pytest.approx(0.025), True)
     assert p.next_wait(0, 100.4) == (None, False)  # empty: block until one arrives
+    assert p.next_wait(1, 101.4) == (None, False)  # 1/s: nothing would gather, block
+    assert p.next_wait(12, 101.41) == (None, True)  # a burst while blocked: still block
     with pytest.raises(ValueError):
         Pacer(0)
 
@@ -641,6 +643,7 @@ def test_an_exit_first_drains_what_the_process_sent(table, sock_path, raw, child
     events = []
     table.subscribe(events.append)
     with TelemetryReceiver(sock_path, table, max_wait=30) as r:
+        r.pacer.min_batch = 0  # wait after every drain, the first one too
         raw(encode(rec(job="prime")))
         wait_for(lambda: r.stats()["accepted"] == 1)  # now waiting up to 30 s
         child = spawn_rank(sock_path, sleep=0, phase="done", step_seconds=0.0)
