@@ -159,6 +159,8 @@ class Pacer:
         rate = n / elapsed if elapsed else 0.0  # records per second, as this drain saw
         if n == 0 or rate * self.max_wait < self.min_batch:
             self.wait = None
+        elif rate == 0:  # no rate yet (min_batch 0: always wait)
+            self.wait = self.max_wait
         else:
             self.wait = min(self.max_wait, self.fill * self.qlen / rate)
         return self.wait, False
@@ -276,7 +278,11 @@ class TelemetryReceiver:
                 return
             self.wakeups += 1
             n = self.flush()
-            wait, full = self.pacer.next_wait(n, self._clock())
+            try:
+                wait, full = self.pacer.next_wait(n, self._clock())
+            except Exception:  # a pacing bug must not stop the receiving
+                log.exception("telemetry pacing failed")
+                wait, full = None, False
             if full:  # the queue was at its cap: senders may have found it full
                 with self._lock:
                     self.pressure_at = time.time()

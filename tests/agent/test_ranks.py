@@ -620,6 +620,8 @@ def test_pacer_fills_half_the_kernel_queue_at_the_rate_seen():
     assert p.next_wait(0, 100.4) == (None, False)  # empty: block until one arrives
     assert p.next_wait(1, 101.4) == (None, False)  # 1/s: nothing would gather, block
     assert p.next_wait(12, 101.41) == (None, True)  # a burst while blocked: still block
+    always = Pacer(10, max_wait=0.1, min_batch=0)
+    assert always.next_wait(1, 100.0) == (0.1, False)  # no rate yet: the longest wait
     with pytest.raises(ValueError):
         Pacer(0)
 
