@@ -640,20 +640,29 @@ def test_receiver_gathers_datagrams_per_wakeup(table, sock_path, raw):
 
 
 def test_an_exit_first_drains_what_the_process_sent(table, sock_path, raw, children):
-    """The receiver is in a long wait, and a rank sends "done" then exits: the exit drains
-    the socket first, so the rank is finished at once and never exited in between."""
+    """The receiver is in a long wait, and a known rank sends "done" then exits: the exit
+    drains the socket first, so the rank is finished at once and never exited in between."""
     events = []
     table.subscribe(events.append)
+    child_code = CHILD.replace(
+        "assert TelemetrySender(sys.argv[1]).send(TelemetryRecord(**f))",
+        "s = TelemetrySender(sys.argv[1]); assert s.send(TelemetryRecord(**f)); print(1, flush=True)"
+        "; sys.stdin.readline(); f['phase'] = 'done'; f['step_seconds'] = 0.0"
+        "; assert s.send(TelemetryRecord(**f))",
+    )
     with TelemetryReceiver(sock_path, table, max_wait=30) as r:
         r.pacer.min_batch = 0  # wait after every drain, the first one too
         raw(encode(rec(job="prime")))
         wait_for(lambda: r.stats()["accepted"] == 1)  # now waiting up to 30 s
-        child = spawn_rank(sock_path, sleep=0, phase="done", step_seconds=0.0)
+        args = [sys.executable, "-c", child_code, str(sock_path), json.dumps(fields()), "0"]
+        child = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         children.append(child)
+        assert child.stdout.readline().strip() == "1"
+        assert r.flush() == 1 and rank_of(table)["up"]  # a reader's flush() takes it now
+        child.stdin.write("go\n")
+        child.stdin.flush()
         x = wait_for(lambda: (x := rank_of(table)) and not x["up"] and x)
         assert x["state"] == "finished"
         assert [e.state for e in events if e.job == "llama"] == ["alive", "finished"]
-        raw(encode(rec(job="late")))  # a reader's flush() takes what waits, too
-        assert r.flush() == 1 and rank_of(table, job="late")["step"] == 10
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 2  # close() cuts the long wait short
