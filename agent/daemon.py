@@ -176,6 +176,7 @@ class Agent:
     def ranks_view(self, query: dict | None = None) -> dict:
         """``?after=<cursor>``: only the samples after it, and a new cursor
         (contract/cursor.py); without it, every rank's whole window as always."""
+        self.receiver.flush()  # records waiting on the socket first (receiver.py: batching)
         self.table.refresh()
         stats = self.receiver.stats()
         telemetry = TelemetryStats(stats["path"], stats["accepted"], stats["rejected"],

@@ -54,8 +54,11 @@ UNAVAILABLE_ERRORS = {
     "unknown": pynvml.NVML_ERROR_UNKNOWN,
 }
 
-# A file-backed double polls its file this often while blocked in an event wait.
-_EVENT_POLL_S = 0.05
+# A file-backed double polls its file this often while blocked in an event wait. Rarely:
+# every collector call rereads the file and wakes the waiter at once, so this only bounds
+# the delay without collections, and each poll costs the agent's XID thread a wake-up
+# (real NVML's wait sleeps until an event or its timeout).
+_EVENT_POLL_S = 0.5
 
 
 def make_double(n_gpus: int = 8, **overrides: Any) -> dict:

@@ -656,6 +656,9 @@ class RankTable:
         self.forgotten = 0  # dead ranks dropped after forget_after
         self.incarnation = new_incarnation()  # names this table in cursors (contract/cursor.py)
         self._seq = 0  # the newest sample number handed out
+        # Set by the telemetry receiver: judges the datagrams waiting on its socket. Called
+        # before an exit is applied, as the receiver lets records gather (receiver.py).
+        self.flush_telemetry: Callable[[], object] | None = None
         self._watcher = ProcessWatcher(
             self._on_exit, clock=clock, use_pidfd=use_pidfd, proc_root=proc_root
         )
@@ -937,6 +940,14 @@ class RankTable:
 
     def _on_exit(self, pid: int, when: float) -> None:
         """ProcessWatcher callback: every live rank of this process is now dead."""
+        flush = self.flush_telemetry
+        if flush is not None:
+            # What the process sent before it exited is queued now: count it first, so a
+            # final "done" record makes the rank finished, never exited in between.
+            try:
+                flush()
+            except Exception:
+                log.exception("draining telemetry before an exit failed")
         try:
             stat = read_proc_stat(pid, self._proc_root)
         except (OSError, ValueError):

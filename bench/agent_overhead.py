@@ -2,12 +2,16 @@
 without an agent listening, side by side in one run.
 
     python bench/agent_overhead.py [--seconds 30] [--rates 10 100] [--repeats 3] [--out FILE]
+                                   [--baseline-python OTHER_VENV/bin/python]
 
 Part 1 starts `rankguard agent` (1 s interval, an NVML double with 8 GPUs) and 8 fake
 rank processes that each send a valid telemetry record RATE times a second, then measures
 the agent's CPU time over a window, split by thread (where the time goes: the telemetry
-receiver, the collectors on the main thread, HTTP), and the latency of repeated /metrics
-scrapes as text, gzipped text and OpenMetrics. One column per rate, side by side.
+receiver, the collectors on the main thread, HTTP), the receiver thread's wake-ups
+(voluntary context switches), and the latency of repeated /metrics scrapes as text,
+gzipped text and OpenMetrics. One column per rate, side by side. With
+`--baseline-python`, the agent of another installation (an older commit in its own venv)
+is measured too, alternating with this one, rate by rate: columns "before" and "after".
 Part 2 runs the real trainer under torchrun (2 ranks) alternately with an agent
 receiving its telemetry and with no listener at all, and compares throughput.
 """
@@ -70,6 +74,15 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def thread_switches(pid: int, tid: int) -> int:
+    """Voluntary context switches of one thread: how often it went to sleep (wake-ups)."""
+    try:
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except OSError:
+        return 0
+    return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M)[1])
+
+
 def thread_names(pid: int) -> dict[int, str]:
     """Python thread names by thread id, from `py-spy dump` (empty without py-spy)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -97,15 +110,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_agent(tmp: Path, gpus: int | None) -> tuple[subprocess.Popen, str, Path]:
-    """An agent with an NVML double of `gpus` GPUs, or real NVML when `gpus` is None."""
+def start_agent(
+    tmp: Path, gpus: int | None, python: str = sys.executable
+) -> tuple[subprocess.Popen, str, Path]:
+    """An agent with an NVML double of `gpus` GPUs, or real NVML when `gpus` is None,
+    run by `python` (another venv's interpreter: another installed version)."""
     port, sock, double = free_port(), tmp / "telemetry.sock", tmp / "nvml.json"
     nvml_args = []
     if gpus is not None:
         double.write_text(json.dumps(make_double(n_gpus=gpus)))
         nvml_args = ["--nvml-double", str(double)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.cli.main", "agent", "--bind", f"127.0.0.1:{port}",
+        [python, "-m", "rankguard.cli.main", "agent", "--bind", f"127.0.0.1:{port}",
          "--interval", "1", "--telemetry-socket", str(sock), *nvml_args,
          "--ckpt-dir", str(tmp), "--log-level", "warning"],
     )  # fmt: skip
@@ -119,9 +135,11 @@ def start_agent(tmp: Path, gpus: int | None) -> tuple[subprocess.Popen, str, Pat
     return proc, base, sock
 
 
-def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200) -> dict:
+def agent_cost(
+    seconds: float, real_nvml: bool, rate: float, scrapes: int = 200, python: str = sys.executable
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:
-        agent, base, sock = start_agent(Path(tmp), gpus=None if real_nvml else 8)
+        agent, base, sock = start_agent(Path(tmp), gpus=None if real_nvml else 8, python=python)
         senders = [
             subprocess.Popen([sys.executable, "-c", SENDER, str(sock), str(r), str(rate)])
             for r in range(8)
@@ -129,14 +147,17 @@ def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200)
         try:
             time.sleep(3)  # let the ranks register and the collectors warm up
             names = thread_names(agent.pid)
+            receiver = next((t for t, n in names.items() if "receiver" in n), None)
             p = psutil.Process(agent.pid)
             ranks_url = base + "/v1/ranks"
             accepted0 = json.loads(urllib.request.urlopen(ranks_url).read())["telemetry"][
                 "accepted"
             ]
+            switches0 = thread_switches(agent.pid, receiver) if receiver else 0
             before, threads0, t0 = p.cpu_times(), thread_cpu(agent.pid), time.monotonic()
             time.sleep(seconds)
             after, threads1 = p.cpu_times(), thread_cpu(agent.pid)
+            switches1 = thread_switches(agent.pid, receiver) if receiver else 0
             elapsed = time.monotonic() - t0
             ranks = json.loads(urllib.request.urlopen(ranks_url).read())
             cpu = (after.user + after.system - before.user - before.system) / elapsed
@@ -146,6 +167,9 @@ def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200)
                 by_group[group] = (
                     by_group.get(group, 0.0) + (spent - threads0.get(tid, 0.0)) / elapsed
                 )
+            # short-lived threads (the storage collector's statvfs guards) end inside the
+            # window: their time is in the process's total only
+            by_group["threads that ended in the window"] = max(0.0, cpu - sum(by_group.values()))
             records = (ranks["telemetry"]["accepted"] - accepted0) / elapsed
             latencies, sizes, served = {}, {}, {}
             for label, headers in SCRAPES.items():
@@ -176,6 +200,7 @@ def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200)
         "cpu_fraction_of_one_core": cpu,
         "by_thread": by_group,
         "records_per_second": records,
+        "receiver_wakeups_per_second": (switches1 - switches0) / elapsed,
         "scrape_ms": {k: (1e3 * a, 1e3 * b) for k, (a, b) in latencies.items()},
         "metrics_bytes": sizes,
         "served": served,
@@ -186,45 +211,70 @@ def agent_cost(seconds: float, real_nvml: bool, rate: float, scrapes: int = 200)
     }
 
 
-def cost_table(costs: list[dict], gpu_desc: str, seconds: float) -> list[str]:
-    """The cost measures with one column per record rate, and the ratio of the last to the
-    first."""
-    head = " | ".join(f"{c['rate']:g} records/s/rank" for c in costs)
+def cost_table(columns: list[tuple[str, dict]], gpu_desc: str, seconds: float) -> list[str]:
+    """The cost measures with one column per (label, measurement); a ratio column after
+    each "after" column (after / before at the same rate), or, without a baseline, one
+    ratio of the last column to the first."""
+    compare = any(label.startswith("before") for label, _ in columns)
+    head = ["measure"]
+    for i, (label, _) in enumerate(columns):
+        head.append(label)
+        if compare and i % 2:
+            head.append("after / before")
+    if not compare:
+        head.append("ratio")
+    head.append("target")
     lines = [
-        f"Agent cost: 1 s interval, {gpu_desc}, 8 ranks, {seconds:.0f} s window per rate",
+        f"Agent cost: 1 s interval, {gpu_desc}, 8 ranks, {seconds:.0f} s window per column",
         "",
-        f"| measure | {head} | ratio | target |",
-        "|---|" + "---|" * len(costs) + "---|---|",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
 
-    def row(name: str, values: list[float], fmt: str, target: str = "") -> None:
-        cells = " | ".join(format(v, fmt) for v in values)
-        ratio = f"{values[-1] / values[0]:.2f}x" if values[0] else ""
-        lines.append(f"| {name} | {cells} | {ratio} | {target} |")
+    def ratio(a: float, b: float) -> str:
+        return f"{b / a:.2f}x" if a else ""
 
+    def row(name: str, values: list[float], fmt: str, target: str = "", cells=None) -> None:
+        shown = cells or [format(v, fmt) for v in values]
+        out = []
+        for i, cell in enumerate(shown):
+            out.append(cell)
+            if compare and i % 2:
+                out.append(ratio(values[i - 1], values[i]))
+        if not compare:
+            out.append(ratio(values[0], values[-1]))
+        lines.append(f"| {name} | " + " | ".join(out) + f" | {target} |")
+
+    costs = [c for _, c in columns]
     row("records received per second", [c["records_per_second"] for c in costs], ",.0f")
     targets = {10: "< 0.01", 100: "< 0.05"}
-    cells = " | ".join(
+    cpu = [c["cpu_fraction_of_one_core"] for c in costs]
+    row("agent CPU, fraction of one core", cpu, ".4f", "< 0.01 at 10, < 0.05 at 100", [
         f"{c['cpu_fraction_of_one_core']:.4f} (target {targets.get(int(c['rate']), '-')})"
         for c in costs
-    )
-    ratio = costs[-1]["cpu_fraction_of_one_core"] / max(1e-9, costs[0]["cpu_fraction_of_one_core"])
-    lines.append(f"| agent CPU, fraction of one core | {cells} | {ratio:.2f}x | |")
+    ])  # fmt: skip
     groups = sorted({g for c in costs for g in c["by_thread"]})
     for g in groups:
         row(f"&nbsp;&nbsp;{g}", [c["by_thread"].get(g, 0.0) for c in costs], ".4f")
+    row("receiver wake-ups per second", [c["receiver_wakeups_per_second"] for c in costs], ",.0f")
     row(
         "CPU per record (µs), whole agent",
         [1e6 * c["cpu_fraction_of_one_core"] / max(1.0, c["records_per_second"]) for c in costs],
         ".0f",
     )
+    row(
+        "CPU per record (µs), receiver thread",
+        [1e6 * c["by_thread"].get("telemetry receiver", 0.0) / max(1.0, c["records_per_second"])
+         for c in costs],
+        ".0f",
+    )  # fmt: skip
     for label in SCRAPES:
         row(f"/metrics {label} p50 (ms)", [c["scrape_ms"][label][0] for c in costs], ".2f")
         row(f"/metrics {label} p99 (ms)", [c["scrape_ms"][label][1] for c in costs], ".2f", "< 10")
         row(f"/metrics {label} size (bytes)", [c["metrics_bytes"][label] for c in costs], ",.0f")
     row("/metrics series", [c["series"] for c in costs], ",.0f")
     lines.append("")
-    lines.append("Served as: " + "; ".join(f"{k}: {v}" for k, v in costs[0]["served"].items()))
+    lines.append("Served as: " + "; ".join(f"{k}: {v}" for k, v in costs[-1]["served"].items()))
     return lines
 
 
@@ -266,12 +316,20 @@ def main() -> None:
     p.add_argument(
         "--real-nvml", action="store_true", help="the node's real GPUs instead of 8 doubled ones"
     )
+    p.add_argument("--baseline-python", help="measure this interpreter's installed agent too "
+                   "(another venv's python: the code before a change), as 'before'")  # fmt: skip
     args = p.parse_args()
+    if args.baseline_python and not Path(args.baseline_python).is_file():
+        p.error(f"--baseline-python: no such interpreter: {args.baseline_python}")
 
-    costs = []
+    columns: list[tuple[str, dict]] = []
+    versions = [("before", args.baseline_python), ("after", sys.executable)]
     for rate in args.rates:
-        print(f"part 1: agent cost at {rate:g} records/s/rank ...", file=sys.stderr, flush=True)
-        costs.append(agent_cost(args.seconds, args.real_nvml, rate))
+        for version, python in versions if args.baseline_python else [("", sys.executable)]:
+            label = f"{version} {rate:g} records/s/rank".strip()
+            print(f"part 1: agent cost, {label} ...", file=sys.stderr, flush=True)
+            columns.append((label, agent_cost(args.seconds, args.real_nvml, rate, python=python)))
+    costs = [c for _, c in columns]
     runs: dict[str, list[float]] = {"without agent": [], "with agent": []}
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:
         for i in range(args.repeats):
@@ -279,7 +337,7 @@ def main() -> None:
                 print(f"part 2 [{i + 1}/{args.repeats}] {label} ...", file=sys.stderr, flush=True)
                 runs[label].append(train(label == "with agent", Path(tmp), args.steps))
     gpu_desc = f"{costs[0]['gpus']} GPU(s), real NVML" if args.real_nvml else "8 GPUs (NVML double)"
-    lines = cost_table(costs, gpu_desc, args.seconds)
+    lines = cost_table(columns, gpu_desc, args.seconds)
     if args.repeats:
         lines += [
             "",

@@ -479,8 +479,20 @@ def fast_record(obj: dict) -> TelemetryRecord | None:
             return None  # ints, and non-finite losses in their wire spelling: the full path
         if cs is not None and (type(cs) is not int or not 0 <= cs < MAX_INT):
             return None
-        if obj.get("client_errors") is not None or obj.get("resume_skips") is not None:
+        if obj.get("resume_skips") is not None:  # rare (after a rollback): the full path
             return None
+        errors = obj.get("client_errors")
+        if errors is not None:
+            # a rank whose sends ever failed sends its counters with every record after:
+            # it must not fall to the slow path for good (issue 16's profile)
+            if type(errors) is not dict or len(errors) > MAX_CLIENT_ERRORS:
+                return None
+            for reason, count in errors.items():
+                if type(count) is not int or not 0 <= count < MAX_INT:
+                    return None
+                if not is_reason_name(reason):
+                    return None
+            errors = dict(errors) or None
         for name in OPTIONAL_FLOAT_FIELDS:
             x = obj.get(name)
             if x is not None and (type(x) is not float or not 0.0 <= x < math.inf):
@@ -488,7 +500,7 @@ def fast_record(obj: dict) -> TelemetryRecord | None:
             values[name] = x
     except KeyError:
         return None
-    values.update(job=job, phase=phase, loss=loss, checkpoint_step=cs, client_errors=None,
+    values.update(job=job, phase=phase, loss=loss, checkpoint_step=cs, client_errors=errors,
                   resume_skips=None)  # fmt: skip
     record = object.__new__(TelemetryRecord)
     record.__dict__.update(values)  # frozen: no __setattr__, but a plain instance dict

@@ -31,7 +31,12 @@ from rankguard.agent.ranks import (
     parse_proc_stat,
     read_proc_stat,
 )
-from rankguard.agent.receiver import RECEIVER_REASONS, SocketInUseError, TelemetryReceiver
+from rankguard.agent.receiver import (
+    RECEIVER_REASONS,
+    Pacer,
+    SocketInUseError,
+    TelemetryReceiver,
+)
 from rankguard.client import Reporter, TelemetrySender
 from rankguard.contract.states import RANK_STATES
 from rankguard.contract.telemetry import PHASES, REASONS, TelemetryRecord, encode
@@ -599,3 +604,65 @@ def test_collector_without_table():
     assert samples(res, "rankguard_rank_up") == {}
     assert samples(res, "rankguard_ranks")[("alive",)] == 0
     assert len(samples(res, "rankguard_telemetry_rejected_total")) == len(RECEIVER_REASONS)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def test_pacer_fills_half_the_kernel_queue_at_the_rate_seen():
+    p = Pacer(10, max_wait=0.1)
+    assert p.next_wait(1, 100.0) == (None, False)  # no rate yet: block, judge at once
+    assert p.next_wait(8, 100.1) == (pytest.approx(0.0625), False)  # 80/s: 5 in 62.5 ms
+    assert p.next_wait(3, 100.2) == (0.1, False)  # 30/s: 3 gather in 0.1 s, the most
+    wait, full = p.next_wait(10, 100.3)  # at the cap: senders may have dropped
+    assert full and wait == pytest.approx(0.05)
+    assert p.next_wait(12, 100.31) == (pytest.approx(0.025), True)
+    assert p.next_wait(0, 100.4) == (None, False)  # empty: block until one arrives
+    assert p.next_wait(1, 101.4) == (None, False)  # 1/s: nothing would gather, block
+    assert p.next_wait(12, 101.41) == (None, True)  # a burst while blocked: still block
+    always = Pacer(10, max_wait=0.1, min_batch=0)
+    assert always.next_wait(1, 100.0) == (0.1, False)  # no rate yet: the longest wait
+    with pytest.raises(ValueError):
+        Pacer(0)
+
+
+def test_receiver_gathers_datagrams_per_wakeup(table, sock_path, raw):
+    """40 records at about 200/s: judged in batches, not one wake-up per datagram (the
+    old receiver woke 40 times). The blocking sender never drops, so all 40 arrive."""
+    with TelemetryReceiver(sock_path, table) as r:
+        for i in range(40):
+            raw(encode(rec(step=i + 1)))
+            time.sleep(0.005)
+        wait_for(lambda: r.stats()["accepted"] == 40)
+        print(f"wake-ups for 40 records: {r.wakeups}")
+        assert r.wakeups <= 20
+        assert rank_of(table)["step"] == 40
+
+
+def test_an_exit_first_drains_what_the_process_sent(table, sock_path, raw, children):
+    """The receiver is in a long wait, and a known rank sends "done" then exits: the exit
+    drains the socket first, so the rank is finished at once and never exited in between."""
+    events = []
+    table.subscribe(events.append)
+    child_code = CHILD.replace(
+        "assert TelemetrySender(sys.argv[1]).send(TelemetryRecord(**f))",
+        "s = TelemetrySender(sys.argv[1]); assert s.send(TelemetryRecord(**f)); print(1, flush=True)"
+        "; sys.stdin.readline(); f['phase'] = 'done'; f['step_seconds'] = 0.0"
+        "; assert s.send(TelemetryRecord(**f))",
+    )
+    with TelemetryReceiver(sock_path, table, max_wait=30) as r:
+        r.pacer.min_batch = 0  # wait after every drain, the first one too
+        raw(encode(rec(job="prime")))
+        wait_for(lambda: r.stats()["accepted"] == 1)  # now waiting up to 30 s
+        args = [sys.executable, "-c", child_code, str(sock_path), json.dumps(fields()), "0"]
+        child = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        children.append(child)
+        assert child.stdout.readline().strip() == "1"
+        assert r.flush() == 1 and rank_of(table)["up"]  # a reader's flush() takes it now
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        x = wait_for(lambda: (x := rank_of(table)) and not x["up"] and x)
+        assert x["state"] == "finished"
+        assert [e.state for e in events if e.job == "llama"] == ["alive", "finished"]
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 2  # close() cuts the long wait short

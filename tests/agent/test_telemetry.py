@@ -675,13 +675,39 @@ def test_sender_close_is_idempotent_and_drops_after(sock_dir):
         rx.close()
 
 
+def test_fast_path_takes_the_clients_error_counters():
+    """A rank that dropped a record once sends its counters ever after: still fast."""
+    obj = {**valid_fields(), "client_errors": {"queue_full": 3, "no_socket": 0}}
+    fast = tm.fast_record(json.loads(json.dumps(obj)))
+    assert fast is not None and fast.client_errors == {"queue_full": 3, "no_socket": 0}
+    assert_same(fast, TelemetryRecord.from_dict(obj))
+    for bad in ({"queue full": 1}, {"queue_full": -1}, {"queue_full": True}, [1]):
+        assert tm.fast_record({**obj, "client_errors": bad}) is None  # the full path says why
+
+
 @FAST
 @given(
     records(),
     st.dictionaries(
         st.sampled_from([*valid_fields(), "flops", "peak_flops", "client_errors", "resume_skips"]),
         json_values
-        | st.sampled_from([-0.0, 1.0, 2**63, 2**64, True, "NaN", 1e308, [[3, 5]], [[5, 3]]]),
+        | st.sampled_from(
+            [
+                -0.0,
+                1.0,
+                2**63,
+                2**64,
+                True,
+                "NaN",
+                1e308,
+                {},
+                {"queue_full": 2},
+                {"queue_full": 2**63},
+                {"Queue-Full": 1},
+                [[3, 5]],
+                [[5, 3]],
+            ]
+        ),  # fmt: skip
         max_size=3,
     ),
 )
