@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -80,22 +81,57 @@ def send_signal(table, body: dict) -> dict:
         if stand_in is None:
             raise
         pid = None  # the rank has ended (finished, say) but torchrun cannot see it
-    for target in (stand_in, pid):
-        if target is None:
-            continue
+    sig = getattr(signal, name)
+    if pid is not None:
         try:
-            os.kill(target, getattr(signal, name))
+            if stand_in is None:
+                os.kill(pid, sig)
+            else:
+                _kill_and_wait(pid, sig, STAND_IN_WAIT_SECONDS)
         except ProcessLookupError:
-            if target == pid and stand_in is None:  # else it died with its stand-in
+            if stand_in is None:  # else it died with its stand-in
                 raise ControlError(
                     404, f"rank {rank} of job {job}: process {pid} is gone"
                 ) from None
         except PermissionError:
-            raise ControlError(403, f"not permitted to signal process {target}") from None
+            raise ControlError(403, f"not permitted to signal process {pid}") from None
+    if stand_in is not None:
+        try:
+            os.kill(stand_in, sig)
+        except ProcessLookupError:
+            pass  # it ended with its worker (the shim exits the way its worker did)
+        except PermissionError:
+            raise ControlError(403, f"not permitted to signal process {stand_in}") from None
     out = {"job": job, "rank": rank, "pid": pid, "signal": name, "sent": True}
     if stand_in is not None:
         out["stand_in"] = stand_in
     return out
+
+
+# How long a SIGKILL waits for a warm-started rank to be gone before its stand-in is
+# killed. The rank first: torchrun reacts to the stand-in's death by tearing the peers
+# down, so a stand-in killed first let a peer die (SIGTERM through its own shim) before
+# the killed rank had finished exiting (a large process takes tens of milliseconds under
+# load), and the dead detector, which names the first rank to die, named the peer.
+STAND_IN_WAIT_SECONDS = 2.0
+
+
+def _kill_and_wait(pid: int, sig: int, timeout: float) -> bool:
+    """Signal `pid` through a pidfd and wait until it has terminated (a zombie counts);
+    False if it still runs after `timeout`. ProcessLookupError if it is gone already."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except (OSError, AttributeError):  # no pidfds here (old kernel, seccomp): no wait
+        os.kill(pid, sig)
+        return False
+    try:
+        signal.pidfd_send_signal(fd, sig)
+        ready, _, _ = select.select([fd], [], [], timeout)
+        return bool(ready)
+    finally:
+        os.close(fd)
 
 
 def py_spy_path() -> str | None:

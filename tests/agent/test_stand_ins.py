@@ -14,7 +14,7 @@ import time
 import pytest
 
 from rankguard.agent.control import send_signal
-from rankguard.agent.ranks import ProcStat, RankTable
+from rankguard.agent.ranks import ProcessWatcher, ProcStat, RankTable
 from rankguard.agent.stand_ins import StandIn, stand_in_state
 from rankguard.contract import ContractError, RankAnswer
 from rankguard.contract.telemetry import TelemetryRecord
@@ -58,7 +58,8 @@ print(shim.pid, flush=True)
 shim.wait()
 time.sleep(120)
 """
-RANK = "import os, sys, time; fd = os.pidfd_open(int(sys.argv[1])); time.sleep(float(sys.argv[2]))"
+RANK = ("import os, sys, time; fd = os.pidfd_open(int(sys.argv[1])); m = b\"x\" * int(sys.argv[3])"
+        "; time.sleep(float(sys.argv[2]))")  # fmt: skip
 
 
 def record(pid: int, phase: str = "train") -> TelemetryRecord:
@@ -96,8 +97,9 @@ def chain():
     shim = int(launcher.stdout.readline())
     procs = [launcher]
 
-    def rank(seconds: float = 120.0) -> subprocess.Popen:
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(shim), str(seconds)]))
+    def rank(seconds: float = 120.0, memory: int = 0) -> subprocess.Popen:
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(shim), str(seconds),
+                                       str(memory)]))  # fmt: skip
         wait(lambda: any(os.readlink(f"/proc/{procs[-1].pid}/fd/{fd}") == "anon_inode:[pidfd]"
                          for fd in os.listdir(f"/proc/{procs[-1].pid}/fd")))  # fmt: skip
         return procs[-1]
@@ -129,6 +131,27 @@ def test_table_watches_a_ranks_stand_in_and_sigkill_ends_both(chain):
         out = send_signal(table, {"job": "job", "rank": 1, "signal": "SIGKILL"})
         assert (out["stand_in"], out["pid"]) == (shim, rank.pid)
         wait(lambda: gone(shim) and rank.poll() is not None)
+
+
+def test_sigkill_ends_the_rank_before_its_stand_in(chain):
+    """torchrun tears the peers down when the stand-in dies, so the killed rank must be gone
+    first: else a peer can die before it and be named as the dead rank (seen under load
+    with `rankguard inject kill`, docs/architecture.md). The rank holds 64 MiB, so its
+    exit takes longer than the shim's, as a trainer's does."""
+    shim, start_rank = chain
+    order = []
+    watcher = ProcessWatcher(lambda pid, _: order.append(pid))
+    try:
+        with RankTable() as table:
+            rank = start_rank(memory=64 << 20)
+            table.update(record(rank.pid), sender_pid=rank.pid)
+            assert watcher.watch(rank.pid) and watcher.watch(shim)
+            out = send_signal(table, {"job": "job", "rank": 1, "signal": "SIGKILL"})
+            assert (out["stand_in"], out["pid"]) == (shim, rank.pid)
+            wait(lambda: len(order) == 2)
+    finally:
+        watcher.close()
+    assert order == [rank.pid, shim]
 
 
 def test_a_finished_rank_whose_stand_in_is_stopped_has_the_stand_in_killed(chain):

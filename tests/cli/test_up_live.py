@@ -80,11 +80,9 @@ class Run:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    # cold start: under warm start a SIGKILLed rank 1 is named as rank 0 (the agent stamps
-    # both exits in one pass and the dead detector breaks the tie by rank number), a known
-    # bug written down in docs/architecture.md; this module checks each inject kind
-    up = UpPty(tmp_path_factory.mktemp("live"), "--steps", "100000", "--ckpt-every", "20",
-               "--cold-start")  # fmt: skip
+    # warm start (the default): a SIGKILLed rank is named as itself since the agent kills
+    # a warm rank before its stand-in (docs/architecture.md)
+    up = UpPty(tmp_path_factory.mktemp("live"), "--steps", "100000", "--ckpt-every", "20")
     try:
         yield Run(up)
     finally:
