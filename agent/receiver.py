@@ -201,7 +201,10 @@ class TelemetryReceiver:
         quota_burst: float = 4000.0,
         privileged_factor: float = 10.0,
         clock=time.monotonic,
-        max_wait: float = 0.1,
+        # 0: block per datagram (the default). A wait lets datagrams gather, but a burst
+        # (a rank's final step, checkpoint and "done") then overflows the 10-datagram
+        # queue and a dropped "done" reads as a death (docs/architecture.md).
+        max_wait: float = 0.0,
     ) -> None:
         self.path = Path(path)
         self.table = table

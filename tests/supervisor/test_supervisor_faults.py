@@ -123,7 +123,10 @@ def test_clean_run_raises_no_hang_or_other_alarm(clean):
     """220 steps with a checkpoint every 10: no hang, no death, no numerics alarm.
     (Stragglers are judged on their own below, with a step long enough to judge.)"""
     job = clean["cluster"]["jobs"]["job"]  # the supervisor really watched it to the end
-    assert (job["state"], job["max_step"]) == ("finished", STEPS), clean["cluster"]
+    assert (job["state"], job["max_step"]) == ("finished", STEPS), (
+        clean["cluster"],
+        clean["incidents"],
+    )
     assert [i for i in clean["incidents"] if i["kind"] != "straggler"] == [], clean["incidents"]
 
 
