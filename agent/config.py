@@ -26,6 +26,9 @@ class AgentConfig:
     telemetry_group: str | int | None = None
     telemetry_quota: float = 2000.0  # records/s per sender uid (x10 for root and the agent's)
     telemetry_ranks_per_uid: int = 256  # table entries per sender uid (root/agent's: all)
+    # seconds the receiver lets datagrams gather between drains; unset: 0.1 where the
+    # kernel queue (net.unix.max_dgram_qlen) holds >= 64, else 0 (receiver.batch_wait)
+    telemetry_batch_wait: float | None = None
     ckpt_dir: Path | None = None
     data_dir: Path | None = None
     expected_gpus: int | None = None
@@ -53,6 +56,8 @@ class AgentConfig:
             raise AgentConfigError("expected_gpus must be >= 0")
         if not 1 <= self.telemetry_quota <= 1e7:
             raise AgentConfigError("telemetry_quota must be between 1 and 1e7 records/s")
+        if self.telemetry_batch_wait is not None and not 0 <= self.telemetry_batch_wait <= 1:
+            raise AgentConfigError("telemetry_batch_wait must be between 0 and 1 second")
         if not 1 <= self.telemetry_ranks_per_uid <= 1 << 20:
             raise AgentConfigError("telemetry_ranks_per_uid must be >= 1")
         self.telemetry_gid()

@@ -46,6 +46,7 @@ class Agent:
         self.receiver = TelemetryReceiver(
             cfg.telemetry_socket, self.table, mode=cfg.socket_mode, group=cfg.telemetry_gid(),
             quota_rate=cfg.telemetry_quota, quota_burst=2 * cfg.telemetry_quota,
+            max_wait=cfg.telemetry_batch_wait,
         )  # fmt: skip
         self.scanner = (
             WorkerScanner(agent_socket=cfg.telemetry_socket, mode=cfg.discover_workers)

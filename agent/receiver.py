@@ -32,7 +32,9 @@ scheduler, ``poll``, the GIL hand-over: about 150 us against 15 us on a 2-core V
 thread does not wake per datagram: after a drain it lets datagrams gather for a while
 (:class:`Pacer`: half the kernel queue at the rate just seen, at most 0.1 s); with sparse
 traffic, or after an empty drain, it blocks until the next datagram (an idle agent never
-wakes, and a lone record is judged at once). Records may then wait
+wakes, and a lone record is judged at once). Only where the kernel queue is long enough
+(:func:`batch_wait`: ``net.unix.max_dgram_qlen`` >= 64, which deploy/sysctl.d sets): with
+the default 10, ranks' bursts overflow it during a wait. Records may then wait
 in the queue, so whoever needs the table current drains first (:meth:`flush`): the rank
 table before it marks an exited process dead (a final "done" record makes it finished, not
 exited), and ``/v1/ranks`` before it answers.
@@ -66,7 +68,14 @@ from ..contract.telemetry import (
 )
 from .ranks import ForeignOwnerError, RankQuotaError, RankTable, RankTableFullError
 
-__all__ = ["RECEIVER_REASONS", "Pacer", "SocketInUseError", "TelemetryReceiver", "unix_dgram_qlen"]
+__all__ = [
+    "RECEIVER_REASONS",
+    "Pacer",
+    "SocketInUseError",
+    "TelemetryReceiver",
+    "batch_wait",
+    "unix_dgram_qlen",
+]
 
 log = logging.getLogger("rankguard.agent.receiver")
 
@@ -90,6 +99,8 @@ _QLEN_FILE = "/proc/sys/net/unix/max_dgram_qlen"
 _DEFAULT_QLEN = 10  # the kernel's default, when the sysctl cannot be read
 _MAX_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 _MAX_BUCKETS = 4096  # sender uids with a token bucket; full buckets are dropped beyond
+BATCH_WAIT = 0.1  # seconds between drains when batching (how stale a record may get)
+BATCH_MIN_QLEN = 64  # kernel queue that batching needs (auto): 8 ranks' bursts, with room
 
 
 class Quota:
@@ -174,6 +185,18 @@ def unix_dgram_qlen(path: str = _QLEN_FILE) -> int:
         return _DEFAULT_QLEN
 
 
+def batch_wait(setting: float | None, qlen: int) -> float:
+    """The receiver's longest wait between drains: ``setting`` itself, or with None (auto)
+    :data:`BATCH_WAIT` where the kernel queue holds at least :data:`BATCH_MIN_QLEN`
+    datagrams and 0 (block per datagram) where it does not. With the default queue of 10,
+    a wait let 2 ranks' final bursts (last steps, checkpoint, "done") overflow it, and a
+    dropped "done" read as a death; a queue raised by sysctl (deploy/sysctl.d) holds a
+    whole node's records for the wait."""
+    if setting is not None:
+        return setting
+    return BATCH_WAIT if qlen >= BATCH_MIN_QLEN else 0.0
+
+
 class SocketInUseError(OSError):
     """Another process is listening on the telemetry socket path."""
 
@@ -201,10 +224,9 @@ class TelemetryReceiver:
         quota_burst: float = 4000.0,
         privileged_factor: float = 10.0,
         clock=time.monotonic,
-        # 0: block per datagram (the default). A wait lets datagrams gather, but a burst
-        # (a rank's final step, checkpoint and "done") then overflows the 10-datagram
-        # queue and a dropped "done" reads as a death (docs/architecture.md).
-        max_wait: float = 0.0,
+        # None (auto): gather only where the kernel queue is long enough (BATCH_MIN_QLEN);
+        # 0: block per datagram; > 0: wait up to this long between drains.
+        max_wait: float | None = None,
     ) -> None:
         self.path = Path(path)
         self.table = table
@@ -221,7 +243,8 @@ class TelemetryReceiver:
         self._closed = False
         # one drain at a time: the receiving thread's, or a reader's flush()
         self._drain_lock = threading.Lock()
-        self.pacer = Pacer(unix_dgram_qlen(), max_wait=max_wait)
+        qlen = unix_dgram_qlen()
+        self.pacer = Pacer(qlen, max_wait=batch_wait(max_wait, qlen))
         self.wakeups = 0  # drains by the receiving thread (what batching saves)
         self._sock = self._bind(rcvbuf)
         self._inode = os.stat(self.path).st_ino

@@ -2,7 +2,7 @@
 without an agent listening, side by side in one run.
 
     python bench/agent_overhead.py [--seconds 30] [--rates 10 100] [--repeats 3] [--out FILE]
-                                   [--baseline-python OTHER_VENV/bin/python]
+                                   [--baseline-python OTHER_VENV/bin/python | --qlen 512]
 
 Part 1 starts `rankguard agent` (1 s interval, an NVML double with 8 GPUs) and 8 fake
 rank processes that each send a valid telemetry record RATE times a second, then measures
@@ -12,6 +12,10 @@ receiver, the collectors on the main thread, HTTP), the receiver thread's wake-u
 gzipped text and OpenMetrics. One column per rate, side by side. With
 `--baseline-python`, the agent of another installation (an older commit in its own venv)
 is measured too, alternating with this one, rate by rate: columns "before" and "after".
+With `--qlen N` (root), the same agent is measured with the kernel's queue for Unix
+datagram sockets as it is ("before") and raised to N ("after", deploy/sysctl.d): the
+sysctl is set only while the agent creates its socket (the length is taken then) and put
+back at once. "records dropped" are the senders' own counts of full-queue drops.
 Part 2 runs the real trainer under torchrun (2 ranks) alternately with an agent
 receiving its telemetry and with no listener at all, and compares throughput.
 """
@@ -110,11 +114,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+QLEN_FILE = Path("/proc/sys/net/unix/max_dgram_qlen")
+
+
 def start_agent(
-    tmp: Path, gpus: int | None, python: str = sys.executable
+    tmp: Path, gpus: int | None, python: str = sys.executable, qlen: int | None = None
 ) -> tuple[subprocess.Popen, str, Path]:
     """An agent with an NVML double of `gpus` GPUs, or real NVML when `gpus` is None,
-    run by `python` (another venv's interpreter: another installed version)."""
+    run by `python` (another venv's interpreter: another installed version), its telemetry
+    socket created with a kernel queue of `qlen` datagrams (None: the sysctl as it is)."""
+    if qlen is None:
+        return _start_agent(tmp, gpus, python)
+    old = QLEN_FILE.read_text()
+    QLEN_FILE.write_text(str(qlen))
+    try:  # the agent is serving /healthz, so its socket exists, with this queue length
+        return _start_agent(tmp, gpus, python)
+    finally:
+        QLEN_FILE.write_text(old)
+
+
+def _start_agent(tmp: Path, gpus: int | None, python: str) -> tuple[subprocess.Popen, str, Path]:
     port, sock, double = free_port(), tmp / "telemetry.sock", tmp / "nvml.json"
     nvml_args = []
     if gpus is not None:
@@ -135,11 +154,22 @@ def start_agent(
     return proc, base, sock
 
 
+def queue_drops(ranks: dict) -> int:
+    """Records the senders dropped on a full queue, by their own counts (`client_errors`)."""
+    return sum(r.get("client_errors", {}).get("dropped_queue_full", 0) for r in ranks["ranks"])
+
+
 def agent_cost(
-    seconds: float, real_nvml: bool, rate: float, scrapes: int = 200, python: str = sys.executable
+    seconds: float,
+    real_nvml: bool,
+    rate: float,
+    scrapes: int = 200,
+    python: str = sys.executable,
+    qlen: int | None = None,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:
-        agent, base, sock = start_agent(Path(tmp), gpus=None if real_nvml else 8, python=python)
+        gpus = None if real_nvml else 8
+        agent, base, sock = start_agent(Path(tmp), gpus=gpus, python=python, qlen=qlen)
         senders = [
             subprocess.Popen([sys.executable, "-c", SENDER, str(sock), str(r), str(rate)])
             for r in range(8)
@@ -150,9 +180,8 @@ def agent_cost(
             receiver = next((t for t, n in names.items() if "receiver" in n), None)
             p = psutil.Process(agent.pid)
             ranks_url = base + "/v1/ranks"
-            accepted0 = json.loads(urllib.request.urlopen(ranks_url).read())["telemetry"][
-                "accepted"
-            ]
+            ranks0 = json.loads(urllib.request.urlopen(ranks_url).read())
+            accepted0 = ranks0["telemetry"]["accepted"]
             switches0 = thread_switches(agent.pid, receiver) if receiver else 0
             before, threads0, t0 = p.cpu_times(), thread_cpu(agent.pid), time.monotonic()
             time.sleep(seconds)
@@ -171,6 +200,7 @@ def agent_cost(
             # window: their time is in the process's total only
             by_group["threads that ended in the window"] = max(0.0, cpu - sum(by_group.values()))
             records = (ranks["telemetry"]["accepted"] - accepted0) / elapsed
+            dropped = (queue_drops(ranks) - queue_drops(ranks0)) / elapsed
             latencies, sizes, served = {}, {}, {}
             for label, headers in SCRAPES.items():
                 request = urllib.request.Request(base + "/metrics", headers=headers)
@@ -200,6 +230,7 @@ def agent_cost(
         "cpu_fraction_of_one_core": cpu,
         "by_thread": by_group,
         "records_per_second": records,
+        "dropped_per_second": dropped,
         "receiver_wakeups_per_second": (switches1 - switches0) / elapsed,
         "scrape_ms": {k: (1e3 * a, 1e3 * b) for k, (a, b) in latencies.items()},
         "metrics_bytes": sizes,
@@ -247,6 +278,7 @@ def cost_table(columns: list[tuple[str, dict]], gpu_desc: str, seconds: float) -
 
     costs = [c for _, c in columns]
     row("records received per second", [c["records_per_second"] for c in costs], ",.0f")
+    row("records dropped per second (queue full)", [c["dropped_per_second"] for c in costs], ",.1f")
     targets = {10: "< 0.01", 100: "< 0.05"}
     cpu = [c["cpu_fraction_of_one_core"] for c in costs]
     row("agent CPU, fraction of one core", cpu, ".4f", "< 0.01 at 10, < 0.05 at 100", [
@@ -318,17 +350,29 @@ def main() -> None:
     )
     p.add_argument("--baseline-python", help="measure this interpreter's installed agent too "
                    "(another venv's python: the code before a change), as 'before'")  # fmt: skip
+    p.add_argument("--qlen", type=int, help="measure with the kernel's Unix datagram queue "
+                   "as it is ('before') and raised to this length ('after'); needs root")  # fmt: skip
     args = p.parse_args()
     if args.baseline_python and not Path(args.baseline_python).is_file():
         p.error(f"--baseline-python: no such interpreter: {args.baseline_python}")
+    if args.baseline_python and args.qlen:
+        p.error("--baseline-python and --qlen: one comparison at a time")
+    if args.qlen and not os.access(QLEN_FILE, os.W_OK):
+        p.error(f"--qlen: {QLEN_FILE} is not writable (run as root)")
 
     columns: list[tuple[str, dict]] = []
-    versions = [("before", args.baseline_python), ("after", sys.executable)]
+    # (label, interpreter, queue length) of each column at a rate
+    versions = [("", sys.executable, None)]
+    if args.baseline_python:
+        versions = [("before", args.baseline_python, None), ("after", sys.executable, None)]
+    elif args.qlen:
+        versions = [("before", sys.executable, None), ("after", sys.executable, args.qlen)]
     for rate in args.rates:
-        for version, python in versions if args.baseline_python else [("", sys.executable)]:
+        for version, python, qlen in versions:
             label = f"{version} {rate:g} records/s/rank".strip()
             print(f"part 1: agent cost, {label} ...", file=sys.stderr, flush=True)
-            columns.append((label, agent_cost(args.seconds, args.real_nvml, rate, python=python)))
+            cost = agent_cost(args.seconds, args.real_nvml, rate, python=python, qlen=qlen)
+            columns.append((label, cost))
     costs = [c for _, c in columns]
     runs: dict[str, list[float]] = {"without agent": [], "with agent": []}
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:

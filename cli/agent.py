@@ -39,6 +39,13 @@ def agent(
     telemetry_ranks_per_uid: Annotated[
         int, Opt(help="rank table entries per sender uid (root and the agent's uid: all) [256]")
     ] = None,
+    telemetry_batch_wait: Annotated[
+        float,
+        Opt(
+            help="seconds the receiver lets telemetry datagrams gather between drains (0: "
+            "one wake-up per datagram) [0.1 if net.unix.max_dgram_qlen >= 64, else 0]"
+        ),
+    ] = None,
     ckpt_dir: Annotated[
         Path, Opt(help="checkpoint directory: its filesystem's space is watched")
     ] = None,
@@ -96,6 +103,7 @@ def agent(
         nvml_double=nvml_double, node=node, discover_workers=discover_workers,
         tls_cert=tls_cert, tls_key=tls_key, telemetry_group=telemetry_group,
         telemetry_quota=telemetry_quota, telemetry_ranks_per_uid=telemetry_ranks_per_uid,
+        telemetry_batch_wait=telemetry_batch_wait,
     )  # fmt: skip
     try:
         cfg = load_config(config, overrides)

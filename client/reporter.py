@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 #: Phases inside a step, in the order a loop usually runs them.
 STEP_PHASES = ("data", "compute", "optimizer", "checkpoint")
 PEAK_MEMORY_EVERY = 5.0  # seconds between reads of the peak memory (sent with every record)
+# seconds a closing Reporter's records wait for room in the agent's queue (TelemetrySender)
+CLOSE_PATIENCE = 1.0
 
 #: Every key Reporter.errors can hold.
 ERROR_REASONS = (
@@ -546,6 +548,7 @@ class Reporter:
             return
         with contextlib.suppress(Exception):
             atexit.unregister(self._close_quietly)
+        self.sender.patience = CLOSE_PATIENCE  # training is over: waiting costs it nothing
         self.flush()
         self.heartbeat("done")
         self.sender.close()
@@ -559,6 +562,7 @@ class Reporter:
                 self.close()
                 return
             atexit.unregister(self._close_quietly)
+            self.sender.patience = CLOSE_PATIENCE
             self.flush()
             self.sender.close()
 

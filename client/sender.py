@@ -1,10 +1,14 @@
-"""Rank-side telemetry sender: one datagram per record, never blocking, never raising.
+"""Rank-side telemetry sender: one datagram per record, never raising, and never blocking
+unless asked to (:attr:`TelemetrySender.patience`, at the end of training).
 
 Training must not slow down or die because the node agent is absent, restarting or
 behind. :class:`TelemetrySender` therefore sends over a non-blocking ``AF_UNIX``
 ``SOCK_DGRAM`` socket created once, and any failure (no socket file, nobody bound to
 it, receiver queue full, encoding error, anything else) drops the record and bumps a
-counter instead. Every record that leaves carries those counters, and the caller's own
+counter instead. At the end, when nothing is left to slow down, the Reporter sets
+``patience``: a record that finds the queue full then waits that long for room (the last
+steps and "done" of all of a node's ranks arrive at once; a lost "done" reads as a death).
+Every record that leaves carries those counters, and the caller's own
 (``errors``: the Reporter's), in its ``client_errors`` field, so the agent shows them per
 rank (``/v1/ranks``, ``rankguard_client_errors_total``); drops are named ``dropped_<reason>``.
 Stdlib only.
@@ -17,6 +21,7 @@ import dataclasses
 import errno
 import logging
 import socket
+import struct
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -65,6 +70,8 @@ class TelemetrySender:
         self.dropped = 0
         self.dropped_by_reason: dict[str, int] = {}
         self.closed = False
+        # seconds a record that finds the receiver's queue full waits for room (0: drop it)
+        self.patience = 0.0
         self._sock: socket.socket | None = None
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -106,7 +113,12 @@ class TelemetrySender:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 sock.setblocking(False)
                 self._sock = sock
-            sock.sendto(data, self.path)
+            try:
+                sock.sendto(data, self.path)
+            except BlockingIOError:
+                if self.patience <= 0:
+                    raise
+                _send_waiting(data, self.path, self.patience)
         except OSError as e:
             return self._drop(_ERRNO_REASONS.get(e.errno, "socket_error"), e)
         except Exception as e:  # e.g. a path with a NUL byte
@@ -163,3 +175,15 @@ class TelemetrySender:
             f"TelemetrySender(path={self.path!r}, sent={self.sent}, dropped={self.dropped}, "
             f"dropped_by_reason={self.dropped_by_reason!r})"
         )
+
+
+def _send_waiting(data: bytes, path: str, patience: float) -> None:
+    """Send on a blocking socket whose send timeout is ``patience``: the kernel waits for
+    room in the receiver's queue (an unconnected datagram socket is never reported writable
+    by poll for that, so a non-blocking retry loop would only spin). OSError (EAGAIN) when
+    no room came in time."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        seconds = int(patience)
+        timeout = struct.pack("ll", seconds, int((patience - seconds) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+        sock.sendto(data, path)

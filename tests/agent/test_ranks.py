@@ -32,10 +32,13 @@ from rankguard.agent.ranks import (
     read_proc_stat,
 )
 from rankguard.agent.receiver import (
+    BATCH_MIN_QLEN,
+    BATCH_WAIT,
     RECEIVER_REASONS,
     Pacer,
     SocketInUseError,
     TelemetryReceiver,
+    batch_wait,
 )
 from rankguard.client import Reporter, TelemetrySender
 from rankguard.contract.states import RANK_STATES
@@ -624,6 +627,12 @@ def test_pacer_fills_half_the_kernel_queue_at_the_rate_seen():
     assert always.next_wait(1, 100.0) == (0.1, False)  # no rate yet: the longest wait
     with pytest.raises(ValueError):
         Pacer(0)
+
+
+def test_batching_is_on_by_itself_only_where_the_kernel_queue_is_long():
+    assert batch_wait(None, 10) == 0.0  # the kernel's default: a wait would drop bursts
+    assert batch_wait(None, BATCH_MIN_QLEN) == batch_wait(None, 512) == BATCH_WAIT
+    assert batch_wait(0.0, 512) == 0.0 and batch_wait(0.02, 10) == 0.02  # as configured
 
 
 def test_receiver_gathers_datagrams_per_wakeup(table, sock_path, raw):

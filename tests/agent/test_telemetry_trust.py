@@ -519,8 +519,10 @@ def test_a_recycled_launcher_pid_is_never_signalled(launchers):
 def test_telemetry_options_are_checked(tmp_path):
     cfg = load_config(None, {"telemetry_group": "0", "telemetry_quota": 50.0})
     assert (cfg.telemetry_gid(), cfg.socket_mode, cfg.telemetry_quota) == (0, 0o660, 50.0)
+    assert load_config(None, {"telemetry_batch_wait": 0.05}).telemetry_batch_wait == 0.05
     for bad in ({"telemetry_group": "no-such-group-rg"}, {"telemetry_quota": 0},
-                {"telemetry_ranks_per_uid": 0}, {"telemetry_group": True}):  # fmt: skip
+                {"telemetry_ranks_per_uid": 0}, {"telemetry_group": True},
+                {"telemetry_batch_wait": 2.0}, {"telemetry_batch_wait": "soon"}):  # fmt: skip
         with pytest.raises(AgentConfigError):
             load_config(None, bad)
     out = subprocess.run([sys.executable, "-m", "rankguard.cli.main", "agent",

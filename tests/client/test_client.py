@@ -6,7 +6,9 @@ example script runs under real torchrun (2 ranks, gloo) for DDP and FSDP2.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import json
 import math
 import os
 import shutil
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -247,6 +250,37 @@ def test_full_socket_is_counted_never_blocks(sock_dir):
         assert rg.sender.dropped_by_reason.get("queue_full", 0) > 0
         assert rg.sent + rg.dropped == 2001
         rg.close()
+    finally:
+        rx.close()
+
+
+def test_closing_waits_for_room_so_done_is_not_lost(sock_dir):
+    """Training over, the agent's queue full (every node's ranks finish at once): close()
+    waits for room instead of dropping, so the agent reads "done", not a death."""
+    path = sock_dir / "behind.sock"
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(str(path))
+    try:
+        rg = reporter(path, heartbeat_seconds=0)
+        n = 0
+        while not rg.sender.dropped_by_reason.get("queue_full"):  # fill the kernel queue
+            n += 1
+            rg.step(n).end()
+        received = []
+
+        def drain_later():
+            time.sleep(0.3)  # an agent in its wait between drains
+            rx.settimeout(1.0)
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    received.append(json.loads(rx.recv(65536)))
+
+        reader = threading.Thread(target=drain_later)
+        reader.start()
+        rg.close()
+        reader.join()
+        assert received[-1]["phase"] == "done", received[-1]
+        assert rg.sender.dropped_by_reason == {"queue_full": 1}  # only the probe, mid-run
     finally:
         rx.close()
 
