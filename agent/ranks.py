@@ -375,6 +375,7 @@ class HistoryEntry(NamedTuple):
     comm_seconds: float
     loss: float | None
     seq: int = 0  # the table's sample number, for incremental reads (contract/cursor.py)
+    compute_wait_seconds: float | None = None  # run-queue wait in compute; None: unknown
 
     @classmethod
     def of(cls, record: TelemetryRecord, now: float, seq: int = 0) -> HistoryEntry:
@@ -382,6 +383,7 @@ class HistoryEntry(NamedTuple):
         return cls(
             now, r.pid, r.restart, r.step, r.phase, r.step_seconds,
             r.data_wait_seconds, r.compute_seconds, r.comm_seconds, r.loss, seq,
+            r.compute_wait_seconds,
         )  # fmt: skip
 
     def sample(self, with_seq: bool = False) -> Sample:
@@ -390,7 +392,7 @@ class HistoryEntry(NamedTuple):
         return Sample(
             self.step, self.phase, self.restart, self.pid, self.step_seconds,
             self.data_wait_seconds, self.compute_seconds, self.comm_seconds, self.loss,
-            self.seq if with_seq else None,
+            self.seq if with_seq else None, self.compute_wait_seconds,
         )  # fmt: skip
 
 

@@ -24,7 +24,9 @@ what the schema allows: every record that arrives, with its phase and step, and 
 Timing: "data" and "checkpoint" are host phases (the loop waits on them);
 "compute" (forward + backward) and "optimizer" are read on the device clock (CUDA
 events when ``device`` is a GPU, read one step late, so the host never waits for the
-device). Communication comes from the DDP comm hook or the FSDP2 custom collectives
+device). Of compute, the part the loop thread spent runnable but without a CPU (the
+run-queue wait, Linux's schedstat) is sent as ``compute_wait_seconds``: the supervisor
+tells a preempted rank from a slow one by it. Communication comes from the DDP comm hook or the FSDP2 custom collectives
 (:meth:`Reporter.attach`); its exposed part is subtracted from compute.
 """
 
@@ -625,6 +627,8 @@ class Reporter:
                 record["flops"] = float(self.flops_per_token * tokens)
             if self.peak_flops > 0:
                 record["peak_flops"] = float(self.peak_flops)
+            if t and t.compute_wait_seconds is not None:  # preempted part of compute
+                record["compute_wait_seconds"] = t.compute_wait_seconds
             if self.resume_skips:
                 record["resume_skips"] = self.resume_skips
         except Exception as exc:

@@ -32,6 +32,14 @@ with workers, the time blocked in `next(iterator)` while the workers have nothin
 A batch fetched between two steps (``for batch in loader:`` around the step) is carried
 into the step that follows: its data wait, and its step time from the fetch's start.
 
+Run-queue wait (issue 16): at the compute phase's start and end marks the loop thread's
+``/proc/thread-self/schedstat`` is read (field 2: nanoseconds it was runnable but waiting
+for a CPU), and the difference is ``compute_wait_seconds``, the part of compute the rank
+spent preempted rather than working. One fd per thread, read with ``pread`` (about 2 us a
+read here; an open per read costs several times that). Linux only: elsewhere, or when the
+file cannot be read, the field is None (unknown). On CUDA it is the host thread's wait,
+an upper bound of what preemption added to the device's compute (a starved stream).
+
 Torch is imported lazily: this module imports with the standard library alone, and only
 a CUDA clock, the DDP hook and the FSDP wrappers touch torch.
 """
@@ -39,6 +47,8 @@ a CUDA clock, the DDP hook and the FSDP wrappers touch torch.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import threading
 import time
 from collections import deque
@@ -58,6 +68,9 @@ class StepTiming:
     comm_exposed_seconds: float
     optimizer_seconds: float
     checkpoint_block_seconds: float
+    # of compute_seconds, the time the loop thread was runnable but had no CPU (None:
+    # unknown: not Linux, or the marks came from different threads)
+    compute_wait_seconds: float | None = None
 
     @property
     def comm_compute_ratio(self) -> float:
@@ -122,11 +135,61 @@ class Clock:
         return self._origin.elapsed_time(mark) / 1000.0
 
 
+class _ThreadFile:
+    """One thread's schedstat file, open for the thread's life (closed with it)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except (OSError, AttributeError):
+            self.fd = -1  # not Linux, or no /proc: unknown for good
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+class RunQueueWait:
+    """The calling thread's run-queue wait so far, in ns (``/proc/thread-self/schedstat``
+    field 2), from one fd per thread kept open and read by ``pread`` at offset 0. The fd
+    lives in a ``threading.local`` (dropped with its thread: a file of a thread that ended
+    still reads, its stale numbers, so it must never serve the next thread)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        # a forked child's thread is not the parent's: it opens its own file
+        with contextlib.suppress(AttributeError):
+            os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._local = threading.local()
+
+    def read(self) -> tuple[_ThreadFile, int] | None:
+        """(the thread's file, ns waited), or None when unknown."""
+        f = getattr(self._local, "file", None)
+        if f is None:
+            f = self._local.file = _ThreadFile()
+        if f.fd < 0:
+            return None
+        try:
+            return f, int(os.pread(f.fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+RUN_QUEUE = RunQueueWait()  # one per process: the fds belong to threads, not to timers
+_WAIT_MARKS = ("compute_start", "backward_end")  # compute's bounds
+
+
 @dataclass
 class _PendingStep:
     step: int
     host_start: float
     marks: dict = field(default_factory=dict)
+    waits: dict = field(default_factory=dict)  # compute's bounds -> (thread file, ns waited)
     host: dict = field(default_factory=dict)
     comm: list = field(default_factory=list)
     autograd_queued: bool = False  # the "autograd_done" callback is queued for this step
@@ -164,6 +227,8 @@ class StepTimer:
 
     def mark(self, name: str) -> None:
         self._current.marks[name] = self.clock.mark()
+        if name in _WAIT_MARKS:
+            self._current.waits[name] = RUN_QUEUE.read()
 
     def host(self, name: str, seconds: float) -> None:
         self._current.host[name] = self._current.host.get(name, 0.0) + seconds
@@ -209,16 +274,27 @@ class StepTimer:
             exposed = union_length(
                 [(max(a, last_launch), min(b, end)) for a, b in comm if b > last_launch and a < end]
             )
+        compute = max(0.0, fwd_bwd - exposed)
         return StepTiming(
             step=p.step,
             step_seconds=p.host["step"],
             data_wait_seconds=p.host.get("data_wait", 0.0),
-            compute_seconds=max(0.0, fwd_bwd - exposed),
+            compute_seconds=compute,
             comm_seconds=union_length(comm),
             comm_exposed_seconds=exposed,
             optimizer_seconds=max(0.0, optimizer),
             checkpoint_block_seconds=p.host.get("checkpoint_block", 0.0),
+            compute_wait_seconds=_compute_wait(p.waits, compute),
         )
+
+
+def _compute_wait(waits: dict, compute: float) -> float | None:
+    """Run-queue wait between compute's marks, at most compute itself (a wait in the
+    exposed communication's interval is not part of compute); None when unknown."""
+    a, b = waits.get("compute_start"), waits.get("backward_end")
+    if a is None or b is None or a[0] is not b[0]:  # unknown, or two threads
+        return None
+    return min(max(0.0, (b[1] - a[1]) / 1e9), compute)
 
 
 def timed_batches(timer: StepTimer, iterable, *, in_step_data_phase=lambda: False):

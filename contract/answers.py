@@ -193,6 +193,9 @@ class Sample:
     comm_seconds: float
     loss: float | None
     seq: int | None = None  # the agent's sample number; incremental answers only
+    # the part of compute the rank waited for a CPU (run-queue wait); None: unknown (an
+    # older client or agent), and then left out of the answer
+    compute_wait_seconds: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -208,6 +211,8 @@ class Sample:
         }
         if self.seq is not None:
             out["seq"] = self.seq
+        if self.compute_wait_seconds is not None:
+            out["compute_wait_seconds"] = self.compute_wait_seconds
         return out
 
     @classmethod
@@ -231,6 +236,10 @@ class Sample:
             comm_seconds=_float(o, "comm_seconds"),
             loss=_float(o, "loss", optional=True, finite=False),
             seq=_int(o, "seq") if incremental else None,
+            # optional on the wire: absent from an older agent's (or client's) samples
+            compute_wait_seconds=None
+            if o.get("compute_wait_seconds") is None
+            else _float(o, "compute_wait_seconds"),
         )
 
 
@@ -470,6 +479,7 @@ def _sample_fast(o: Any, incremental: bool) -> Sample | None:
         a, b, c, d = (o[k] for k in _SAMPLE_FLOATS)
         loss = o["loss"]
         seq = o["seq"] if incremental else None
+        wait = o.get("compute_wait_seconds")
     except KeyError:
         return None
     if not (
@@ -484,9 +494,10 @@ def _sample_fast(o: Any, incremental: bool) -> Sample | None:
         and _fin(d)
         and (loss is None or _fin(loss))
         and (not incremental or _nat(seq))
+        and (wait is None or _fin(wait))
     ):
         return None
-    return Sample(step, phase, restart, pid, a, b, c, d, loss, seq)
+    return Sample(step, phase, restart, pid, a, b, c, d, loss, seq, wait)
 
 
 def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:

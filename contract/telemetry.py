@@ -28,6 +28,10 @@ Rules:
 * ``flops`` (optional) is the model FLOPs the step did and ``peak_flops`` (optional) the
   rank's peak FLOP/s, finite and ``>= 0``: the agent counts FLOPs done
   (``rankguard_rank_flops_total``), so MFU over any window is a ``rate()`` over the peak;
+* ``compute_wait_seconds`` (optional) is the part of ``compute_seconds`` the rank's loop
+  thread spent runnable but waiting for a CPU (Linux schedstat's run-queue wait), finite
+  and ``>= 0``; absent means unknown (an older client, not Linux): the supervisor's
+  straggler detector tells a preempted rank from a slow one by it;
 * ``resume_skips`` (optional) is the data steps the rank's resume skipped (a loss spike's
   window, issue 20), as at most :data:`MAX_SKIP_RANGES` ``[first, last]`` ranges of whole
   numbers ``>= 1``, ascending and apart; the supervisor puts them in the incident that
@@ -292,6 +296,7 @@ class TelemetryRecord:
     flops: float | None = None
     peak_flops: float | None = None
     resume_skips: tuple[tuple[int, int], ...] | None = None
+    compute_wait_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
@@ -390,7 +395,7 @@ class TelemetryRecord:
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TelemetryRecord))
 #: Fields a record may leave out (added within schema version 1).
-OPTIONAL_FLOAT_FIELDS: tuple[str, ...] = ("flops", "peak_flops")
+OPTIONAL_FLOAT_FIELDS: tuple[str, ...] = ("flops", "peak_flops", "compute_wait_seconds")
 OPTIONAL_FIELDS: tuple[str, ...] = ("client_errors", *OPTIONAL_FLOAT_FIELDS, "resume_skips")
 #: Every field but the optional ones.
 REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if n not in OPTIONAL_FIELDS)

@@ -10,12 +10,15 @@ reads them instead of judging every rank a second time in the same pass.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .detectors import DetectorConfig
     from .state import ClusterObs
+
+log = logging.getLogger("rankguard.supervisor.detectors")
 
 
 @dataclass
@@ -30,6 +33,9 @@ class History:
     # the straggler suspects of the observation taken at `suspects_at` (Finding objects)
     suspects: tuple[Any, ...] = ()
     suspects_at: float | None = None
+    # straggler finding key -> (time, step) since when the rank has looked slow only by its
+    # run-queue wait (preempted, not a straggler: detectors/straggler.py); logged once
+    preempted: dict[str, tuple[float, int]] = field(default_factory=dict)
     # each rank's phase outside the loop since when, the job's past phase durations (the
     # learned hang budgets) and when it was last seen suspended (phase_budgets.py)
     phases: Any = None
@@ -66,11 +72,22 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
             key = f"{r.job}:{sample.restart}"
             starts[key] = min(starts.get(key, sample.step), sample.step)
     history = dataclasses.replace(history, incarnation_start=starts)
-    now_suspect = tuple(straggler.suspects(obs, cfg or DetectorConfig(), history))
+    found, preempted_now = straggler.judge(obs, cfg or DetectorConfig(), history)
+    now_suspect = tuple(found)
     stragglers = {
         f.key: history.straggler_since.get(f.key, (obs.time, f.evidence["step"]))
         for f in now_suspect
     }
+    preempted = {}
+    for p in preempted_now:
+        since = history.preempted.get(p.key)
+        if since is None:  # once per episode: the rank's raw compute is not the rank's fault
+            log.info(
+                "job %s rank %d on %s is preempted, not a straggler: compute %.2fx its peers'"
+                " but own work %.2fx; run-queue wait %.3fs a step vs peers' %.3fs",
+                p.job, p.rank, p.node, p.ratio, p.own_ratio, p.wait, p.peers_wait,
+            )  # fmt: skip
+        preempted[p.key] = since or (obs.time, p.step)
     progress = dict(history.checkpoint_progress)
     for job in obs.jobs():
         _, ranks = incarnation(obs, job)
@@ -91,6 +108,7 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
         checkpoint_progress=progress,
         unreachable_since=unreachable,
         straggler_since=stragglers,
+        preempted=preempted,
         suspects=now_suspect,
         suspects_at=obs.time,
         phases=advance_phases(

@@ -26,11 +26,14 @@ class StepSample:
     comm_seconds: float
     data_wait_seconds: float
     loss: float | None
+    # of compute, the run-queue wait (preempted, not working); None: unknown
+    compute_wait_seconds: float | None = None
 
     @classmethod
     def of(cls, s: Sample) -> StepSample:
         return cls(s.step, s.phase, s.restart, s.step_seconds, s.compute_seconds,
-                   s.comm_seconds, s.data_wait_seconds, s.loss)  # fmt: skip
+                   s.comm_seconds, s.data_wait_seconds, s.loss,
+                   s.compute_wait_seconds)  # fmt: skip
 
 
 @dataclass(frozen=True)

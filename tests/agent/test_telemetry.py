@@ -106,6 +106,7 @@ def test_constants():
         "flops",
         "peak_flops",
         "resume_skips",
+        "compute_wait_seconds",
     ]
 
 
@@ -407,6 +408,7 @@ def records(draw) -> TelemetryRecord:
                 max_size=8,
             )  # fmt: skip
         ),
+        compute_wait_seconds=draw(st.none() | nonneg),
     )
 
 
@@ -689,7 +691,16 @@ def test_fast_path_takes_the_clients_error_counters():
 @given(
     records(),
     st.dictionaries(
-        st.sampled_from([*valid_fields(), "flops", "peak_flops", "client_errors", "resume_skips"]),
+        st.sampled_from(
+            [
+                *valid_fields(),
+                "flops",
+                "peak_flops",
+                "client_errors",
+                "resume_skips",
+                "compute_wait_seconds",
+            ]
+        ),  # fmt: skip
         json_values
         | st.sampled_from(
             [

@@ -116,6 +116,8 @@ def test_steps_phases_loss_tokens_reach_the_listener(sock_dir):
         assert r.tokens_per_second == pytest.approx(1000 / r.step_seconds)
         assert r.mfu == pytest.approx(10.0 * r.tokens_per_second / 1e9)
         assert r.comm_seconds == 0.0
+        assert 0.0 <= r.compute_wait_seconds <= r.compute_seconds  # run-queue wait (Linux)
+    assert init.compute_wait_seconds is None and done.compute_wait_seconds is None
     assert s1.checkpoint_step is None  # reported after the step that saved it
     assert rg.sent == 4 and rg.dropped == 0 and rg.errors == {}
 
@@ -333,6 +335,36 @@ def test_a_broken_timer_is_counted_and_training_goes_on():
         s.phase("compute")
         s.phase("optimizer")
     assert rg.errors.get("timer", 0) >= 1
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
+def test_compute_wait_is_the_time_runnable_without_a_cpu():
+    """Issue 16: a compute phase sharing one CPU with a busy process spends about half its
+    time runnable but off the CPU (the run-queue wait, reported as compute_wait_seconds);
+    a compute phase that sleeps (a rank slowed by a device, not preempted) waits for no CPU."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(spinner.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})  # this thread only (Linux: 0 is the calling thread)
+        time.sleep(0.1)  # the spinner is up and running
+        rg = Reporter(socket_path=None)
+        with rg.step(1) as s:
+            s.phase("compute")
+            end = time.perf_counter() + 0.3
+            while time.perf_counter() < end:
+                pass
+        with rg.step(2) as s:
+            s.phase("compute")
+            time.sleep(0.2)
+    finally:
+        os.sched_setaffinity(0, before)
+        spinner.kill()
+        spinner.wait()
+    busy, asleep = rg.timings
+    assert 0.25 * busy.compute_seconds <= busy.compute_wait_seconds <= busy.compute_seconds
+    assert 0.0 <= asleep.compute_wait_seconds <= 0.1 * asleep.compute_seconds, asleep
 
 
 def test_attach_without_ddp_or_fsdp_is_counted():

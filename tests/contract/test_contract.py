@@ -64,6 +64,7 @@ def samples(draw, incremental: bool) -> Sample:
         pid=draw(counts), step_seconds=draw(finite), data_wait_seconds=draw(finite),
         compute_seconds=draw(finite), comm_seconds=draw(finite),
         loss=draw(st.none() | any_float), seq=draw(counts) if incremental else None,
+        compute_wait_seconds=draw(st.none() | finite),
     )  # fmt: skip
 
 

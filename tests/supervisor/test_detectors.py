@@ -471,6 +471,72 @@ def test_jitter_never_makes_a_straggler():
         assert _stragglers(ranks) == [], step
 
 
+# Issue 16: slow or preempted. `wait` is the run-queue wait the client reports in compute.
+
+
+def _waiting(n, *, compute=0.07, comm=0.02, wait=0.0):
+    return tuple(
+        dataclasses.replace(s, compute_wait_seconds=wait)
+        for s in _steps_for(n, compute=compute, comm=comm)
+    )
+
+
+def test_a_preempted_rank_is_not_a_straggler_but_is_told_apart():
+    """Rank 2's compute is 1.2x its peers' only by the time it sat runnable without a CPU:
+    its own work is its peers'. Not named; judged preempted, logged once per episode."""
+    ranks = [rank(r, recent=_waiting(30, comm=0.034)) for r in range(4)]
+    ranks[2] = rank(2, recent=_waiting(30, compute=0.084, wait=0.014))
+    assert _stragglers(ranks) == []
+    found, [p] = straggler.judge(cluster(*ranks), NO_WARMUP, History())
+    assert found == [] and (p.rank, p.key) == (2, "straggler:j:2:0")
+    assert (p.ratio, p.own_ratio) == (pytest.approx(1.2), pytest.approx(1.0))
+    assert (p.wait, p.peers_wait) == (pytest.approx(0.014), 0.0)
+
+
+def test_a_preempted_rank_is_logged_once_per_episode(caplog):
+    ranks = [rank(r, recent=_waiting(30, comm=0.034)) for r in range(4)]
+    ranks[2] = rank(2, recent=_waiting(30, compute=0.084, wait=0.014))
+    h = History()
+    with caplog.at_level(logging.INFO, logger="rankguard.supervisor.detectors"):
+        for t in (T0, T0 + 1):
+            h = advance_history(h, cluster(*ranks, time=t), NO_WARMUP)
+    assert caplog.text.count("rank 2 on n0 is preempted, not a straggler") == 1
+    assert h.preempted == {"straggler:j:2:0": (T0, 30)} and h.straggler_since == {}
+
+
+def test_a_slow_rank_without_run_queue_wait_is_named_with_the_waits_in_evidence():
+    """Slow but not preempted (a sleep, a slow device): named on its own work. With its
+    peers preempted, its raw compute is only 1.05x theirs, under the threshold: judged on
+    raw compute it would go unnamed."""
+    ranks = [rank(r, recent=_waiting(30, compute=0.08, comm=0.034, wait=0.01)) for r in range(4)]
+    ranks[2] = rank(2, recent=_waiting(30, compute=0.084, wait=0.0))
+    [f] = _stragglers(ranks)
+    assert f.rank == 2 and f.evidence["judged_on"] == "own_work"
+    assert f.evidence["ratio"] == pytest.approx(1.2) and f.evidence["raw_ratio"] == pytest.approx(
+        1.05
+    )
+    assert f.evidence["median_compute_wait_seconds"] == 0.0
+    assert f.evidence["peers_median_compute_wait_seconds"] == pytest.approx(0.01)
+    assert f.evidence["rank_medians"]["0"]["compute_wait"] == pytest.approx(0.01)
+    assert "own work" in f.summary
+    # the same ranks without the wait field: raw compute, 1.05x, nobody named
+    raw = [rank(r.rank, recent=_steps_for(30, compute=r.recent[0].compute_seconds,
+                                          comm=r.recent[0].comm_seconds)) for r in ranks]  # fmt: skip
+    assert _stragglers(raw) == []
+
+
+def test_a_rank_without_the_wait_field_makes_the_job_judged_on_raw_compute():
+    """An older client among the ranks: the wait is unknown, the job is judged as before
+    issue 16, and the preempted-looking rank is named on its raw compute."""
+    ranks = [rank(r, recent=_waiting(30, comm=0.034)) for r in range(4)]
+    ranks[0] = rank(0, recent=_steps_for(30, comm=0.034))  # no compute_wait_seconds
+    ranks[2] = rank(2, recent=_waiting(30, compute=0.084, wait=0.014))
+    [f] = _stragglers(ranks)
+    assert f.rank == 2 and f.evidence["judged_on"] == "compute"
+    assert f.evidence["ratio"] == pytest.approx(1.2) and "raw_ratio" not in f.evidence
+    assert straggler.judge(cluster(*ranks), NO_WARMUP, History())[1] == []
+
+
 # -- numerics -------------------------------------------------------------------------------
 
 
