@@ -153,6 +153,7 @@ def run_target(argv: list[str]) -> int:
 
         return main(args)
     sys.path[0:1] = [script_path0(kind, name, os.getcwd())]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in `python`
     error: BaseException | None = None
     try:
         if kind == "script":
