@@ -2,12 +2,16 @@
 resiliency extension, the same DDP job (bench/goodput_train.py) under each, in turn.
 
     python bench/goodput.py [--quick] [--stacks plain,nvrx,rankguard,rankguard-best]
-                            [--out bench/results/goodput.md] [--json FILE]
+                            [--spacing SECONDS] [--out bench/results/goodput.md] [--json FILE]
 
 Per stack: a fault-free calibration run (its step time), then the job under the schedule of
 bench/goodput_schedule.toml, faults injected from here at wall-clock times: signals to the
 worker found in the launcher's process tree (by its RANK), checkpoint corruption on disk,
 and in-process faults through the script's trigger files (same for every stack).
+
+--spacing S places the schedule's faults S seconds apart (same kinds, same order) and
+sizes each stack's job to span them: steps = (first fault + faults x S) / the stack's
+calibrated step time, so the last fault gets a full window too.
 
 Goodput = useful / wall: useful = the steps in the final model's history (steps redone after
 a rollback do not count, nor steps trained on a NaN model) x the calibrated step time; wall =
@@ -61,7 +65,9 @@ class Fault:
     at: float  # seconds after the first step
 
 
-def load_schedule(path: Path, quick: bool) -> tuple[dict, list[Fault]]:
+def load_schedule(
+    path: Path, quick: bool, spacing: float | None = None
+) -> tuple[dict, list[Fault]]:
     try:
         doc = tomllib.loads(path.read_text())
         params = dict(doc["quick" if quick else "full"])
@@ -71,7 +77,13 @@ def load_schedule(path: Path, quick: bool) -> tuple[dict, list[Fault]]:
     unknown = [k for k in kinds if k not in (*SIGNAL_KINDS, *FILE_KIND)]
     if unknown:
         fail(f"{path}: unknown fault kinds {unknown}")
-    return params, expand_schedule(kinds, seed, rank, params)
+    faults = expand_schedule(kinds, seed, rank, params)
+    if spacing is not None:
+        faults = spaced(faults, float(params["first_at_seconds"]), spacing)
+        span = schedule_span(params, len(faults), spacing)
+        # a fault waits until the job trains again after the previous one: room for that
+        params["run_limit_seconds"] = max(params["run_limit_seconds"], 1.5 * span + 300)
+    return params, faults
 
 
 def expand_schedule(kinds: list[str], seed: int, rank: int, params: dict) -> list[Fault]:
@@ -85,6 +97,25 @@ def expand_schedule(kinds: list[str], seed: int, rank: int, params: dict) -> lis
         out.append(Fault(i + 1, kind, 0 if kind == "stall" else rank, round(at, 1)))
         at += params["mean_gap_seconds"] * rng.uniform(0.75, 1.25)
     return out
+
+
+def spaced(faults: list[Fault], first_at: float, spacing: float) -> list[Fault]:
+    """The same faults in the same order, exactly `spacing` seconds apart."""
+    return [Fault(f.id, f.kind, f.rank, round(first_at + i * spacing, 1)) for i, f in enumerate(faults)]  # fmt: skip
+
+
+def schedule_span(params: dict, n_faults: int, spacing: float) -> float:
+    """Fault-free seconds of training the job needs so the schedule fits in it: the first
+    fault's time plus one spacing for every fault (the last one gets a full window)."""
+    return float(params["first_at_seconds"]) + n_faults * spacing
+
+
+def steps_for(params: dict, n_faults: int, spacing: float | None, t_step: float) -> int:
+    """The faulted run's steps: the schedule file's, or (with a spacing) enough for the
+    schedule's span at the stack's calibrated step time."""
+    if spacing is None or not math.isfinite(t_step) or t_step <= 0:
+        return int(params["steps"])
+    return max(int(params["steps"]), math.ceil(schedule_span(params, n_faults, spacing) / t_step))
 
 
 # -- process tree ----------------------------------------------------------------------------
@@ -104,20 +135,66 @@ def _children_map() -> dict[int, list[int]]:
     return kids
 
 
+WARM_SHIM = b"rankguard.trainer.warm\0run\0"
+WARM_SERVER = b"rankguard.trainer.warm\0serve\0"
+
+
 def _rank_of(pid: int) -> int | None:
-    """A training worker's RANK (from its environment), None for anything else."""
+    """A training worker's RANK (from its environment), None for anything else. Under
+    warm start (trainer/warm.py) torchrun's child is a shim and the worker is forked by
+    the warm server (its cmdline and environment are the server's): the worker is the
+    server's child that holds a pidfd on a shim, and its RANK is the shim's."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if SCRIPT.name.encode() not in f.read():
-                return None
+            cmdline = f.read()
+        if WARM_SERVER in cmdline:
+            shim = _pidfd_target(pid)
+            return _shim_rank(shim) if shim is not None else None
+        if SCRIPT.name.encode() not in cmdline or WARM_SHIM in cmdline:
+            return None
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read().split(b"\0")
     except OSError:
         return None
+    return _rank_in(env)
+
+
+def _rank_in(env: list[bytes]) -> int | None:
     for item in env:
         if item.startswith(b"RANK="):
             return int(item[5:])
     return None
+
+
+def _pidfd_target(pid: int) -> int | None:
+    """The process a pidfd of `pid` refers to (fdinfo's `Pid:`), if it holds one."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fdinfo")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                info = f.read()
+        except OSError:
+            continue
+        for line in info.splitlines():
+            if line.startswith("Pid:") and line[4:].strip().lstrip("-").isdigit():
+                return int(line[4:])
+    return None
+
+
+def _shim_rank(pid: int) -> int | None:
+    """RANK of a warm-start shim of this benchmark's script."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if WARM_SHIM not in cmdline or SCRIPT.name.encode() not in cmdline:
+            return None
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return _rank_in(f.read().split(b"\0"))
+    except OSError:
+        return None
 
 
 def workers(root: int) -> dict[int, int]:
@@ -195,7 +272,8 @@ def stack_cmd(stack: str, d: Path, steps: int, ckpt_every: int) -> tuple[list[st
         return [launcher, *rdzv, *NVRX_ARGS, *script], env
     up = [py, "-m", "rankguard.cli.main", "up", "--nproc", "2", f"--max-restarts={MAX_RESTARTS}",
           "--run-dir", str(d / "up"), "--ckpt-dir", str(d / "ckpt")]  # fmt: skip
-    if stack == "rankguard-best":
+    if stack == "rankguard-best":  # warm workers (trainer/warm.py) and tier-0 snapshots
+        up.append("--warm-start")
         a, b = d / "holder-a.sock", d / "holder-b.sock"
         script += ["--snapshot-holder", str(a), "--snapshot-peers", str(b),
                    "--snapshot-every", "10"]  # fmt: skip
@@ -497,10 +575,26 @@ def f1(v, unit="") -> str:
     return "-" if v is None else f"{v:.1f}{unit}" if isinstance(v, float) else str(v)
 
 
+def steps_text(results: list[dict], params: dict) -> str:
+    if not params.get("spacing"):
+        return f"{params['steps']} steps"
+    each = ", ".join(f"{r['stack']} {r['steps']}" for r in results)
+    return (
+        "steps sized per stack to span the schedule at its calibrated step time "
+        f"(first fault + faults x spacing: {each})"
+    )
+
+
+def spacing_text(params: dict) -> str:
+    s = params.get("spacing")
+    return f" {s:g} s apart (--spacing; the schedule's kinds and order)" if s else ""
+
+
 def report(results: list[dict], schedule: list[Fault], params: dict, command: str) -> str:
     base = next((r for r in results if r["stack"] == "plain"), None)
     lines = [f"Command: `{command}`", "",
-             f"2 ranks (gloo, CPU), {params['steps']} steps, {len(schedule)} faults; "
+             f"2 ranks (gloo, CPU), {steps_text(results, params)}, {len(schedule)} faults"
+             f"{spacing_text(params)}; "
              "goodput = steps in the final model's history x fault-free step time / wall "
              "(docs/goodput.md).", "",
              "| stack | finished | goodput | vs plain torchrun | wall s | useful s | step ms "
@@ -564,24 +658,34 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="the results (markdown)")
     p.add_argument("--json", type=Path, help="every figure, for tests")
     p.add_argument("--keep-dir", type=Path, help="keep every run's files here")
+    p.add_argument(
+        "--spacing",
+        type=float,
+        help="seconds between faults (same kinds and "
+        "order; each stack's job sized to span them: see the docstring)",
+    )
     args = p.parse_args()
     stacks = [s for s in args.stacks.split(",") if s]
     bad = [s for s in stacks if s not in STACKS]
     if bad or not stacks:
         fail(f"--stacks: unknown {bad or 'empty'}; expected some of {', '.join(STACKS)}")
-    params, schedule = load_schedule(args.schedule, args.quick)
+    if args.spacing is not None and not (math.isfinite(args.spacing) and args.spacing > 0):
+        fail(f"--spacing {args.spacing}: expected seconds > 0")
+    params, schedule = load_schedule(args.schedule, args.quick, args.spacing)
     if "nvrx" in stacks and not shutil.which("ft_launcher", path=str(Path(sys.executable).parent)):
         fail("nvrx: ft_launcher not found (pip install nvidia-resiliency-ext)")
     command = "python bench/goodput.py " + " ".join(sys.argv[1:])
     results = []
+    params["spacing"] = args.spacing
     root = args.keep_dir or Path(tempfile.mkdtemp(prefix="rg-goodput-"))
     try:
         for stack in stacks:
             print(f"goodput: {stack}: calibration ...", file=sys.stderr, flush=True)
             cal = run_stack(stack, root / f"{stack}-cal", params, [], params["calibration_steps"])
             print(f"goodput: {stack}: faulted run ...", file=sys.stderr, flush=True)
-            run = run_stack(stack, root / stack, params, schedule, params["steps"])
-            results.append(summarize(run, cal))
+            steps = steps_for(params, len(schedule), args.spacing, step_time(cal.events))
+            run = run_stack(stack, root / stack, params, schedule, steps)
+            results.append({**summarize(run, cal), "steps": steps})
     finally:
         if args.keep_dir is None:
             shutil.rmtree(root, ignore_errors=True)

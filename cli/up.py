@@ -198,8 +198,7 @@ SCRIPT.py [ARGS...] or -m MODULE [ARGS...] after `--`: run your own torchrun-com
 training script instead of the bundled trainer (zero-code protection)."""
 
 # Options that only the bundled trainer understands: refused with a script.
-TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--cold-start",
-                "--warm-start", "--snapshot-every")  # fmt: skip
+TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--snapshot-every")
 SCRIPT_INJECT = ("kill", "hang")  # faults done to a process from outside: any script
 
 
@@ -262,13 +261,18 @@ def up(
     cold_start: Annotated[
         bool,
         Opt(
-            help="bundled trainer: start every worker as a new interpreter (torch imported "
+            help="start every worker as a new interpreter (torch imported "
             "again at each restart) instead of forking it from a process that imported "
-            "torch once (warm start, the default: trainer/warm.py)"
+            "torch once (warm start: the default for the bundled trainer, trainer/warm.py)"
         ),
     ] = False,
     warm_start: Annotated[
-        bool, Opt(hidden=True, help="the default now; accepted and ignored")
+        bool,
+        Opt(
+            help="a script: fork its workers warm too (torch imported once). For scripts "
+            "that use the telemetry library: a zero-code script's ranks are then seen "
+            "only through their shims, so a CPU-idle hang is not caught (README)"
+        ),
     ] = False,
 ) -> None:
     """Train on this machine under full supervision: starts a node agent, the supervisor
@@ -289,8 +293,9 @@ def up(
     loss, the communication share, checkpoint progress for the crash-loop guard.
 
     The bundled trainer's workers are forked from a process that imported torch once, so
-    a restart skips the import (warm start; --cold-start to start each one afresh); each
-    restart's phases are in its incident's timeline (`rankguard incidents`).
+    a restart skips the import (warm start; --cold-start to start each one afresh); a
+    script's too with --warm-start (best with the telemetry library). Each restart's
+    phases are in its incident's timeline (`rankguard incidents`).
 
     Exit codes: 0 training completed; 1 training failed; 2 could not start;
     3 the supervisor stopped the job (crash loop: see `rankguard incidents`); 130 Ctrl-C,
@@ -300,7 +305,11 @@ def up(
              "--trainer-arg": trainer_arg or None, "--cold-start": cold_start or None,
              "--warm-start": warm_start or None, "--snapshot-every": snapshot_every}  # fmt: skip
     if cold_start and warm_start:
-        raise typer.Exit(_fail("--cold-start and --warm-start: choose one (warm is the default)"))
+        raise typer.Exit(
+            _fail(
+                "--cold-start and --warm-start: choose one (warm is the default for the bundled trainer, cold for a script)"
+            )
+        )
     if script:
         _check_script(script)
         refused = [name for name in TRAINER_ONLY if given[name] is not None]
@@ -357,7 +366,10 @@ def up(
             rendezvous = f"127.0.0.1:{rdzv_port}"
         rdzv = ["--rdzv-backend=rankguard", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job}"]
         entry = ["rankguard.trainer"]
-        if not (cold_start or script):  # warm by default: restarts skip `import torch`
+        # warm by default for the bundled trainer; a script opts in (docs/architecture.md:
+        # the agent sees a zero-code script's warm worker only through its shim)
+        warm = warm_start or not (cold_start or script)
+        if warm:  # restarts skip `import torch`: workers forked from a server that has it
             procs.append(_start_warm_server(run_dir, env))
             env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
             entry = ["rankguard.trainer.warm", "run"]
@@ -374,7 +386,7 @@ def up(
             # agent, discovery.py) is this run's name; --standalone would draw a random one
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", *rdzv,
                    f"--nproc-per-node={nproc}",
-                   f"--max-restarts={max_restarts}", *script]  # fmt: skip
+                   f"--max-restarts={max_restarts}", *(warm_script(script) if warm else script)]  # fmt: skip
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", *rdzv, f"--nproc-per-node={nproc}",
                    f"--max-restarts={max_restarts}", "-m", *entry, "--preset", preset, "--steps", str(steps),
@@ -634,6 +646,15 @@ def _end(proc: subprocess.Popen, grace: float = 15.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()  # a stopped torchrun: SIGKILL ends it all the same
         proc.wait()
+
+
+def warm_script(script: list[str]) -> list[str]:
+    """torchrun's program for a script run warm: the shim, told what to run
+    (trainer/warm.py parse_target): `-m rankguard.trainer.warm run --script PATH ARGS` or
+    `... run --module NAME ARGS`."""
+    if script[0] == "-m":
+        return ["-m", "rankguard.trainer.warm", "run", "--module", *script[1:]]
+    return ["-m", "rankguard.trainer.warm", "run", "--script", *script]
 
 
 def _check_script(script: list[str]) -> None:

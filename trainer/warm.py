@@ -16,9 +16,15 @@ dies (torchrun SIGKILLs it) kills itself. Without a server the shim runs the tra
 itself, cold. The server must never have touched CUDA or started a process group: it
 only imports.
 
+The user's own script runs warm too (`run --script PATH ARGS` or `run --module NAME
+ARGS`): the worker runs it with runpy as `python PATH ARGS` / `python -m NAME ARGS` would
+(`__main__`, sys.argv, sys.path[0]); the server pre-imports torch (through the trainer)
+and the modules the shim's RANKGUARD_WARM_PRELOAD names (comma-separated; the user vouches
+that importing them touches no CUDA and starts no process group).
+
 The worker's parent is the server, not torchrun; the agent finds the job's torchrun
 launcher (for stop-job) through the pidfd the worker holds on its shim
-(`agent/control.py: launcher_pid`). `rankguard up --warm-start` runs all of this.
+(`agent/control.py: launcher_pid`). `rankguard up` runs all of this (docs: README).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import threading
 import traceback
 
 ENV = "RANKGUARD_WARM_SOCKET"
+PRELOAD_ENV = "RANKGUARD_WARM_PRELOAD"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _LEN = struct.Struct("!I")
 MAX_REQUEST = 1 << 20
@@ -54,10 +61,11 @@ def run(argv: list[str]) -> int:
     except OSError as exc:
         conn.close()
         print(f"rankguard warm: no server ({exc}); starting cold", file=sys.stderr)
-        from .train import main
-
-        return main(argv)
-    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        return run_target(argv)
+    preload = [m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m]
+    request = json.dumps(
+        {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "preload": preload}
+    ).encode()
     fds = array.array("i", [0, 1, 2])
     conn.sendmsg([_LEN.pack(len(request)) + request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
     replies = conn.makefile("r")
@@ -91,6 +99,94 @@ def _wait_for_exit(pid: int) -> None:
     os.close(fd)
 
 
+# -- what a worker runs (pure parts apart) ----------------------------------------------------
+
+
+def parse_target(argv: list[str]) -> tuple[str, str | None, list[str]]:
+    """The shim's argv -> (kind, name, args): ("trainer", None, trainer args),
+    ("script", PATH, args) for `--script PATH ARGS`, ("module", NAME, args) for
+    `--module NAME ARGS`. ValueError when the path or name is missing."""
+    if argv[:1] in (["--script"], ["--module"]):
+        if len(argv) < 2 or not argv[1]:
+            raise ValueError(f"{argv[0]} needs a {argv[0][2:]} name")
+        return argv[0][2:], argv[1], argv[2:]
+    return "trainer", None, list(argv)
+
+
+def script_path0(kind: str, name: str, cwd: str) -> str:
+    """sys.path[0] as Python sets it: the script's own directory (symlinks resolved) for
+    `python PATH`, the working directory for `python -m NAME`."""
+    if kind == "script":
+        return os.path.dirname(os.path.realpath(os.path.join(cwd, name)))
+    return cwd
+
+
+def exit_code(exc: BaseException | None) -> int:
+    """The exit status a Python process ends with: SystemExit(None) 0, SystemExit(n) n,
+    SystemExit(anything else) 1 (printed to stderr, as Python does); an uncaught exception
+    1 (the caller prints its traceback)."""
+    if exc is None:
+        return 0
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code & 0xFF
+        print(code, file=sys.stderr)
+        return 1
+    return 1
+
+
+def run_target(argv: list[str]) -> int:
+    """Run the trainer, a script or a module in this process, the way `python` would;
+    returns its exit status (a KeyboardInterrupt ends the process by SIGINT, as Python's)."""
+    import runpy
+
+    try:
+        kind, name, args = parse_target(argv)
+    except ValueError as exc:
+        print(f"rankguard warm: {exc}", file=sys.stderr)
+        return 2
+    if kind == "trainer":
+        from .train import main
+
+        return main(args)
+    sys.path[0:1] = [script_path0(kind, name, os.getcwd())]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in `python`
+    error: BaseException | None = None
+    try:
+        if kind == "script":
+            sys.argv = [name, *args]
+            runpy.run_path(name, run_name="__main__")
+        else:
+            sys.argv = ["-m", *args]  # run_module puts the module's file in argv[0]
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130
+    except SystemExit as exc:
+        error = exc
+    except BaseException as exc:  # noqa: BLE001 - an uncaught exception, as Python ends
+        traceback.print_exc()
+        error = exc
+    _python_exit()
+    return exit_code(error)
+
+
+def _python_exit() -> None:
+    """What the interpreter does at a normal exit before the worker's os._exit: wait for
+    non-daemon threads, run atexit handlers."""
+    import atexit
+
+    with contextlib.suppress(Exception):
+        threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+
+
 # -- server -------------------------------------------------------------------------------
 
 
@@ -114,7 +210,7 @@ def start_server(path, env: dict | None = None, stdout=None, timeout: float = 60
 
 
 def serve(path: str) -> int:
-    from . import train  # the point of the server: pay for torch once
+    from . import train  # noqa: F401 - the point of the server: pay for torch once
 
     if os.path.exists(path):
         os.unlink(path)
@@ -132,16 +228,28 @@ def serve(path: str) -> int:
             print(f"rankguard warm: bad request refused: {exc}", file=sys.stderr, flush=True)
             conn.close()
             continue
+        _preload(request.get("preload"))
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             listener.close()
-            _become_worker(train, conn, request, fds, shim_pid)  # never returns
+            _become_worker(conn, request, fds, shim_pid)  # never returns
         for fd in fds:
             os.close(fd)
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         threading.Thread(target=_report_exit, args=(conn, pid), daemon=True).start()
+
+
+def _preload(names) -> None:
+    """Import what the shim's request names as safe, once, in the server: later forks
+    have it. A module that fails to import is skipped (the worker will raise it)."""
+    for name in names if isinstance(names, list) else []:
+        if isinstance(name, str) and name and name not in sys.modules:
+            try:
+                __import__(name)
+            except Exception as exc:  # noqa: BLE001 - the user's module: report, go on
+                print(f"rankguard warm: preload {name}: {exc}", file=sys.stderr, flush=True)
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int], int]:
@@ -171,7 +279,7 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int], int]:
     return request, list(fds), shim_pid
 
 
-def _become_worker(train, conn: socket.socket, request: dict, fds: list[int], shim: int):
+def _become_worker(conn: socket.socket, request: dict, fds: list[int], shim: int):
     code = 1
     try:
         conn.close()
@@ -183,14 +291,14 @@ def _become_worker(train, conn: socket.socket, request: dict, fds: list[int], sh
         os.chdir(request.get("cwd") or "/")
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["rankguard.trainer", *request["argv"]]
+        sys.argv = ["rankguard.trainer", *request["argv"]]  # a script's: run_target
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():  # libgomp read the server's value at load
             import torch
 
             torch.set_num_threads(int(threads))
         _die_with(shim)
-        code = train.main(request["argv"])
+        code = run_target(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

@@ -135,10 +135,12 @@ def test_library_names_a_straggler_and_rolls_a_nan_back_to_a_checkpoint_before_i
     at step 90. The straggler detector judges steps 21+ (warm-up) over a 12-step window
     and names a suspect after 8 more steps and 2.5 s, so rank 1 is named near step 60;
     the NaN then makes the supervisor kill a rank, and the script resumes from step 85,
-    its newest validated checkpoint (the save at step 90 holds NaN weights: refused)."""
+    its newest validated checkpoint (the save at step 90 holds NaN weights: refused).
+    Warm workers (`--warm-start`, trainer/warm.py): the script runs in processes forked
+    from a server that imported torch, the killed rank's group is forked again."""
     script, ckpt = tmp_path / "train_client.py", tmp_path / "ckpt"
     script.write_text(SCRIPT)
-    up = Up(tmp_path, "--", str(script), "--ckpt", str(ckpt), "--steps", "150",
+    up = Up(tmp_path, "--warm-start", "--", str(script), "--ckpt", str(ckpt), "--steps", "150",
             "--slow-rank", "1", "--nan-at", "90")  # fmt: skip
     try:
         counted = _send_hostile_datagrams(up, up.agent_url())
@@ -150,6 +152,7 @@ def test_library_names_a_straggler_and_rolls_a_nan_back_to_a_checkpoint_before_i
     log = (up.run / "trainer.log").read_text()
     assert "step 90 checkpoint refused" in log, log[-3000:]
     assert "resumed from step 85" in log and "step 150 loss" in log, log[-3000:]
+    assert (up.run / "warm.log").is_file() and "starting cold" not in log  # really warm
     incidents = read_incidents(up.run)
     job = [i for i in incidents if i["job"] == up.run.name]
 

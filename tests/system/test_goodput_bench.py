@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,21 @@ def test_the_schedule_is_seeded_with_nan_last():
     _, b = g.load_schedule(ROOT / "bench" / "goodput_schedule.toml", quick=False)
     assert a == b and a[-1].kind == "nan" and len({f.kind for f in a}) == 7
     assert all(x.at < y.at for x, y in zip(a, a[1:], strict=False))
+
+
+def test_spacing_keeps_kinds_and_order_and_sizes_the_job_to_span_them():
+    g = _bench()
+    toml = ROOT / "bench" / "goodput_schedule.toml"
+    params, plain = g.load_schedule(toml, quick=False)
+    spaced_params, spaced = g.load_schedule(toml, quick=False, spacing=120)
+    assert [(f.id, f.kind, f.rank) for f in spaced] == [(f.id, f.kind, f.rank) for f in plain]
+    first = params["first_at_seconds"]
+    assert [f.at for f in spaced] == [first + 120 * i for i in range(len(plain))]
+    # the job: first fault + 7 spacings of fault-free training at the calibrated step time
+    assert g.steps_for(params, 7, 120, 0.05) == math.ceil((first + 7 * 120) / 0.05)
+    assert g.steps_for(params, 7, None, 0.05) == params["steps"]  # the file's, unspaced
+    assert g.steps_for(params, 7, 120, math.nan) == params["steps"]  # no calibration
+    assert spaced_params["run_limit_seconds"] >= 1.5 * (first + 7 * 120)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +126,7 @@ def test_rankguard_recovers_what_plain_torchrun_cannot(quick):
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "s.toml"
     bad.write_text("seed = 1\n")
-    for args in (["--stacks", "nope"], ["--schedule", str(bad)]):
+    for args in (["--stacks", "nope"], ["--schedule", str(bad)], ["--spacing", "-5"]):
         proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True,
                               text=True, timeout=60)  # fmt: skip
         assert proc.returncode == 2

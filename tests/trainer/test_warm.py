@@ -20,9 +20,11 @@ pytestmark = pytest.mark.slow
 WARM = ("rankguard.trainer.warm", "run")
 
 
-@pytest.fixture
-def server(tmp_path):
-    path = tmp_path / "warm.sock"
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module: it keeps serving across requests, and its start (the
+    torch import) is paid once."""
+    path = tmp_path_factory.mktemp("warm") / "warm.sock"
     proc = start_server(path, {**os.environ, "OMP_NUM_THREADS": "1"}, subprocess.DEVNULL)
     yield path, proc
     proc.terminate()
@@ -106,3 +108,40 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(server):
     assert proc.poll() is None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(path))  # still accepting
+
+
+SCRIPT = """
+import json, os, sys, torch
+print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0],
+                  "pid": os.getpid(), "torch": "torch" in sys.modules}), flush=True)
+if sys.argv[1] == "raise":
+    raise RuntimeError("the script failed")
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), 9)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_script_runs_forked_as_python_would_run_it(server, tmp_path):
+    """`run --script PATH ARGS`: the forked worker runs the script as __main__ with its argv
+    and directory; the shim exits as it did (status, uncaught exception, fatal signal)."""
+    path, proc = server
+    (tmp_path / "t.py").write_text(SCRIPT)
+
+    def shim_script(arg: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "rankguard.trainer.warm", "run", "--script", "t.py", arg],
+            env={**os.environ, "RANKGUARD_WARM_SOCKET": str(path)}, cwd=tmp_path,
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    ok = shim_script("0")
+    assert ok.returncode == 0, ok.stderr
+    seen = json.loads(ok.stdout)
+    assert (seen["name"], seen["argv"], seen["path0"]) == ("__main__", ["t.py", "0"], str(tmp_path))
+    assert seen["pid"] != proc.pid and seen["torch"]
+    assert "starting cold" not in ok.stderr  # forked by the server
+    assert shim_script("3").returncode == 3
+    failed = shim_script("raise")
+    assert failed.returncode == 1 and "RuntimeError: the script failed" in failed.stderr
+    assert shim_script("kill").returncode == -9
