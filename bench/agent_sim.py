@@ -343,6 +343,7 @@ class HttpProtocol(asyncio.Protocol):
                     if s.full is None and s.seq == self.cluster.event_seq[n] and wait > 0:
                         return self.hold(n, s, wait, close)
                     payload = self.cluster.events_body(n, now, s)
+            elif method == "GET" and route == "/v1/node":
                 payload = self.cluster.node_body(n, now)
             elif method == "GET" and route == "/healthz":
                 payload = {"ok": True}
