@@ -155,7 +155,9 @@ def test_metrics_negotiate_gzip_and_openmetrics_and_render_once_per_collection(a
                   if ln.startswith(count))  # fmt: skip
     after = next(ln for ln in request(agent, "/metrics")[1].decode().splitlines()
                  if ln.startswith(count))  # fmt: skip
-    assert float(after.split()[-1]) == float(before.split()[-1]) + 1
+    # at least this scrape's predecessor; a request is counted once its answer is written,
+    # so on a loaded machine the one before `before` may land in `after` too
+    assert 1 <= float(after.split()[-1]) - float(before.split()[-1]) <= 2
 
     om = "application/openmetrics-text; version=1.0.0; charset=utf-8"
     status, body, headers = request(agent, "/metrics", headers={"Accept": om})
