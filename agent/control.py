@@ -275,7 +275,11 @@ def stop_job(table, body: dict) -> dict:
     for j, rank, _ in table.processes():
         if j != job:
             continue
-        verified = resolve_pid(table, job, rank)
+        try:
+            verified = resolve_pid(table, job, rank)
+        except ControlError:
+            continue  # gone since the listing (torchrun tore it down): the remembered
+            # launchers cover it, and a rank that ended needs no signal
         stat = read_proc_stat(verified)
         launcher = launcher_pid(verified, stat.ppid) if stat is not None else None
         ident = launcher_identity(launcher)
