@@ -520,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_determinism()
     info = init_distributed()
     trace.mark("process_group")
+    ended = False
     try:
         trainer = Trainer(cfg, info)
         trace.job, trace.incarnation = cfg.job, trainer.incarnation
@@ -535,7 +536,11 @@ def main(argv: list[str] | None = None) -> int:
                 tmp = Path(f"{cfg.summary}.tmp")
                 tmp.write_text(json.dumps(summary, indent=2) + "\n")
                 os.replace(tmp, cfg.summary)
+        ended = True
     finally:
-        if dist.is_initialized():
+        # On an exception the group is left to the process's exit: destroying it here
+        # closes the peers' connections while this rank still lives (printing its
+        # traceback), a peer then errors out and exits first, and is taken for the culprit.
+        if ended and dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -210,12 +210,12 @@ def start_server(path, env: dict | None = None, stdout=None, timeout: float = 60
 
 
 def serve(path: str) -> int:
-    from . import train  # noqa: F401 - the point of the server: pay for torch once
-
     # DDP's constructor imports torch._dynamo on first use (0.74 s of a worker's 1.0 s
     # model build on this machine, by cProfile of a resumed start): import it here once,
     # else every warm restart pays it. An import only: no CUDA, no process group.
     import torch._dynamo  # noqa: F401
+
+    from . import train  # noqa: F401 - the point of the server: pay for torch once
 
     if os.path.exists(path):
         os.unlink(path)
