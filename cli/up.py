@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -672,22 +673,30 @@ def _check_script(script: list[str]) -> None:
 
 
 _TRACEBACK = "Traceback (most recent call last):"
+# `ModuleNotFoundError: ...`, `torch.OutOfMemoryError: ...`, `KeyboardInterrupt`
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(:|$)")
 
 
 def last_traceback(log: str, limit: int = 40) -> str | None:
     """The last Python traceback of the script in a log (its workers' stderr, as torchrun
     passes it on), up to its exception line; torchrun's own ChildFailedError is skipped.
-    None when there is none."""
+    Ranks write their tracebacks to one log at once, so a line from another rank may cut
+    into one: an unindented line that is not an exception line is left out. None when
+    there is none."""
     lines = log.splitlines()
     starts = [i for i, line in enumerate(lines) if line.rstrip().endswith(_TRACEBACK)]
     for start in reversed(starts):
         prefix = lines[start][: len(lines[start].rstrip()) - len(_TRACEBACK)]
-        out = []
-        for line in lines[start:]:
+        out = [_TRACEBACK]
+        for line in lines[start + 1 :]:
             body = line[len(prefix) :] if prefix and line.startswith(prefix) else line
-            out.append(body)
-            if len(out) > 1 and body and not body.startswith(" "):
-                break  # the exception line ends the traceback
+            if body.startswith(" "):
+                out.append(body)
+            elif _EXCEPTION_LINE.match(body):
+                out.append(body)
+                break
+        else:
+            continue  # no exception line: cut off, or only another rank's fragments
         if "ChildFailedError" not in out[-1]:
             return "\n".join(out[-limit:])
     return None

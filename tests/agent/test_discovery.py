@@ -359,3 +359,23 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
         "ModuleNotFoundError: No module named 'nope'"
     )
     assert last_traceback("all good\n") is None
+
+
+def test_up_shows_a_traceback_that_another_ranks_lines_cut_into():
+    from rankguard.cli.up import last_traceback
+
+    # as seen in CI: two ranks failing at once, one's caret line joined to the other's
+    log = """Traceback (most recent call last):
+Traceback (most recent call last):
+  File "/tmp/broken.py", line 1, in <module>
+    import nope
+^^^^  File "/tmp/broken.py", line 1, in <module>
+    import nope
+ModuleNotFoundError: No module named 'nope'
+ModuleNotFoundError: No module named 'nope'
+"""
+    error = last_traceback(log)
+    assert error is not None and error.endswith("ModuleNotFoundError: No module named 'nope'")
+    assert "^^^^" not in error
+    # a traceback cut off before its exception line gives way to an earlier whole one
+    assert last_traceback(log + "Traceback (most recent call last):\n  File 'x'\n") == error

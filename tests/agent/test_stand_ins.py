@@ -5,6 +5,7 @@ pidfd on the shim, as trainer/warm.py's workers do); the detector on literal obs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -88,6 +89,16 @@ def gone(pid: int) -> bool:
         return True
 
 
+def holds_pidfd(pid: int) -> bool:
+    """Whether a process has a pidfd open; its other descriptors (the interpreter's own)
+    may close between the listing and the look."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]":
+                return True
+    return False
+
+
 @pytest.fixture
 def chain():
     """A process whose command line says torchrun, its child (the shim), and a rank that
@@ -100,8 +111,7 @@ def chain():
     def rank(seconds: float = 120.0, memory: int = 0) -> subprocess.Popen:
         procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(shim), str(seconds),
                                        str(memory)]))  # fmt: skip
-        wait(lambda: any(os.readlink(f"/proc/{procs[-1].pid}/fd/{fd}") == "anon_inode:[pidfd]"
-                         for fd in os.listdir(f"/proc/{procs[-1].pid}/fd")))  # fmt: skip
+        wait(lambda: holds_pidfd(procs[-1].pid))
         return procs[-1]
 
     yield shim, rank
