@@ -677,9 +677,11 @@ class RankTable:
         now: float | None = None,
         *,
         uid: int | None = None,
+        age: float = 0.0,
     ) -> None:
         """Take one record whose sender the kernel identified as ``sender_pid`` and
-        ``uid`` (None: the agent's own uid, for in-process callers).
+        ``uid`` (None: the agent's own uid, for in-process callers), received ``age``
+        seconds before ``now`` (it waited in the socket's queue for a batched drain).
 
         Raises ValueError if the record's pid is not the sender's,
         :class:`ForeignOwnerError` for a (job, rank) someone else owns, and
@@ -689,7 +691,7 @@ class RankTable:
         if record.pid != sender_pid:
             raise ValueError(f"record pid {record.pid} is not the sender's pid {sender_pid}")
         uid = os.getuid() if uid is None else uid
-        now = self._now(now)
+        now = self._now(now) - age
         key = (record.job, record.rank)
         with self._lock:
             rank = self._ranks.get(key)

@@ -30,9 +30,9 @@ blocking, so this thread only decodes and hands over, nothing slow.
 Batching (issue 16). A wake-up costs several times what judging a record does (the
 scheduler, ``poll``, the GIL hand-over: about 150 us against 15 us on a 2-core VM), so the
 thread does not wake per datagram: after a drain it lets datagrams gather for a while
-(:class:`Pacer`: half the kernel queue at the rate just seen, at most 0.1 s); with sparse
-traffic, or after an empty drain, it blocks until the next datagram (an idle agent never
-wakes, and a lone record is judged at once). Only where the kernel queue is long enough
+(:class:`Pacer`: half the kernel queue, at most 128 datagrams, at the rate just seen,
+at most 0.5 s); with sparse traffic, or after an empty drain, it blocks until the next
+datagram (an idle agent never wakes, and a lone record is judged at once). Only where the kernel queue is long enough
 (:func:`batch_wait`: ``net.unix.max_dgram_qlen`` >= 64, which deploy/sysctl.d sets): with
 the default 10, ranks' bursts overflow it during a wait. Records may then wait
 in the queue, so whoever needs the table current drains first (:meth:`flush`): the rank
@@ -92,14 +92,24 @@ RECEIVER_REASONS: tuple[str, ...] = (
 )
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
-_ANC_BUFSIZE = socket.CMSG_SPACE(_UCRED.size)  # room for credentials and nothing more
+# The kernel's receive time of each datagram (SCM_TIMESTAMP, a struct timeval): a record
+# that waited in the queue for a batched drain is dated when it arrived, so a rank's
+# heartbeat age does not shrink by the wait. Not in Python's socket module: Linux's
+# generic SO_TIMESTAMP(_OLD), the same number as SCM_TIMESTAMP.
+_SO_TIMESTAMP = 29
+_TIMEVAL = struct.Struct("@ll")
+# room for credentials and the timestamp, nothing more
+_ANC_BUFSIZE = socket.CMSG_SPACE(_UCRED.size) + socket.CMSG_SPACE(_TIMEVAL.size)
 _RECV_BUFSIZE = MAX_DATAGRAM_BYTES + 1  # one byte more than allowed reveals oversize
 _DRAIN_BATCH = 256  # datagrams per wake-up before checking for close()
 _QLEN_FILE = "/proc/sys/net/unix/max_dgram_qlen"
 _DEFAULT_QLEN = 10  # the kernel's default, when the sysctl cannot be read
 _MAX_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 _MAX_BUCKETS = 4096  # sender uids with a token bucket; full buckets are dropped beyond
-BATCH_WAIT = 0.1  # seconds between drains when batching (how stale a record may get)
+# seconds between drains when batching: how stale an unread record may get. Readers
+# that need the table current drain first (flush), so the wait never shows in answers.
+BATCH_WAIT = 0.5
+BATCH_MAX = 128  # datagrams a wait aims at: within a default receive buffer, with room
 BATCH_MIN_QLEN = 64  # kernel queue that batching needs (auto): 8 ranks' bursts, with room
 
 
@@ -142,8 +152,9 @@ class Pacer:
     caller passes the time).
 
     ``qlen`` datagrams fit in the kernel's queue; a sender that finds it full drops its
-    record. So the wait aims at ``fill`` of the queue at the rate the last drain saw, and
-    never exceeds ``max_wait`` (how stale an unread record may get). Where fewer than
+    record. So the wait aims at ``fill`` of the queue (at most ``max_batch`` datagrams: the
+    receive buffer holds a few hundred) at the rate the last drain saw, and never exceeds
+    ``max_wait`` (how stale an unread record may get). Where fewer than
     ``min_batch`` records would gather in ``max_wait`` (sparse traffic, or the first drain:
     no rate yet) waiting saves nothing and only delays: block until the next datagram. A
     drain that found the queue at its cap halves the wait and reports pressure (senders
@@ -151,11 +162,20 @@ class Pacer:
     """
 
     def __init__(
-        self, qlen: int, *, max_wait: float = 0.1, fill: float = 0.5, min_batch: float = 2.0
+        self,
+        qlen: int,
+        *,
+        max_wait: float = BATCH_WAIT,
+        fill: float = 0.5,
+        min_batch: float = 2.0,
+        max_batch: int = BATCH_MAX,
     ) -> None:
-        if qlen < 1 or max_wait < 0 or not 0 < fill <= 1 or min_batch < 0:
-            raise ValueError("qlen >= 1, max_wait >= 0, 0 < fill <= 1, min_batch >= 0")
+        if qlen < 1 or max_wait < 0 or not 0 < fill <= 1 or min_batch < 0 or max_batch < 1:
+            raise ValueError(
+                "qlen >= 1, max_wait >= 0, 0 < fill <= 1, min_batch >= 0, max_batch >= 1"
+            )
         self.qlen, self.max_wait, self.fill, self.min_batch = qlen, max_wait, fill, min_batch
+        self.target = min(fill * qlen, max_batch)  # datagrams to let gather
         self.wait: float | None = None  # None: block until a datagram arrives
         self._last: float | None = None
 
@@ -173,7 +193,7 @@ class Pacer:
         elif rate == 0:  # no rate yet (min_batch 0: always wait)
             self.wait = self.max_wait
         else:
-            self.wait = min(self.max_wait, self.fill * self.qlen / rate)
+            self.wait = min(self.max_wait, self.target / rate)
         return self.wait, False
 
 
@@ -268,6 +288,8 @@ class TelemetryReceiver:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            with contextlib.suppress(OSError):  # without it, records are dated when drained
+                sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMP, 1)
             sock.setblocking(False)
             # Bind under a temporary name, chmod, then rename into place: the socket is
             # never reachable with the umask's (possibly wider) permissions.
@@ -328,6 +350,7 @@ class TelemetryReceiver:
 
     def _drain(self) -> int:
         sock, handle = self._sock, self.handle
+        drained_at = time.time()  # a datagram's age: from its kernel timestamp to now
         for n in range(_DRAIN_BATCH):
             try:
                 data, ancdata, flags, _addr = sock.recvmsg(_RECV_BUFSIZE, _ANC_BUFSIZE)
@@ -338,9 +361,10 @@ class TelemetryReceiver:
                     self._reject("internal_error", f"recvmsg failed: {e}")
                 return n
             try:
-                cred = _sender_cred(ancdata)
+                cred, arrived = _ancillary(ancdata)
                 pid, uid = (cred[0], cred[1]) if cred else (None, None)
-                handle(data, pid, truncated=bool(flags & socket.MSG_TRUNC), uid=uid)
+                age = 0.0 if arrived is None else max(0.0, drained_at - arrived)
+                handle(data, pid, truncated=bool(flags & socket.MSG_TRUNC), uid=uid, age=age)
             except Exception as e:
                 log.exception("telemetry datagram handling failed")
                 self._reject("internal_error", repr(e))
@@ -353,9 +377,11 @@ class TelemetryReceiver:
         truncated: bool = False,
         *,
         uid: int | None = None,
+        age: float = 0.0,
     ) -> str | None:
         """Judge one datagram from ``sender_pid`` and ``uid`` (pid None: no credentials
-        came with it; uid None: the agent's own uid, for in-process callers).
+        came with it; uid None: the agent's own uid, for in-process callers) that arrived
+        ``age`` seconds ago.
 
         Returns None when the record was accepted into the table, else the reason it
         was rejected (also counted). The receiving thread calls this for each datagram.
@@ -377,7 +403,7 @@ class TelemetryReceiver:
         if record.pid != sender_pid:
             return self._reject("pid_mismatch", _mismatch_message(record.pid, sender_pid))
         try:
-            self.table.update(record, sender_pid, uid=uid)
+            self.table.update(record, sender_pid, uid=uid, age=age)
         except ForeignOwnerError as e:
             return self._reject("foreign_owner", str(e))
         except RankQuotaError as e:
@@ -478,31 +504,31 @@ def _remove_stale_socket(path: Path) -> None:
     )
 
 
-def _sender_pid(ancdata: list[tuple[int, int, bytes]]) -> int | None:
-    """The kernel-verified sender PID from SCM_CREDENTIALS; None if absent."""
-    cred = _sender_cred(ancdata)
-    return cred[0] if cred else None
-
-
-def _sender_cred(ancdata: list[tuple[int, int, bytes]]) -> tuple[int, int, int] | None:
-    """The kernel-verified sender (pid, uid, gid) from SCM_CREDENTIALS; None if absent.
+def _ancillary(
+    ancdata: list[tuple[int, int, bytes]],
+) -> tuple[tuple[int, int, int] | None, float | None]:
+    """The kernel-verified sender (pid, uid, gid) from SCM_CREDENTIALS and the Unix time
+    the datagram arrived from SCM_TIMESTAMP; None for what is absent.
 
     Any file descriptors passed along (SCM_RIGHTS) are closed at once: the ancillary
-    buffer only has room for credentials, but an fd that slipped in must not leak.
+    buffer has room for neither, but an fd that slipped in must not leak.
     """
-    cred = None
+    cred = arrived = None
     for level, kind, payload in ancdata:
         if level != socket.SOL_SOCKET:
             continue
         if kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
             cred = _UCRED.unpack_from(payload)
+        elif kind == _SO_TIMESTAMP and len(payload) >= _TIMEVAL.size:
+            seconds, micros = _TIMEVAL.unpack_from(payload)
+            arrived = seconds + micros / 1e6
         elif kind == socket.SCM_RIGHTS:
             fds = array.array("i")
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-    return cred
+    return cred, arrived
 
 
 def _mismatch_message(claimed: int, sender: int) -> str:

@@ -39,6 +39,11 @@ class History:
     # each rank's phase outside the loop since when, the job's past phase durations (the
     # learned hang budgets) and when it was last seen suspended (phase_budgets.py)
     phases: Any = None
+    # job -> its newest incarnation (restart count) in view at the previous poll and at
+    # this one: a death that torchrun restarted from between two polls shows only as the
+    # step between them (detectors/dead.py)
+    restarts_before: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
 
 
 def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None) -> History:
@@ -51,6 +56,7 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
     incarnation_start[job:restart]: the first training step seen of each incarnation.
     straggler_since[key]: when (time, step) a straggler suspect was first seen, kept while it
     stays suspect, dropped when it does not.
+    restarts_before, restarts[job]: the job's newest incarnation at the last poll and now.
     """
     from .detectors import DetectorConfig, straggler
     from .detectors.checkpoint import _max_step, _newest_checkpoint
@@ -114,6 +120,7 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
         phases=advance_phases(
             history.phases or PhaseTrace(), obs, (cfg or DetectorConfig()).hang.phases
         ),
+        **_incarnations(history, obs),
     )
 
 
@@ -125,4 +132,14 @@ def advance_unreachable(history: History, obs: ClusterObs, cfg: object = None) -
         for n in obs.nodes
         if not n.reachable
     }
-    return dataclasses.replace(history, unreachable_since=unreachable)
+    return dataclasses.replace(
+        history, unreachable_since=unreachable, **_incarnations(history, obs)
+    )
+
+
+def _incarnations(history: History, obs: ClusterObs) -> dict[str, dict[str, int]]:
+    """restarts_before and restarts after this poll; a job out of view keeps its last."""
+    return {
+        "restarts_before": history.restarts,
+        "restarts": {**history.restarts, **obs.newest_restarts()},
+    }

@@ -92,15 +92,6 @@ def _seen_only_stale(target: Mapping, obs: ClusterObs) -> bool:
 EVERY_PASS = frozenset({"dead", "stand_in", "node", "unreachable", "process_hang"})
 
 
-def _restarts(obs: ClusterObs) -> dict[str, int]:
-    """Each job's newest incarnation in view."""
-    out: dict[str, int] = {}
-    for r in obs.ranks():
-        if r.restart > out.get(r.job, -1):
-            out[r.job] = r.restart
-    return out
-
-
 def _finding_of(inc) -> Finding:
     """The finding an incident was recorded from (to replay its action)."""
     return Finding(inc.kind, inc.key, inc.severity, inc.summary, inc.job, inc.node, inc.rank,
@@ -227,7 +218,7 @@ class Supervisor:
     def _detect(self, obs: ClusterObs) -> list[Finding]:
         self.stack_budget.new_pass(self.monotonic())
         cfg = self.cfg.detectors
-        restarts = _restarts(obs)
+        restarts = obs.newest_restarts()
         window = self._window_due(restarts)
         cpu = time.process_time()
         self.history = (advance if window else advance_unreachable)(self.history, obs, cfg)

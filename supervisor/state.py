@@ -179,6 +179,14 @@ class ClusterObs:
     def jobs(self) -> list[str]:
         return sorted({r.job for r in self.ranks()})
 
+    def newest_restarts(self) -> dict[str, int]:
+        """Each job's newest incarnation in view (its highest restart count)."""
+        out: dict[str, int] = {}
+        for r in self.ranks():
+            if r.restart > out.get(r.job, -1):
+                out[r.job] = r.restart
+        return out
+
     def current_ranks(self, job: str) -> list[RankObs]:
         """The newest incarnation's ranks of a job (highest restart count per rank)."""
         best: dict[int, RankObs] = {}

@@ -2,7 +2,9 @@
 
 The agent learns of an exit at once (pidfd), so this is the fastest and surest finding.
 A "finished" rank exited cleanly after phase "done" and is not dead; processes of an
-earlier incarnation were ended by torchrun itself and are not news.
+earlier incarnation were ended by torchrun itself and are not news, except those of an
+incarnation that was current at the last poll: a warm restart takes about a second, so a
+rank can die and be replaced between two polls, and its death shows only there.
 
 One finding per failed incarnation, naming the first rank to die: when one rank dies,
 torchrun tears down the others within a moment, and those deaths are consequences, not
@@ -32,14 +34,26 @@ class DeadConfig:
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
     out = []
     for job in obs.jobs():
-        _, ranks = incarnation(obs, job)
+        restart, ranks = incarnation(obs, job)
         dead = [r for r in ranks if r.state in DEAD_STATES]
         if dead:
-            first = min(
-                dead, key=lambda r: (r.exited_at if r.exited_at is not None else obs.time, r.rank)
-            )
+            first = _first(dead, obs.time)
             out.append(_finding(first, node_url(obs, first.node), dead))
+        # A warm restart can die and come back between two polls: the incarnations the
+        # last poll saw current and this one sees replaced are judged by their dead too.
+        # (Ranks our own action ended are attributed to its incident: lifecycle.attribute.)
+        before = history.restarts_before.get(job)
+        if before is not None and before < restart:
+            for missed in range(before, restart):
+                gone = [r for r in obs.ranks(job) if r.restart == missed and r.dead]
+                if gone:
+                    first = _first(gone, obs.time)
+                    out.append(_finding(first, node_url(obs, first.node), gone))
     return out
+
+
+def _first(dead: list[RankObs], now: float) -> RankObs:
+    return min(dead, key=lambda r: (r.exited_at if r.exited_at is not None else now, r.rank))
 
 
 def _finding(r: RankObs, url: str | None, dead: list[RankObs]) -> Finding:

@@ -627,6 +627,11 @@ def test_pacer_fills_half_the_kernel_queue_at_the_rate_seen():
     assert always.next_wait(1, 100.0) == (0.1, False)  # no rate yet: the longest wait
     with pytest.raises(ValueError):
         Pacer(0)
+    # a long queue: the wait aims at max_batch datagrams, not half of 512
+    long = Pacer(512, max_wait=0.5, max_batch=128)
+    long.next_wait(10, 200.0)
+    assert long.next_wait(400, 200.5) == (pytest.approx(0.16), False)  # 800/s: 128
+    assert long.next_wait(80, 201.5) == (0.5, False)  # 80/s: 40 in the longest wait
 
 
 def test_batching_is_on_by_itself_only_where_the_kernel_queue_is_long():
@@ -646,6 +651,20 @@ def test_receiver_gathers_datagrams_per_wakeup(table, sock_path, raw):
         print(f"wake-ups for 40 records: {r.wakeups}")
         assert r.wakeups <= 20
         assert rank_of(table)["step"] == 40
+
+
+def test_a_record_that_waited_for_a_drain_is_dated_when_it_arrived(table, sock_path, raw):
+    """The kernel's receive timestamp dates a record, not the drain: a rank's heartbeat
+    age does not shrink by the time its last record waited in the queue."""
+    with TelemetryReceiver(sock_path, table, max_wait=30) as r:
+        r.pacer.min_batch = 0  # wait after every drain, the first one too
+        raw(encode(rec(job="prime")))
+        wait_for(lambda: r.stats()["accepted"] == 1)  # now waiting up to 30 s
+        raw(encode(rec(step=5)))
+        time.sleep(0.6)
+        assert r.flush() == 1
+        age = rank_of(table)["heartbeat_age_seconds"]
+        assert 0.5 <= age < 10, age
 
 
 def test_an_exit_first_drains_what_the_process_sent(table, sock_path, raw, children):

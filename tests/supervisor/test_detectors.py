@@ -131,6 +131,34 @@ def test_dead_key_is_stable_across_polls_and_new_after_restart():
     assert a == b != c == "rank_dead:j:1"
 
 
+def test_a_death_restarted_from_between_two_polls_is_still_reported():
+    # the last poll saw restart 0 running; by this one rank 1 died and torchrun restarted
+    obs = cluster(
+        rank(0, state="exited", exited_at=T0 - 1),
+        rank(1, state="exited", exited_at=T0 - 2),
+        rank(0, restart=1),
+        rank(1, restart=1),
+    )
+    seen_running = History(restarts_before={"j": 0}, restarts={"j": 1})
+    [f] = dead.detect(obs, seen_running, CFG)
+    assert (f.key, f.rank, f.occurred_at) == ("rank_dead:j:0", 1, T0 - 2)
+    # once the new incarnation was seen current, the old one is not news again
+    assert dead.detect(obs, History(restarts_before={"j": 1}, restarts={"j": 1}), CFG) == []
+    # an incarnation replaced with no dead ranks in view (forgotten, or all finished)
+    clean = cluster(rank(0, state="finished", restart=0), rank(0, restart=1))
+    assert dead.detect(clean, seen_running, CFG) == []
+
+
+def test_history_remembers_the_incarnation_of_the_last_poll():
+    first = advance_history(History(), cluster(rank(0), rank(1)), CFG)
+    assert (first.restarts_before, first.restarts) == ({}, {"j": 0})
+    second = advance_history(first, cluster(rank(0, restart=1), rank(1, restart=1)), CFG)
+    assert (second.restarts_before, second.restarts) == ({"j": 0}, {"j": 1})
+    # a job out of view (its node unreachable) keeps its last incarnation
+    third = advance_history(second, cluster(), CFG)
+    assert third.restarts == {"j": 1}
+
+
 def test_the_first_rank_to_die_is_the_one_reported():
     # rank 1 died first; torchrun then ended rank 0: one fault, one finding
     obs = cluster(
