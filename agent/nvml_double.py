@@ -16,7 +16,8 @@ State is a plain JSON-able dict (see `make_double` for every field):
      "xid_events": [{"gpu": 0, "xid": 79}]}
 
 Built from a dict or with `NvmlDouble.from_file(path)`. A file-backed double re-reads
-the file whenever it changes, so another process (a test, a drill, `rankguard inject`)
+the file when it has changed, at init, at each device count (a collection's first call)
+and at each event wait, so another process (a test, a drill, `rankguard inject`)
 can flip `"lost": true` on a GPU or append to `"xid_events"`; each appended event is
 delivered once through `nvmlEventSetWait_v2`. Write the file with `write_state` (atomic
 rename, strictly newer mtime) so that no change is missed or read half-written.
@@ -132,16 +133,26 @@ def _address(ptr: Any) -> int | None:
     return ctypes.cast(ptr, ctypes.c_void_p).value
 
 
+# The calls that pick up changes to the state file: init, the device count (the first call
+# of every collection) and the event wait (the XID thread). A stat per call (about 90 a
+# collection at 8 GPUs) was most of the double's cost, which the agent's overhead
+# benchmark then counted as the agent's; a collection reads one consistent snapshot.
+_RELOAD_ON = frozenset({"nvmlInit", "nvmlInitWithFlags", "nvmlDeviceGetCount",
+                        "nvmlEventSetWait", "nvmlEventSetWait_v2"})  # fmt: skip
+
+
 def _api(fn: Callable) -> Callable:
     """Wrap an NVML entry point: count the call, pick up file changes, require init."""
     name = fn.__name__
     needs_init = name not in ("nvmlInit", "nvmlInitWithFlags")
+    reloads = name in _RELOAD_ON
 
     @wraps(fn)
     def wrapper(self: NvmlDouble, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self.calls[name] += 1
-            self._maybe_reload()
+            if reloads:
+                self._maybe_reload()
             if needs_init:
                 if self._init_count == 0:
                     raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)

@@ -2,7 +2,7 @@
 without an agent listening, side by side in one run.
 
     python bench/agent_overhead.py [--seconds 30] [--rates 10 100] [--repeats 3] [--out FILE]
-                                   [--baseline-python OTHER_VENV/bin/python | --qlen 512]
+                                   [--baseline-python OTHER_VENV/bin/python] [--qlen 512]
 
 Part 1 starts `rankguard agent` (1 s interval, an NVML double with 8 GPUs) and 8 fake
 rank processes that each send a valid telemetry record RATE times a second, then measures
@@ -15,7 +15,8 @@ is measured too, alternating with this one, rate by rate: columns "before" and "
 With `--qlen N` (root), the same agent is measured with the kernel's queue for Unix
 datagram sockets as it is ("before") and raised to N ("after", deploy/sysctl.d): the
 sysctl is set only while the agent creates its socket (the length is taken then) and put
-back at once. "records dropped" are the senders' own counts of full-queue drops.
+back at once. With both, the two installations are compared, each with the raised queue.
+"records dropped" are the senders' own counts of full-queue drops.
 Part 2 runs the real trainer under torchrun (2 ranks) alternately with an agent
 receiving its telemetry and with no listener at all, and compares throughput.
 """
@@ -351,20 +352,22 @@ def main() -> None:
     p.add_argument("--baseline-python", help="measure this interpreter's installed agent too "
                    "(another venv's python: the code before a change), as 'before'")  # fmt: skip
     p.add_argument("--qlen", type=int, help="measure with the kernel's Unix datagram queue "
-                   "as it is ('before') and raised to this length ('after'); needs root")  # fmt: skip
+                   "as it is ('before') and raised to this length ('after'); with "
+                   "--baseline-python, both with it raised; needs root")  # fmt: skip
     args = p.parse_args()
     if args.baseline_python and not Path(args.baseline_python).is_file():
         p.error(f"--baseline-python: no such interpreter: {args.baseline_python}")
-    if args.baseline_python and args.qlen:
-        p.error("--baseline-python and --qlen: one comparison at a time")
     if args.qlen and not os.access(QLEN_FILE, os.W_OK):
         p.error(f"--qlen: {QLEN_FILE} is not writable (run as root)")
 
     columns: list[tuple[str, dict]] = []
     # (label, interpreter, queue length) of each column at a rate
     versions = [("", sys.executable, None)]
-    if args.baseline_python:
-        versions = [("before", args.baseline_python, None), ("after", sys.executable, None)]
+    if args.baseline_python:  # with --qlen, both agents get the raised queue
+        versions = [
+            ("before", args.baseline_python, args.qlen),
+            ("after", sys.executable, args.qlen),
+        ]
     elif args.qlen:
         versions = [("before", sys.executable, None), ("after", sys.executable, args.qlen)]
     for rate in args.rates:
