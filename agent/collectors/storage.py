@@ -32,6 +32,12 @@ SKIPPED_DEVICE_PREFIXES = ("loop", "ram", "zram")
 # A statvfs on a dead NFS/Lustre server can block forever; give up after this long and
 # leave that path alone until the stuck call returns (node_exporter's "stuck mounts").
 STATVFS_TIMEOUT_S = 2.0
+# Filesystems with no server behind them: their statvfs cannot block, so it is called
+# directly instead of on a thread with a timeout (a thread a role a second was a third of
+# the collectors' CPU, bench/agent_overhead.py). Anything else, or an unknown mount, keeps
+# the guarded call.
+LOCAL_FSTYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "vfat", "zfs",
+                           "tmpfs", "ramfs", "overlay"})  # fmt: skip
 
 # DiskStats field -> help; the metric is rankguard_disk_<field>_total.
 DISK_COUNTERS = (
@@ -162,8 +168,9 @@ class StorageCollector(Collector):
         facts: dict[str, Any] = {}
         for role, path in sorted(self.ctx.watch_dirs.items()):
             real = os.path.realpath(path)
+            mount = procfs.find_mount(mounts, real)
             try:
-                st = self._statvfs(real)
+                st = self._statvfs(real, local=mount is not None and mount.fstype in LOCAL_FSTYPES)
             except OSError as exc:
                 # one missing or broken directory never hides the other roles
                 facts[role] = {"path": str(path), "error": f"{type(exc).__name__}: {exc}"}
@@ -174,7 +181,6 @@ class StorageCollector(Collector):
                 mode: int | None = stat.S_IMODE(os.stat(real).st_mode)
             except OSError:
                 mode = None
-            mount = procfs.find_mount(mounts, real)
             mountpoint, fstype = (mount.mountpoint, mount.fstype) if mount else ("", "")
             free.add((role,), avail)
             size.add((role,), total)
@@ -192,7 +198,9 @@ class StorageCollector(Collector):
         result.metrics += [free, size, ratio, fs_info]
         result.facts["filesystems"] = facts
 
-    def _statvfs(self, path: str) -> os.statvfs_result:
+    def _statvfs(self, path: str, local: bool = False) -> os.statvfs_result:
+        if local:
+            return self.statvfs(path)
         stuck = self._stuck.get(path)
         if stuck is not None:
             if stuck.is_alive():

@@ -257,6 +257,23 @@ def test_storage_stuck_statvfs_times_out_without_blocking(tree):
     assert c.collect().facts["filesystems"]["checkpoint"]["free_bytes"] > 0
 
 
+def test_storage_calls_statvfs_directly_only_on_local_filesystems(tree):
+    """A thread with a timeout guards a network filesystem's statvfs; a local one (no
+    server to hang on) is called in the collector's own thread."""
+    ctx, _, root = tree
+    ctx.watch_dirs = {"checkpoint": root, "data": Path("/")}  # nfs4 and ext4 in the fixture
+    threads = {}
+
+    def recording_statvfs(path):
+        threads[path] = threading.current_thread() is threading.main_thread()
+        return os.statvfs(path)
+
+    c = StorageCollector(ctx)
+    c.statvfs = recording_statvfs
+    c.collect()
+    assert threads == {os.path.realpath(root): False, "/": True}
+
+
 def test_network_fixture_interfaces_and_infiniband(tree):
     ctx, advance, _ = tree
     c = NetworkCollector(ctx)
