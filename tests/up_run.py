@@ -23,7 +23,7 @@ class Up:
         self.run = tmp_path / "run"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rankguard.cli.main", "up", "--nproc", "2",
+            [sys.executable, *DEFAULT_SIGINT, "-m", "rankguard.cli.main", "up", "--nproc", "2",
              "--run-dir", str(self.run), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
@@ -121,6 +121,13 @@ def left_running(run: Path) -> list[int]:
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
 
 
+# A terminal's Ctrl-C reaches a foreground `up`. A test run as a background job of a
+# script inherits SIGINT ignored (POSIX, without job control) and Python keeps an
+# inherited SIG_IGN, so `up` would never see the test's SIGINT: exec it with the default.
+DEFAULT_SIGINT = ["-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]  # fmt: skip
+
+
 class UpPty:
     """`rankguard up` on a pseudo-terminal (its stdout and stderr a tty, as in a shell),
     the terminal's output read continuously (a full pty would block up's writes)."""
@@ -136,7 +143,7 @@ class UpPty:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color"}
         env.pop("COLUMNS", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rankguard.cli.main", "up", "--nproc", "2",
+            [sys.executable, *DEFAULT_SIGINT, "-m", "rankguard.cli.main", "up", "--nproc", "2",
              "--run-dir", str(self.run), *args],
             stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
         )  # fmt: skip
