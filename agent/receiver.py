@@ -32,9 +32,10 @@ scheduler, ``poll``, the GIL hand-over: about 150 us against 15 us on a 2-core V
 thread does not wake per datagram: after a drain it lets datagrams gather for a while
 (:class:`Pacer`: half the kernel queue, at most 128 datagrams, at the rate just seen,
 at most 0.5 s); with sparse traffic, or after an empty drain, it blocks until the next
-datagram (an idle agent never wakes, and a lone record is judged at once). Only where the kernel queue is long enough
-(:func:`batch_wait`: ``net.unix.max_dgram_qlen`` >= 64, which deploy/sysctl.d sets): with
-the default 10, ranks' bursts overflow it during a wait. Records may then wait
+datagram (an idle agent never wakes, and a lone record is judged at once). Each record is
+dated by the kernel's receive timestamp, not by the drain. Only where the kernel queue is
+long enough (:func:`batch_wait`: ``net.unix.max_dgram_qlen`` >= 64, which deploy/sysctl.d
+sets): with the default 10, ranks' bursts overflow it during a wait. Records may then wait
 in the queue, so whoever needs the table current drains first (:meth:`flush`): the rank
 table before it marks an exited process dead (a final "done" record makes it finished, not
 exited), and ``/v1/ranks`` before it answers.
@@ -511,7 +512,7 @@ def _ancillary(
     the datagram arrived from SCM_TIMESTAMP; None for what is absent.
 
     Any file descriptors passed along (SCM_RIGHTS) are closed at once: the ancillary
-    buffer has room for neither, but an fd that slipped in must not leak.
+    buffer has no room meant for them, but one that slipped in must not leak.
     """
     cred = arrived = None
     for level, kind, payload in ancdata:
