@@ -11,7 +11,9 @@ and in-process faults through the script's trigger files (same for every stack).
 
 --spacing S places the schedule's faults S seconds apart (same kinds, same order) and
 sizes each stack's job to span them: steps = (first fault + faults x S) / the stack's
-calibrated step time, so the last fault gets a full window too.
+calibrated step time, so the last fault gets a full window too. --calibration-steps N
+lengthens the calibration run (the schedule's 100 steps take 5 s, and the step time they
+measure moves by several percent between runs on a shared machine).
 
 Goodput = useful / wall: useful = the steps in the final model's history (steps redone after
 a rollback do not count, nor steps trained on a NaN model) x the calibrated step time; wall =
@@ -664,6 +666,13 @@ def main() -> None:
         help="seconds between faults (same kinds and "
         "order; each stack's job sized to span them: see the docstring)",
     )
+    p.add_argument(
+        "--calibration-steps",
+        type=int,
+        help="steps of the fault-free run that measures each stack's step time (default: "
+        "the schedule's); the goodput is only as steady as this: at 100 steps (5 s) on a "
+        "shared machine, +-4%% between runs",
+    )
     args = p.parse_args()
     stacks = [s for s in args.stacks.split(",") if s]
     bad = [s for s in stacks if s not in STACKS]
@@ -672,6 +681,10 @@ def main() -> None:
     if args.spacing is not None and not (math.isfinite(args.spacing) and args.spacing > 0):
         fail(f"--spacing {args.spacing}: expected seconds > 0")
     params, schedule = load_schedule(args.schedule, args.quick, args.spacing)
+    if args.calibration_steps is not None:
+        if args.calibration_steps < 20:
+            fail(f"--calibration-steps {args.calibration_steps}: expected at least 20")
+        params["calibration_steps"] = args.calibration_steps
     if "nvrx" in stacks and not shutil.which("ft_launcher", path=str(Path(sys.executable).parent)):
         fail("nvrx: ft_launcher not found (pip install nvidia-resiliency-ext)")
     command = "python bench/goodput.py " + " ".join(sys.argv[1:])
