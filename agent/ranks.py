@@ -347,6 +347,7 @@ class RankEvent:
     state: str
     at: float
     detail: str | None = None
+    restart: int | None = None  # the incarnation its records named (state changes only)
 
 
 def _process_record(job: str, w: Any) -> TelemetryRecord:
@@ -484,7 +485,9 @@ class _Rank:
         if state == previous:
             return None
         self.state_since = now
-        return RankEvent(self.job, self.rank, self.pid, previous, state, now, detail)
+        return RankEvent(
+            self.job, self.rank, self.pid, previous, state, now, detail, self.record.restart
+        )
 
     def apply_stat(self, stat: ProcStat | None, now: float, cpu_window: float) -> RankEvent | None:
         """Fold a fresh /proc reading into the state (refresh)."""

@@ -16,7 +16,9 @@ injects faults into random ranks, and measures over the run:
 - bytes per /v1/ranks answer (counted by the simulator) and the machine's 1-minute load
   average over the run (the machine is shared: a loaded one slows everything).
 
-`--full-reads` has the simulated agents ignore `after` (agents from before incremental
+The simulated agents announce deaths on `/v1/rank-events` at once, as a real agent does,
+and the supervisor long-polls it; `--no-events` serves them without it (deaths seen by the
+sample polls only, as before). `--full-reads` has the simulated agents ignore `after` (agents from before incremental
 reads: every rank's whole window on every poll); `--both` runs each size both ways, one
 after the other, and adds a table of ratios (full reads / incremental).
 
@@ -127,7 +129,8 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
          "--faults", args.faults, "--fault-every", str(args.fault_every),
          "--step-seconds", str(args.step_seconds), "--seed", str(args.seed),
          "--restart-delay", str(args.restart_delay),
-         "--stats-file", str(work / "sim-stats.json"), *(["--full-reads"] if full_reads else [])],
+         "--stats-file", str(work / "sim-stats.json"), *(["--full-reads"] if full_reads else []),
+         *(["--no-events"] if args.no_events else [])],
         work / "sim.log", cpu_set(args.sim_cpus),
     )  # fmt: skip
     port = free_port()
@@ -222,7 +225,8 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
             logged.setdefault(f["kind"], []).append(written[hit[0]] - f["at"])
     loop_values = list(loops.values())
     return {
-        "reads": "full" if full_reads else "incremental",
+        "reads": ("full" if full_reads else "incremental")
+        + ("" if args.no_events else " + events"),
         "nodes": nodes,
         "ranks": nodes * 8,
         "load1_mean": statistics.fmean(load),
@@ -277,14 +281,15 @@ def _ratio(a, b) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.1f}x"
 
 
-def ratios(results: list[dict]) -> str:
+def ratios(results: list[dict], args) -> str:
     """Full reads / incremental, per size, for the figures that incremental reads move."""
     head = ["nodes", "KiB per /v1/ranks", "supervisor CPU", "loop p50", "loop p99",
             "dead: to incident written p50", "dead: to incident written max"]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {(r["reads"], r["nodes"]): r for r in results}
     for n in sorted({r["nodes"] for r in results}):
-        f, i = by.get(("full", n)), by.get(("incremental", n))
+        ev = "" if args.no_events else " + events"
+        f, i = by.get(("full" + ev, n)), by.get(("incremental" + ev, n))
         if f is None or i is None:
             continue
         fw, iw = f["written"].get("dead", {}), i["written"].get("dead", {})
@@ -327,6 +332,11 @@ def main(argv=None) -> None:
     p.add_argument("--supervisor-cpus", help="pin the supervisor to these CPUs (e.g. 0)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/supervisor_scale.md")
     p.add_argument("--json", type=Path, help="also write the raw results here")
+    p.add_argument(
+        "--no-events",
+        action="store_true",
+        help="simulated agents without /v1/rank-events (deaths seen by polls only)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--full-reads",
@@ -366,7 +376,7 @@ def main(argv=None) -> None:
         "",
         table(results),
         "",
-        *(["Full reads / incremental:", "", ratios(results), ""] if args.both else []),
+        *(["Full reads / incremental:", "", ratios(results, args), ""] if args.both else []),
     ])  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

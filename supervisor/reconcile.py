@@ -17,8 +17,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, Poller
 from .detectors import DETECTORS, DetectorConfig, pick_culprit_from_stacks, run_all
+from .events import apply_deaths
 from .history import History, advance, advance_unreachable
 from .lifecycle import (
     EV_CAUSED_DEATH,
@@ -151,6 +153,10 @@ class Supervisor:
         self.tokens = token if isinstance(token, AgentTokens) else AgentTokens(shared=token)
         self.cfg = cfg
         self.poller = Poller()
+        # each agent's rank state changes, long-polled: a death starts a state-only pass
+        # at once instead of waiting for the node's next sample poll (docs/scaling.md)
+        self.events = EventWatch(self.poller._loop)
+        self.event_passes = 0
         self.history = History()
         self.last_obs: ClusterObs | None = None
         self.jobs: dict[str, JobProgress] = store.jobs()  # goes on from a previous life
@@ -186,10 +192,45 @@ class Supervisor:
     def reconcile_once(self, now: float | None = None) -> list[Decision]:
         start = time.perf_counter()
         self._pass_started = time.monotonic()
-        obs = self.poller.poll(self.clients(), now)  # observe
+        clients = self.clients()
+        self.events.sync(clients)
+        obs = self.poller.poll(clients, now)  # observe
+        return self._pass(obs, start)
+
+    def reconcile_events(self) -> list[Decision]:
+        """A state-only pass on the deaths the agents announced since the last one: each
+        applied to its node as last seen (events.py), then the per-pass detectors (dead,
+        ...), record, policy and action, without waiting for the next round of polls."""
+        deaths = self.events.take()
+        with self._lock:
+            last = self.last_obs
+        if not deaths or last is None:
+            return []
+        start = time.perf_counter()
+        now = time.time()
+        by_url: dict[str, list] = {}
+        for url, event in deaths:
+            by_url.setdefault(url, []).append(event)
+        nodes, changed = [], False
+        for n in last.nodes:
+            base = self.poller._last.get(n.url) if n.url in by_url and n.reachable else None
+            if base is not None and base.node == n.node:
+                patched = apply_deaths(base, by_url[n.url])
+                if patched is not base:
+                    # kept until the agent's next answer replaces it, so the next pass
+                    # does not see the rank alive again
+                    self.poller._last[n.url] = patched
+                    n, changed = patched.aged(now), True
+            nodes.append(n)
+        if not changed:
+            return []  # seen already by a poll, or of ranks not in view yet
+        self.event_passes += 1
+        return self._pass(ClusterObs(time=now, nodes=tuple(nodes)), start, state_only=True)
+
+    def _pass(self, obs: ClusterObs, start: float, state_only: bool = False) -> list[Decision]:
         now = obs.time  # after the poll: nothing is detected before it is seen
         outcomes = self._replay(obs)  # intents a previous life recorded and did not finish
-        findings = self._detect(obs)  # detect
+        findings = self._detect(obs, state_only)  # detect
         findings, steps = attribute(findings, self.store.open_incidents())
         self._record(findings, steps, obs, now)  # record what was seen
         if any(f.kind in RECOVERING_KINDS for f in findings):
@@ -211,15 +252,16 @@ class Supervisor:
         self.scheduler.observe(obs)
         with self._lock:
             self.last_obs = obs
-            self.loop_seconds = time.perf_counter() - start
-            self.passes += 1
+            if not state_only:  # the loop's figures are of the full passes
+                self.loop_seconds = time.perf_counter() - start
+                self.passes += 1
         return decisions
 
-    def _detect(self, obs: ClusterObs) -> list[Finding]:
+    def _detect(self, obs: ClusterObs, state_only: bool = False) -> list[Finding]:
         self.stack_budget.new_pass(self.monotonic())
         cfg = self.cfg.detectors
         restarts = obs.newest_restarts()
-        window = self._window_due(restarts)
+        window = not state_only and self._window_due(restarts)
         cpu = time.process_time()
         self.history = (advance if window else advance_unreachable)(self.history, obs, cfg)
         found: list[Finding] = []
@@ -494,8 +536,22 @@ class Supervisor:
             except Exception:  # one bad pass must not end supervision
                 log.exception("reconcile pass failed")
             mark = time.process_time()
-            self._stop.wait(self.pause(time.monotonic() - started, cpu_mark))
+            self._wait(self.pause(time.monotonic() - started, cpu_mark))
             cpu_mark = mark
+
+    def _wait(self, seconds: float) -> None:
+        """The pause between full passes, with a state-only pass whenever an agent
+        announces a death (its CPU counts in the next pause's share)."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self.events.wake.wait(left) and not self._stop.is_set():
+                try:
+                    self.reconcile_events()
+                except Exception:
+                    log.exception("event pass failed")
 
     def pause(self, elapsed: float, cpu_before: float) -> float:
         """Seconds to wait before the next pass: the rest of the interval, or longer when
@@ -512,9 +568,11 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stop.set()
+        self.events.wake.set()
 
     def close(self) -> None:
         self.stop()
+        self.events.close()
         self.poller.close()
         self.scheduler.close()
 
