@@ -11,7 +11,7 @@ from ..contract.answers import API_VERSION
 from ..contract.cursor import CursorError
 from ..service.httpd import Raw, Service, serve
 from .control import ControlError
-from .rank_events import RankEventLog, parse_wait
+from .rank_events import RankEventLog, parse_states, parse_wait
 
 
 def agent_service(agent) -> Service:
@@ -22,8 +22,8 @@ def agent_service(agent) -> Service:
     agent.table.subscribe(events.add)
 
     def rank_events(query: dict) -> dict:
-        wait = parse_wait(query)
-        return events.read(query.get("after"), wait, node=agent.cfg.node).to_json()
+        wait, states = parse_wait(query), parse_states(query)
+        return events.read(query.get("after"), wait, node=agent.cfg.node, states=states).to_json()
 
     service.get_routes.update({
         "/metrics": lambda headers: Raw(*agent.metrics_page.render(
@@ -36,7 +36,7 @@ def agent_service(agent) -> Service:
     })  # fmt: skip
     service.header_routes.add("/metrics")  # Accept (OpenMetrics), Accept-Encoding (gzip)
     service.query_routes.add("/v1/ranks")  # ?after=<cursor>: incremental reads
-    service.query_routes.add("/v1/rank-events")  # ?after=<cursor>&wait=<seconds>
+    service.query_routes.add("/v1/rank-events")  # ?after=<cursor>&wait=<s>&states=<a,b>
     service.post_routes.update({
         "/v1/control/signal": agent.control_signal,
         "/v1/control/stacks": agent.control_stacks,

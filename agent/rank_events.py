@@ -24,6 +24,7 @@ from collections.abc import Callable
 from ..contract.answers import RankEventAnswer, RankEventsAnswer
 from ..contract.cursor import CursorError, Since, answer_fields, since
 from ..contract.cursor import new_incarnation as _new_incarnation
+from ..contract.states import RANK_STATES
 from ..service.httpd import HttpError
 from .ranks import RankEvent
 
@@ -53,21 +54,41 @@ def parse_wait(query: dict[str, str]) -> float:
     return value
 
 
-def select(events: deque[RankEventAnswer], s: Since, newest: int) -> tuple[tuple, str | None]:
-    """The events after ``s`` and why the answer is full (None: only what is new). A cursor
-    whose next event fell out of the buffer is full: what follows it may be missing."""
+def parse_states(query: dict[str, str]) -> frozenset[str] | None:
+    """``states``: a comma-separated list of rank states; only changes into one of them
+    are answered (and only they end a held request). Absent: every change."""
+    text = query.get("states")
+    if text is None:
+        return None
+    states = frozenset(text.split(","))
+    if not states <= set(RANK_STATES):
+        bad = sorted(states - set(RANK_STATES))[0]
+        raise CursorError(f"states: {bad[:20]!r} is not one of {', '.join(RANK_STATES)}")
+    return states
+
+
+def select(
+    events: deque[RankEventAnswer], s: Since, newest: int, states: frozenset[str] | None = None
+) -> tuple[tuple, str | None]:
+    """The events after ``s`` (into one of ``states``, when given) and why the answer is
+    full (None: only what is new). A cursor whose next event fell out of the buffer is
+    full: what follows it may be missing."""
     oldest = events[0].seq if events else newest + 1
-    if s.full is None and s.seq + 1 < oldest:
-        return tuple(events), "cursor older than the agent's event buffer (events dropped)"
-    if s.full is not None:
-        return tuple(events), s.full
-    # events are in seq order, the newest last: walk back from the end
-    out = []
-    for e in reversed(events):
-        if e.seq <= s.seq:
-            break
-        out.append(e)
-    return tuple(reversed(out)), None
+    full = s.full
+    if full is None and s.seq + 1 < oldest:
+        full = "cursor older than the agent's event buffer (events dropped)"
+    if full is not None:
+        out = list(events)
+    else:  # events are in seq order, the newest last: walk back from the end
+        out = []
+        for e in reversed(events):
+            if e.seq <= s.seq:
+                break
+            out.append(e)
+        out.reverse()
+    if states is not None:
+        out = [e for e in out if e.state in states]
+    return tuple(out), full
 
 
 class RankEventLog:
@@ -93,30 +114,48 @@ class RankEventLog:
             self._seq += 1
             self._events.append(RankEventAnswer(
                 self._seq, event.job, event.rank, event.pid, event.restart, event.previous,
-                event.state, self._to_unix(event.at), event.detail,
+                event.state, self._to_unix(event.at), event.detail, event.step,
             ))  # fmt: skip
             self._cond.notify_all()
 
-    def read(self, after: str | None, wait: float, node: str = "") -> RankEventsAnswer:
+    def _news(self, seq: int, states: frozenset[str] | None) -> bool:
+        """An event after ``seq`` into one of ``states`` (None: any)."""
+        if states is None:
+            return self._seq > seq
+        for e in reversed(self._events):
+            if e.seq <= seq:
+                return False
+            if e.state in states:
+                return True
+        return False
+
+    def read(
+        self,
+        after: str | None,
+        wait: float,
+        node: str = "",
+        states: frozenset[str] | None = None,
+    ) -> RankEventsAnswer:
         """The answer to ``after`` (absent: every event held), after waiting up to ``wait``
-        seconds for one when there is none. Raises CursorError (400), Busy (503)."""
+        seconds for one (into one of ``states``, when given) when there is none. The
+        cursor moves past the events left out. Raises CursorError (400), Busy (503)."""
         deadline = time.monotonic() + wait
         with self._cond:
             s = since(after or "start", self.incarnation, self._seq)
             assert s is not None
-            if s.full is None and s.seq == self._seq and wait > 0 and not self._closed:
+            if s.full is None and not self._news(s.seq, states) and wait > 0 and not self._closed:
                 if self._waiters >= self.max_waiters:
                     self.busy += 1
                     raise Busy()
                 self._waiters += 1
                 try:
-                    while self._seq == s.seq and not self._closed:
+                    while not self._news(s.seq, states) and not self._closed:
                         left = deadline - time.monotonic()
                         if left <= 0 or not self._cond.wait(left):
                             break
                 finally:
                     self._waiters -= 1
-            events, full = select(self._events, s, self._seq)
+            events, full = select(self._events, s, self._seq, states)
             fields = answer_fields(Since(s.seq, full), self.incarnation, self._seq)
         return RankEventsAnswer(node=node, time=time.time(), events=events, **fields)
 

@@ -49,6 +49,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from rankguard.agent.rank_events import parse_states
 from rankguard.contract.answers import API_VERSION as AGENT_API
 from rankguard.contract.answers import (
     CollectorStatus,
@@ -109,6 +110,7 @@ class Cluster:
         self.events: list[list[RankEventAnswer]] = [[] for _ in range(nodes)]
         self.event_seq = [0] * nodes  # per simulated agent, as RankEventLog._seq
         self.waiting: list[list] = [[] for _ in range(nodes)]  # held requests per node
+        self.to_wake: set[int] = set()  # nodes with news for their held requests
         self._new_incarnation(0)
 
     # -- timeline ---------------------------------------------------------------------
@@ -156,25 +158,47 @@ class Cluster:
         self.announce(r, previous, now)
 
     def announce(self, r: Rank, previous: str, now: float) -> None:
-        """A state change, as the agent's RankEventLog records it; held requests of the
-        node are answered at once."""
+        """A state change, as the agent's RankEventLog records it. The node's held
+        requests are answered once the current step of the simulation is done (all of a
+        node's teardown exits in one answer, as a real agent's watcher reports the exits
+        it finds together); only this node's, as only its agent saw the change."""
         n = r.node
         self.event_seq[n] += 1
         log = self.events[n]
         log.append(RankEventAnswer(self.event_seq[n], JOB, r.rank, r.pid, self.restart,
-                                   previous, r.state, now))  # fmt: skip
+                                   previous, r.state, now, None, r.exit_step))  # fmt: skip
         del log[:-EVENT_CAPACITY]
-        waiting, self.waiting[n] = self.waiting[n], []
-        for answer in waiting:
-            answer(now)
+        if self.waiting[n] and n not in self.to_wake:
+            if not self.to_wake:
+                asyncio.get_running_loop().call_soon(self._wake)
+            self.to_wake.add(n)
 
-    def events_body(self, n: int, now: float, s: Since) -> bytes:
+    def _wake(self) -> None:
+        nodes, self.to_wake = self.to_wake, set()
+        now = time.time()
+        for n in nodes:
+            waiting, self.waiting[n] = self.waiting[n], []
+            # a request filtered by state waits on when none of the news is for it
+            self.waiting[n] = [answer for answer in waiting if not answer(now)]
+
+    def news(self, n: int, s: Since, states: frozenset[str] | None) -> bool:
+        """An event after the cursor into one of `states` (agent/rank_events.py _news)."""
+        for e in reversed(self.events[n]):
+            if e.seq <= s.seq:
+                return False
+            if states is None or e.state in states:
+                return True
+        return False
+
+    def events_body(self, n: int, now: float, s: Since, states=None) -> bytes:
         """GET /v1/rank-events: as agent/rank_events.py answers it."""
         log, newest = self.events[n], self.event_seq[n]
         full = s.full
         if full is None and log and s.seq + 1 < log[0].seq:
             full = "cursor older than the agent's event buffer (events dropped)"
         events = log if full is not None else [e for e in log if e.seq > s.seq]
+        if states is not None:
+            events = [e for e in events if e.state in states]
         fields = answer_fields(Since(s.seq, full), self.agent_incarnation[n], newest)
         body = RankEventsAnswer(node=f"sim-{n:04d}", time=now, events=tuple(events), **fields)
         return (_dumps(body.to_json()) + "\n").encode()
@@ -333,6 +357,7 @@ class HttpProtocol(asyncio.Protocol):
                     wait = float(q.get("wait", "0"))
                     if not 0 <= wait <= MAX_WAIT:
                         raise CursorError(f"wait: {q.get('wait')!r}")
+                    states = parse_states(q)
                     s = since(q.get("after") or "start", self.cluster.agent_incarnation[n],
                               self.cluster.event_seq[n])  # fmt: skip
                 except (HttpError, CursorError, ValueError) as exc:
@@ -340,9 +365,9 @@ class HttpProtocol(asyncio.Protocol):
                     payload = {"api": AGENT_API, "error": {"status": status, "message": str(exc)}}
                 else:
                     self.stats["event_requests"] += 1
-                    if s.full is None and s.seq == self.cluster.event_seq[n] and wait > 0:
-                        return self.hold(n, s, wait, close)
-                    payload = self.cluster.events_body(n, now, s)
+                    if s.full is None and wait > 0 and not self.cluster.news(n, s, states):
+                        return self.hold(n, s, wait, close, states)
+                    payload = self.cluster.events_body(n, now, s, states)
             elif method == "GET" and route == "/v1/node":
                 payload = self.cluster.node_body(n, now)
             elif method == "GET" and route == "/healthz":
@@ -357,20 +382,24 @@ class HttpProtocol(asyncio.Protocol):
             status, payload = 404, {"error": {"status": 404, "message": str(exc)}}
         self.send(status, payload, close)
 
-    def hold(self, n: int, s: Since, wait: float, close: bool) -> None:
-        """A long poll with nothing new: answered at the node's next event or after
-        `wait` seconds, whichever is first."""
+    def hold(self, n: int, s: Since, wait: float, close: bool, states) -> None:
+        """A long poll with nothing new (into `states`): answered at the node's next such
+        event or after `wait` seconds, whichever is first."""
         done = False
 
-        def answer(now: float) -> None:
+        def answer(now: float, timeout: bool = False) -> bool:
+            """True once answered (or gone): no longer held."""
             nonlocal done
             if done or self.transport.is_closing():
-                return
+                return True
+            if not timeout and not self.cluster.news(n, s, states):
+                return False
             done = True
             timer.cancel()
-            self.send(200, self.cluster.events_body(n, now, s), close)
+            self.send(200, self.cluster.events_body(n, now, s, states), close)
+            return True
 
-        timer = asyncio.get_running_loop().call_later(wait, lambda: answer(time.time()))
+        timer = asyncio.get_running_loop().call_later(wait, lambda: answer(time.time(), True))
         self.cluster.waiting[n].append(answer)
 
     def send(self, status: int, payload, close: bool) -> None:

@@ -117,6 +117,24 @@ def summary(v: list[float]) -> dict:
             "mean": statistics.fmean(v)}  # fmt: skip
 
 
+def profile(args, work: Path, pids: dict[str, int], nodes: int) -> list[subprocess.Popen]:
+    """`--profile S`: py-spy records each process for S seconds from the start of the
+    measurement (flame graphs in --profile-dir), so the supervisor's and the simulator's
+    shares of a slow detection are told apart."""
+    if not args.profile:
+        return []
+    spy = Path(sys.executable).with_name("py-spy")
+    out = args.profile_dir or work
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        subprocess.Popen([str(spy), "record", "--pid", str(pid), "-d", str(int(args.profile)),
+                          "-r", "50", "--nonblocking", "-f", "raw",
+                          "-o", str(out / f"{name}-{nodes}.txt")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for name, pid in pids.items()
+    ]  # fmt: skip
+
+
 def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     token = work / "token"
@@ -160,6 +178,7 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
                 raise RuntimeError("supervisor did not see every node within 60 s")
             time.sleep(0.2)
         time.sleep(args.warmup)
+        spies = profile(args, work, {"supervisor": sup.pid, "simulator": sim.pid}, nodes)
         wall0 = time.time()
         t0, c0 = time.monotonic(), cpu_seconds(sup.pid)
         sim_c0 = cpu_seconds(sim.pid)
@@ -189,6 +208,8 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         cpu = (cpu_seconds(sup.pid) - c0) / wall
         sim_cpu = (cpu_seconds(sim.pid) - sim_c0) / wall
         passes = passes_run(base) - passes0
+        for spy in spies:
+            spy.wait(timeout=args.profile + 30)
         time.sleep(args.settle)  # let the last faults be seen before stopping
     finally:
         for p in (sup, sim):
@@ -332,6 +353,8 @@ def main(argv=None) -> None:
     p.add_argument("--supervisor-cpus", help="pin the supervisor to these CPUs (e.g. 0)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/supervisor_scale.md")
     p.add_argument("--json", type=Path, help="also write the raw results here")
+    p.add_argument("--profile", type=float, default=0, help="py-spy both processes for S s")
+    p.add_argument("--profile-dir", type=Path, help="where --profile writes (the work dir)")
     p.add_argument(
         "--no-events",
         action="store_true",

@@ -657,7 +657,8 @@ _MAX_EVENTS = 4096  # per answer: the agent keeps fewer (agent/rank_events.py)
 class RankEventAnswer:
     """One change of a rank's process state, as the agent saw it (its pidfd watcher for an
     exit, at once). ``restart`` is the incarnation the rank's records named when known;
-    ``previous`` is None on first sight; ``seq`` numbers the agent's events."""
+    ``previous`` is None on first sight; ``seq`` numbers the agent's events; ``step`` is
+    the rank's last reported step (None for a rank without telemetry)."""
 
     seq: int
     job: str
@@ -668,11 +669,12 @@ class RankEventAnswer:
     state: str
     at: float
     detail: str | None = None
+    step: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"seq": self.seq, "job": self.job, "rank": self.rank, "pid": self.pid,
                 "restart": self.restart, "previous": self.previous, "state": self.state,
-                "at": self.at, "detail": self.detail}  # fmt: skip
+                "at": self.at, "detail": self.detail, "step": self.step}  # fmt: skip
 
     @classmethod
     def from_json(cls, obj: Any) -> RankEventAnswer:
@@ -687,6 +689,7 @@ class RankEventAnswer:
             state=_str(o, "state", choices=RANK_STATES),
             at=_float(o, "at"),
             detail=_str(o, "detail", optional=True),
+            step=_int(o, "step", optional=True),
         )
 
 

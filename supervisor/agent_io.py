@@ -244,6 +244,9 @@ async def get(client: AgentClient, pool: AsyncConnections, path: str) -> dict:
 # that a lost connection is noticed soon. A failed request is tried again after RETRY.
 EVENT_WAIT_SECONDS = 10.0
 EVENT_RETRY_SECONDS = 1.0
+# Deaths only: a restart's new ranks are seen by the sample polls, and at 1,024 nodes
+# each restart would otherwise answer every held request once more (docs/scaling.md).
+_STATES = "&states=" + ",".join(sorted(DEAD_STATES))
 
 
 class EventWatch:
@@ -273,6 +276,14 @@ class EventWatch:
         for url in [u for u in self._tasks if u not in urls]:
             self._tasks.pop(url).cancel()
 
+    def settle(self) -> bool:
+        """Whether deaths wait to be taken; `wake` is cleared when none does (it is also
+        set by other news, as a poll round's end: reconcile.py)."""
+        with self._lock:
+            if not self._deaths:
+                self.wake.clear()
+            return bool(self._deaths)
+
     def take(self) -> list[tuple[str, RankEventAnswer]]:
         """The deaths received since the last take, as (agent URL, event)."""
         with self._lock:
@@ -286,7 +297,7 @@ class EventWatch:
         cursor = START
         while True:
             wait = 0 if cursor == START else self.wait
-            path = f"/v1/rank-events?after={urllib.parse.quote(cursor)}&wait={wait:g}"
+            path = f"/v1/rank-events?after={urllib.parse.quote(cursor)}&wait={wait:g}{_STATES}"
             started = time.monotonic()
             try:
                 answer = RankEventsAnswer.from_json(await get(c, self._pool, path))

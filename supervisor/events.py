@@ -37,8 +37,11 @@ def apply_deaths(node: NodeObs, events: Iterable[RankEventAnswer]) -> NodeObs:
         e = deaths.get((r.job, r.rank))
         if e is not None and _applies(r, e):
             restart = r.restart if e.restart is None else e.restart
+            # the rank's last step as the agent knew it at the exit: the view may be a poll
+            # old, and the incident's steps lost are counted from the newest step seen
+            step = r.step if e.step is None or (r.step or 0) > e.step else e.step
             r = replace(r, state=e.state, pid=e.pid, restart=restart, exited_at=e.at,
-                        state_since=e.at, cpu_utilization=0.0)  # fmt: skip
+                        state_since=e.at, cpu_utilization=0.0, step=step)  # fmt: skip
             changed = True
         ranks.append(r)
     return replace(node, ranks=tuple(ranks)) if changed else node

@@ -157,6 +157,8 @@ class Supervisor:
         # at once instead of waiting for the node's next sample poll (docs/scaling.md)
         self.events = EventWatch(self.poller._loop)
         self.event_passes = 0
+        # (job, incarnation) an event pass applied a death of, oldest first (bounded)
+        self._event_judged: dict[tuple[str, int | None], None] = {}
         self.history = History()
         self.last_obs: ClusterObs | None = None
         self.jobs: dict[str, JobProgress] = store.jobs()  # goes on from a previous life
@@ -194,14 +196,48 @@ class Supervisor:
         self._pass_started = time.monotonic()
         clients = self.clients()
         self.events.sync(clients)
-        obs = self.poller.poll(clients, now)  # observe
+        obs = self.poller.poll(clients, now, self._await_polls)  # observe
         return self._pass(obs, start)
+
+    def _await_polls(self, futures: list, seconds: float) -> None:
+        """Wait up to `seconds` for this round's answers, running an event pass whenever a
+        death is announced meanwhile: a death otherwise waited for the end of the round
+        (docs/scaling.md)."""
+        deadline = time.monotonic() + seconds
+        left = [len(futures)]
+        lock, done = threading.Lock(), threading.Event()
+
+        def one(_) -> None:  # on the poll loop's thread
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+                    self.events.wake.set()
+
+        if not futures:
+            done.set()
+        for f in futures:
+            f.add_done_callback(one)
+        while not done.is_set() and not self._stop.is_set():
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return
+            self.events.wake.wait(wait)
+            if self.events.settle() and not self._stop.is_set():
+                try:
+                    self.reconcile_events()
+                except Exception:  # the round goes on
+                    log.exception("event pass failed")
 
     def reconcile_events(self) -> list[Decision]:
         """A state-only pass on the deaths the agents announced since the last one: each
         applied to its node as last seen (events.py), then the per-pass detectors (dead,
         ...), record, policy and action, without waiting for the next round of polls."""
-        deaths = self.events.take()
+        # Deaths of an incarnation an event pass has judged already are its teardown
+        # (torchrun ends the other ranks at once): the next poll shows them, and at 1,024
+        # nodes a pass for each agent's news cost seconds of CPU (docs/scaling.md).
+        judged = self._event_judged
+        deaths = [(u, e) for u, e in self.events.take() if (e.job, e.restart) not in judged]
         with self._lock:
             last = self.last_obs
         if not deaths or last is None:
@@ -217,11 +253,16 @@ class Supervisor:
             if base is not None and base.node == n.node:
                 patched = apply_deaths(base, by_url[n.url])
                 if patched is not base:
+                    for e in by_url[n.url]:
+                        if e.restart is not None:
+                            judged[e.job, e.restart] = None
                     # kept until the agent's next answer replaces it, so the next pass
                     # does not see the rank alive again
                     self.poller._last[n.url] = patched
                     n, changed = patched.aged(now), True
             nodes.append(n)
+        while len(judged) > 256:  # a few incarnations per job are enough
+            del judged[next(iter(judged))]
         if not changed:
             return []  # seen already by a poll, or of ranks not in view yet
         self.event_passes += 1
@@ -298,7 +339,14 @@ class Supervisor:
             return finding  # explained without stacks (ranks behind an unreachable agent)
         existing = self.store.by_key(finding.key)
         if existing is not None and existing.rank is not None:
-            return dataclasses.replace(finding, rank=existing.rank, node=existing.node)
+            # the stacks that named it stay in the incident: a pass that re-emits the
+            # carried finding (an event pass, a paced one) would otherwise overwrite them
+            kept = {k: existing.evidence[k] for k in ("stacks", "culprit_reason")
+                    if k in existing.evidence and k not in finding.evidence}  # fmt: skip
+            evidence = {**finding.evidence, **kept}
+            return dataclasses.replace(
+                finding, rank=existing.rank, node=existing.node, evidence=evidence
+            )
         stacks, nodes = {}, {}
         budget, ranks = self.stack_budget, obs.current_ranks(finding.job)
         for r in ranks:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rankguard.agent.rank_events import Busy, RankEventLog, parse_wait
+from rankguard.agent.rank_events import Busy, RankEventLog, parse_states, parse_wait
 from rankguard.agent.ranks import RankEvent
 from rankguard.contract.cursor import CursorError
 
@@ -81,6 +81,27 @@ def test_new_events_are_answered_without_waiting():
     t0 = time.monotonic()
     assert len(log.read(c, 10).events) == 1
     assert time.monotonic() - t0 < 0.5
+
+
+def test_a_states_filter_holds_past_other_changes_and_moves_the_cursor():
+    """`states=exited,zombie` (the supervisor's): a restart's new ranks neither end the
+    held read nor appear; the death does, and the cursor is past everything."""
+    log = RankEventLog()
+    c = log.read("start", 0).cursor
+    deaths = parse_states({"states": "exited,zombie"})
+    born = RankEvent("j", 2, 300, "exited", "alive", 1.0, None, 4)
+    threading.Timer(0.05, log.add, (born,)).start()
+    threading.Timer(0.3, log.add, (death(7),)).start()
+    t0 = time.monotonic()
+    a = log.read(c, 10, states=deaths)
+    assert [(e.rank, e.state) for e in a.events] == [(7, "exited")]
+    assert time.monotonic() - t0 > 0.25  # not ended by the birth at 0.05 s
+    assert a.cursor.endswith("-2")  # past the birth left out
+    assert log.read(a.cursor, 0, states=deaths).events == ()
+    assert [e.state for e in log.read(c, 0).events] == ["alive", "exited"]  # unfiltered
+    assert parse_states({}) is None
+    with pytest.raises(CursorError):
+        parse_states({"states": "exited,dead"})
 
 
 def test_held_reads_are_capped_and_close_releases_them():

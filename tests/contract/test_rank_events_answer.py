@@ -26,6 +26,7 @@ events = st.builds(
     state=st.sampled_from(RANK_STATES),
     at=st.floats(0, 2e9),
     detail=st.none() | st.text(max_size=30),
+    step=st.none() | st.integers(0, 2**40),
 )
 
 
@@ -48,7 +49,8 @@ def test_round_trip(answer):
 
 
 def _good() -> dict:
-    e = RankEventAnswer(3, "j", 1, 42, 0, "alive", "exited", 1700000000.5)
+    # every optional field set: the property test below breaks each by a change of type
+    e = RankEventAnswer(3, "j", 1, 42, 0, "alive", "exited", 1700000000.5, "exit code 1", 57)
     return RankEventsAnswer("n", 1.0, "ab-3", events=(e,)).to_json()
 
 

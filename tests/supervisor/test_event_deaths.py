@@ -11,8 +11,8 @@ from rankguard.supervisor.events import apply_deaths
 from rankguard.supervisor.model import History
 
 
-def event(r, *, pid, restart=0, state="exited", at=T0 + 1.0, seq=1):
-    return RankEventAnswer(seq, "j", r, pid, restart, "alive", state, at)
+def event(r, *, pid, restart=0, state="exited", at=T0 + 1.0, seq=1, step=None):
+    return RankEventAnswer(seq, "j", r, pid, restart, "alive", state, at, None, step)
 
 
 def test_a_death_of_the_process_in_view_is_applied():
@@ -44,3 +44,13 @@ def test_old_news_and_other_states_leave_the_node_as_it_is():
     assert apply_deaths(node, [event(1, pid=1001)]) is node  # seen dead already
     assert apply_deaths(node, [event(0, pid=1200, state="stopped")]) is node  # not a death
     assert apply_deaths(node, [event(9, pid=1, restart=5)]) is node  # a rank not in view
+
+
+def test_the_last_step_the_event_carries_replaces_a_stale_one():
+    """The view is a poll old (step 53) and the rank died after step 56: the incident's
+    steps lost are counted from 56 (the full suite's SIGKILL test saw 3 lost, not 6)."""
+    node = nodeobs(rank(0, step=53), rank(1, step=53))
+    out = apply_deaths(node, [event(1, pid=1001, step=56)])
+    assert [r.step for r in out.ranks] == [53, 56]
+    older = apply_deaths(node, [event(1, pid=1001, step=50)])  # never goes back
+    assert [r.step for r in older.ranks] == [53, 53]
