@@ -302,19 +302,26 @@ class Supervisor:
         self.stack_budget.new_pass(self.monotonic())
         cfg = self.cfg.detectors
         restarts = obs.newest_restarts()
-        window = not state_only and self._window_due(restarts)
+        # an announced death waiting is served first (the pass ends sooner without the
+        # window detectors; they are due again next pass): at 1,024 nodes they take most
+        # of a second, and a death waited for them (docs/scaling.md)
+        window = not state_only and self._window_due(restarts) and not self.events.settle()
         cpu = time.process_time()
         self.history = (advance if window else advance_unreachable)(self.history, obs, cfg)
+        every = {name: run_all(obs, self.history, cfg, ((name, detect),))
+                 for name, detect in DETECTORS if name in EVERY_PASS}  # fmt: skip
+        complete = window
+        for name, detect in DETECTORS if window else ():
+            if name in EVERY_PASS:
+                continue
+            if self.events.settle():  # a death came meanwhile: the rest wait a pass
+                complete = False
+                break
+            self._window_findings[name] = run_all(obs, self.history, cfg, ((name, detect),))
         found: list[Finding] = []
-        for name, detect in DETECTORS:  # in their order, as run_all
-            if name in EVERY_PASS or window:
-                part = run_all(obs, self.history, cfg, ((name, detect),))
-                if name not in EVERY_PASS:
-                    self._window_findings[name] = part
-            else:
-                part = self._window_findings.get(name, [])
-            found += part
-        if window:
+        for name, _ in DETECTORS:  # in their order, as run_all
+            found += every[name] if name in EVERY_PASS else self._window_findings.get(name, [])
+        if complete:
             # at most half the CPU share for the window detectors: the rest is the
             # polls' and the per-pass detectors' (a death's time to incident)
             # (while that fits in an interval, as on small clusters: every pass)

@@ -54,3 +54,71 @@ def test_the_last_step_the_event_carries_replaces_a_stale_one():
     assert [r.step for r in out.ranks] == [53, 56]
     older = apply_deaths(node, [event(1, pid=1001, step=50)])  # never goes back
     assert [r.step for r in older.ranks] == [53, 53]
+
+
+def test_an_event_death_and_the_replaced_incarnation_path_give_one_key():
+    """The event names incarnation 1's death at once; the next poll shows incarnation 2
+    running and 1's ranks dead (History.restarts_before, detectors/dead.py): the same
+    finding key, so the store keeps one incident for the one death."""
+    node = nodeobs(rank(0, restart=1), rank(1, restart=1))  # pids 1100, 1101
+    by_event = apply_deaths(node, [event(1, pid=1101, restart=1)])
+    first = dead.detect(cluster(nodes=(by_event,)), History(), DetectorConfig())
+    polled = nodeobs(
+        rank(0, restart=1, state="exited", exited_at=T0 + 1.5),
+        rank(1, restart=1, state="exited", exited_at=T0 + 1.0),
+        rank(0, restart=2),
+        rank(1, restart=2),
+    )
+    history = History(restarts_before={"j": 1}, restarts={"j": 2})
+    second = dead.detect(cluster(nodes=(polled,)), history, DetectorConfig())
+    assert [(f.key, f.rank) for f in first] == [("rank_dead:j:1", 1)]
+    assert [(f.key, f.rank) for f in second] == [("rank_dead:j:1", 1)]
+
+
+def test_a_hang_named_by_its_stacks_keeps_them_when_its_finding_comes_again(tmp_path):
+    """An event pass re-emits the window detectors' carried finding (no rank, no stacks)
+    after the kill; the incident keeps the stacks that named the rank (the full suite's
+    hang test lost them once the event path was in)."""
+    from rankguard.supervisor.model import RANK_HUNG, Finding
+    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+    from rankguard.supervisor.store import IncidentStore
+
+    store = IncidentStore(tmp_path / "db.sqlite")
+    sup = Supervisor(store, lambda: [], "t" * 16, SupervisorConfig())
+    try:
+        raw = Finding(RANK_HUNG, "rank_hung:j:0", "critical", "hung", "j", None, None, T0,
+                      {"stacks_needed": True})  # fmt: skip
+        named = Finding(RANK_HUNG, raw.key, "critical", "hung", "j", "n0", 1, T0,
+                        {"stacks_needed": True, "stacks": {"1": "Thread 7 (active)"},
+                         "culprit_reason": "odd one out"})  # fmt: skip
+        store.upsert_finding(named, T0)
+        again = sup._refine(raw, cluster(rank(0), rank(1)))
+        assert (again.rank, again.node) == (1, "n0")
+        assert again.evidence["stacks"] == {"1": "Thread 7 (active)"}
+        assert again.evidence["culprit_reason"] == "odd one out"
+    finally:
+        sup.close()
+        store.close()
+
+
+def test_a_death_waiting_puts_the_window_detectors_off_a_pass(tmp_path):
+    """A full pass with an announced death waiting runs only the per-pass detectors (the
+    death's event pass comes right after it), and the window detectors are due next pass."""
+    from rankguard.supervisor.reconcile import EVERY_PASS, Supervisor, SupervisorConfig
+    from rankguard.supervisor.store import IncidentStore
+
+    store = IncidentStore(tmp_path / "db.sqlite")
+    sup = Supervisor(store, lambda: [], "t" * 16, SupervisorConfig())
+    try:
+        obs = cluster(rank(0), rank(1))
+        with sup.events._lock:
+            sup.events._deaths.append(("http://n0:9400", event(1, pid=1001)))
+        sup._detect(obs)
+        assert sup._window_findings == {} and sup._window_restarts is None
+        sup.events.take()
+        sup._detect(obs)
+        assert set(sup._window_findings) and not set(sup._window_findings) & EVERY_PASS
+        assert sup._window_restarts == {"j": 0}
+    finally:
+        sup.close()
+        store.close()
