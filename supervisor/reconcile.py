@@ -295,6 +295,13 @@ class Supervisor:
         reported = max((c for c in steps if c is not None), default=None)
         if reported is not None:
             return reported
+        # the incarnation that just died is still in view with what it reported (a death
+        # judged after torchrun restarted, detectors/dead.py); the history is updated on
+        # window passes only and may be a checkpoint behind
+        steps = [r.checkpoint_step for r in obs.ranks(job)]
+        reported = max((c for c in steps if c is not None), default=None)
+        if reported is not None:
+            return reported
         progress = self.history.checkpoint_progress.get(job)
         return progress[0] if progress else None
 
