@@ -182,10 +182,12 @@ def test_hung_ranks_are_found_named_and_ended(rig, clean):
         assert "Thread" in stacks or "stacks" in stacks, "the culprit's stack must be captured"
 
 
-# In the default suite since session 9 (issue 16: three runs out of three): with the
-# run-queue wait judged apart from a rank's own work, this test and the clean 500-step
-# run above passed 3 of 3 runs each, back to back under the CPU lock (17:50-18:14 UTC
-# 2026-11-23, 26-30 s and 79-94 s a run), after 2 of 2 in session 8.
+# Still soak (issue 16 asks for three runs out of three): in session 9 it passed 3 of 3
+# runs back to back under the CPU lock (17:50-18:14 UTC 2026-11-23, beside the clean
+# 500-step run, also 3 of 3), then failed the 4th, run within its module at 19:53: no
+# straggler incident at all in 120 steps, and no "preempted" line either. 5 of 6 over
+# sessions 8 and 9.
+@pytest.mark.soak
 def test_straggler_named_within_30_steps(rig):
     proc = torchrun(["--steps", "120", *STRAGGLER_MODEL, "--job", "job", "--fault",
                      "slow:step=60:rank=1:factor=1.2"], cwd=rig.tmp,
