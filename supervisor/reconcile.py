@@ -37,6 +37,7 @@ from .model import (
     ACT_NONE,
     ACT_STOP_JOB,
     NODE_FAULT,
+    RANK_DEAD,
     RANK_HUNG,
     Decision,
     Finding,
@@ -308,9 +309,15 @@ class Supervisor:
     def _record(self, findings: list[Finding], steps: list, obs: ClusterObs, now: float) -> None:
         for finding in findings:
             ranks = obs.current_ranks(finding.job) if finding.job else []
+            restart = max((r.restart for r in ranks), default=None)
+            if finding.kind == RANK_DEAD and isinstance(finding.evidence.get("restart"), int):
+                # the incarnation that died: older than the current one when the death is
+                # judged after torchrun restarted (detectors/dead.py), and the incident is
+                # restarted once a newer one than it shows
+                restart = finding.evidence["restart"]
             incident, created = self.store.upsert_finding(
                 finding, now,
-                restart_before=max((r.restart for r in ranks), default=None),
+                restart_before=restart,
                 step_at_detect=max((r.step or 0 for r in ranks), default=None),
                 checkpoint_step=self._checkpoint_step(obs, finding.job),
             )  # fmt: skip
