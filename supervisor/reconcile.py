@@ -292,17 +292,14 @@ class Supervisor:
         crash-loop verdict read "no validated checkpoint" while one was there."""
         if not job:
             return None
-        steps = [r.checkpoint_step for r in obs.current_ranks(job)]
-        reported = max((c for c in steps if c is not None), default=None)
-        if reported is not None:
-            return reported
-        # the incarnation that just died is still in view with what it reported (a death
-        # judged after torchrun restarted, detectors/dead.py); the history is updated on
-        # window passes only and may be a checkpoint behind
-        steps = [r.checkpoint_step for r in obs.ranks(job)]
-        reported = max((c for c in steps if c is not None), default=None)
-        if reported is not None:
-            return reported
+        # its current ranks first, then any of its processes in view: the incarnation that
+        # just died still shows what it reported (a death judged after torchrun restarted,
+        # detectors/dead.py), while the history is updated on window passes only
+        for ranks in (obs.current_ranks(job), obs.ranks(job)):
+            reported = max((r.checkpoint_step for r in ranks if r.checkpoint_step is not None),
+                           default=None)  # fmt: skip
+            if reported is not None:
+                return reported
         progress = self.history.checkpoint_progress.get(job)
         return progress[0] if progress else None
 
