@@ -347,6 +347,8 @@ class RankEvent:
     state: str
     at: float
     detail: str | None = None
+    restart: int | None = None  # the incarnation its records named (state changes only)
+    step: int | None = None  # its last step reported (telemetry ranks, state changes only)
 
 
 def _process_record(job: str, w: Any) -> TelemetryRecord:
@@ -484,7 +486,12 @@ class _Rank:
         if state == previous:
             return None
         self.state_since = now
-        return RankEvent(self.job, self.rank, self.pid, previous, state, now, detail)
+        # the last step rides along: a supervisor applying a death to an older view of the
+        # node would otherwise count the steps lost from a stale step (supervisor/events.py)
+        step = self.record.step if self.source == "telemetry" else None
+        return RankEvent(
+            self.job, self.rank, self.pid, previous, state, now, detail, self.record.restart, step
+        )
 
     def apply_stat(self, stat: ProcStat | None, now: float, cpu_window: float) -> RankEvent | None:
         """Fold a fresh /proc reading into the state (refresh)."""

@@ -28,6 +28,11 @@ ranks are. Faults (`--fault-every`) hit a random rank and are logged as JSON lin
   others wait in the collective); a SIGKILL from the supervisor (`/v1/control/signal`)
   ends it and the group restarts as after a death; without one, after 30 s.
 
+`/v1/rank-events?after=&wait=` (agent/rank_events.py) announces every state change the
+simulator makes (a death at once, as a real agent's pidfd watcher does; the teardown's
+exits; the new incarnation's ranks) and holds a request with nothing new up to `wait`
+seconds; `--no-events` answers it 404, as an agent from before it.
+
 Run: python bench/agent_sim.py --nodes 64 --port 0 --ready-file ready.json
 (the ready file gets the port once it serves; SIGTERM stops it).
 """
@@ -44,11 +49,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from rankguard.agent.rank_events import parse_states
 from rankguard.contract.answers import API_VERSION as AGENT_API
 from rankguard.contract.answers import (
     CollectorStatus,
     NodeAnswer,
     RankAnswer,
+    RankEventAnswer,
+    RankEventsAnswer,
     RanksAnswer,
     Sample,
     TelemetryStats,
@@ -59,6 +67,8 @@ from rankguard.service.httpd import COMPACT, HttpError, parse_query
 
 JOB = "sim"
 RECENT = 64  # the agent's RankTable.recent
+EVENT_CAPACITY = 1024  # agent/rank_events.py CAPACITY
+MAX_WAIT = 30.0  # agent/rank_events.py MAX_WAIT_SECONDS
 
 
 def _dumps(value) -> str:
@@ -94,8 +104,13 @@ class Cluster:
         self.node_json = [self._node_fields(n) for n in range(nodes)]
         self.faults_injected = 0
         self.cursors = cursors  # False: answer as an agent before incremental reads
+        self.events_on = True  # False: /v1/rank-events is a 404 (an agent before it)
         self.agent_incarnation = [new_incarnation() for _ in range(nodes)]
         self.seq = [0] * nodes  # per simulated agent, as RankTable._seq
+        self.events: list[list[RankEventAnswer]] = [[] for _ in range(nodes)]
+        self.event_seq = [0] * nodes  # per simulated agent, as RankEventLog._seq
+        self.waiting: list[list] = [[] for _ in range(nodes)]  # held requests per node
+        self.to_wake: set[int] = set()  # nodes with news for their held requests
         self._new_incarnation(0)
 
     # -- timeline ---------------------------------------------------------------------
@@ -105,10 +120,14 @@ class Cluster:
         self.frozen_step: int | None = None  # set while hung
         self.fault: dict | None = None
         self.next_pid = 100000 + self.restart * self.world
+        now = time.time()
         for r in self.ranks:
+            previous = None if self.restart == 0 else r.state
             r.pid, r.state, r.exited_at = self.next_pid + r.rank, "alive", None
             r.exit_step = None
             r.samples, r.sampled_to, r.header = [], from_step, None
+            if previous is not None:
+                self.announce(r, previous, now)
 
     def step(self, now: float) -> int:
         """The newest completed step of the current incarnation."""
@@ -134,7 +153,55 @@ class Cluster:
         return rec
 
     def exit(self, r: Rank, now: float) -> None:
+        previous = r.state
         r.state, r.exited_at, r.exit_step = "exited", now, self.step(now)
+        self.announce(r, previous, now)
+
+    def announce(self, r: Rank, previous: str, now: float) -> None:
+        """A state change, as the agent's RankEventLog records it. The node's held
+        requests are answered once the current step of the simulation is done (all of a
+        node's teardown exits in one answer, as a real agent's watcher reports the exits
+        it finds together); only this node's, as only its agent saw the change."""
+        n = r.node
+        self.event_seq[n] += 1
+        log = self.events[n]
+        log.append(RankEventAnswer(self.event_seq[n], JOB, r.rank, r.pid, self.restart,
+                                   previous, r.state, now, None, r.exit_step))  # fmt: skip
+        del log[:-EVENT_CAPACITY]
+        if self.waiting[n] and n not in self.to_wake:
+            if not self.to_wake:
+                asyncio.get_running_loop().call_soon(self._wake)
+            self.to_wake.add(n)
+
+    def _wake(self) -> None:
+        nodes, self.to_wake = self.to_wake, set()
+        now = time.time()
+        for n in nodes:
+            waiting, self.waiting[n] = self.waiting[n], []
+            # a request filtered by state waits on when none of the news is for it
+            self.waiting[n] = [answer for answer in waiting if not answer(now)]
+
+    def news(self, n: int, s: Since, states: frozenset[str] | None) -> bool:
+        """An event after the cursor into one of `states` (agent/rank_events.py _news)."""
+        for e in reversed(self.events[n]):
+            if e.seq <= s.seq:
+                return False
+            if states is None or e.state in states:
+                return True
+        return False
+
+    def events_body(self, n: int, now: float, s: Since, states=None) -> bytes:
+        """GET /v1/rank-events: as agent/rank_events.py answers it."""
+        log, newest = self.events[n], self.event_seq[n]
+        full = s.full
+        if full is None and log and s.seq + 1 < log[0].seq:
+            full = "cursor older than the agent's event buffer (events dropped)"
+        events = log if full is not None else [e for e in log if e.seq > s.seq]
+        if states is not None:
+            events = [e for e in events if e.state in states]
+        fields = answer_fields(Since(s.seq, full), self.agent_incarnation[n], newest)
+        body = RankEventsAnswer(node=f"sim-{n:04d}", time=now, events=tuple(events), **fields)
+        return (_dumps(body.to_json()) + "\n").encode()
 
     def teardown(self, now: float) -> None:
         for r in self.ranks:
@@ -284,6 +351,23 @@ class HttpProtocol(asyncio.Protocol):
                 else:
                     self.stats["ranks_requests"] += 1
                     self.stats["ranks_bytes"] += len(payload)
+            elif method == "GET" and route == "/v1/rank-events" and self.cluster.events_on:
+                try:
+                    q = parse_query(query)
+                    wait = float(q.get("wait", "0"))
+                    if not 0 <= wait <= MAX_WAIT:
+                        raise CursorError(f"wait: {q.get('wait')!r}")
+                    states = parse_states(q)
+                    s = since(q.get("after") or "start", self.cluster.agent_incarnation[n],
+                              self.cluster.event_seq[n])  # fmt: skip
+                except (HttpError, CursorError, ValueError) as exc:
+                    status = getattr(exc, "status", 400)
+                    payload = {"api": AGENT_API, "error": {"status": status, "message": str(exc)}}
+                else:
+                    self.stats["event_requests"] += 1
+                    if s.full is None and wait > 0 and not self.cluster.news(n, s, states):
+                        return self.hold(n, s, wait, close, states)
+                    payload = self.cluster.events_body(n, now, s, states)
             elif method == "GET" and route == "/v1/node":
                 payload = self.cluster.node_body(n, now)
             elif method == "GET" and route == "/healthz":
@@ -296,6 +380,29 @@ class HttpProtocol(asyncio.Protocol):
                 status, payload = 404, {"error": {"status": 404, "message": "not found"}}
         except (ValueError, IndexError, LookupError) as exc:
             status, payload = 404, {"error": {"status": 404, "message": str(exc)}}
+        self.send(status, payload, close)
+
+    def hold(self, n: int, s: Since, wait: float, close: bool, states) -> None:
+        """A long poll with nothing new (into `states`): answered at the node's next such
+        event or after `wait` seconds, whichever is first."""
+        done = False
+
+        def answer(now: float, timeout: bool = False) -> bool:
+            """True once answered (or gone): no longer held."""
+            nonlocal done
+            if done or self.transport.is_closing():
+                return True
+            if not timeout and not self.cluster.news(n, s, states):
+                return False
+            done = True
+            timer.cancel()
+            self.send(200, self.cluster.events_body(n, now, s, states), close)
+            return True
+
+        timer = asyncio.get_running_loop().call_later(wait, lambda: answer(time.time(), True))
+        self.cluster.waiting[n].append(answer)
+
+    def send(self, status: int, payload, close: bool) -> None:
         data = payload if isinstance(payload, bytes) else (_dumps(payload) + "\n").encode()
         self.stats["requests"] += 1
         head = f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
@@ -334,7 +441,9 @@ async def faults(cluster: Cluster, kinds: list[str], every: float, log_path: Pat
 async def main(args) -> None:
     cluster = Cluster(args.nodes, args.ranks_per_node, args.step_seconds, args.ckpt_every,
                       args.restart_delay, args.seed, cursors=not args.full_reads)  # fmt: skip
-    stats = {"requests": 0, "control": 0, "ranks_requests": 0, "ranks_bytes": 0}
+    stats = {"requests": 0, "control": 0, "ranks_requests": 0, "ranks_bytes": 0,
+             "event_requests": 0}  # fmt: skip
+    cluster.events_on = not args.no_events
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: HttpProtocol(cluster, stats), "127.0.0.1", args.port, backlog=4096
@@ -382,6 +491,9 @@ def parse_args(argv=None):
         "--full-reads",
         action="store_true",
         help="ignore ?after= (an agent before incremental reads)",
+    )
+    p.add_argument(
+        "--no-events", action="store_true", help="answer /v1/rank-events 404 (an agent before it)"
     )
     p.add_argument("--stats-file", type=Path, help="request and byte counts, written at exit")
     return p.parse_args(argv)

@@ -16,7 +16,9 @@ injects faults into random ranks, and measures over the run:
 - bytes per /v1/ranks answer (counted by the simulator) and the machine's 1-minute load
   average over the run (the machine is shared: a loaded one slows everything).
 
-`--full-reads` has the simulated agents ignore `after` (agents from before incremental
+The simulated agents announce deaths on `/v1/rank-events` at once, as a real agent does,
+and the supervisor long-polls it; `--no-events` serves them without it (deaths seen by the
+sample polls only, as before). `--full-reads` has the simulated agents ignore `after` (agents from before incremental
 reads: every rank's whole window on every poll); `--both` runs each size both ways, one
 after the other, and adds a table of ratios (full reads / incremental).
 
@@ -115,6 +117,24 @@ def summary(v: list[float]) -> dict:
             "mean": statistics.fmean(v)}  # fmt: skip
 
 
+def profile(args, work: Path, pids: dict[str, int], nodes: int) -> list[subprocess.Popen]:
+    """`--profile S`: py-spy records each process for S seconds from the start of the
+    measurement (flame graphs in --profile-dir), so the supervisor's and the simulator's
+    shares of a slow detection are told apart."""
+    if not args.profile:
+        return []
+    spy = Path(sys.executable).with_name("py-spy")
+    out = args.profile_dir or work
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        subprocess.Popen([str(spy), "record", "--pid", str(pid), "-d", str(int(args.profile)),
+                          "-r", "50", "--nonblocking", "-f", "raw",
+                          "-o", str(out / f"{name}-{nodes}.txt")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for name, pid in pids.items()
+    ]  # fmt: skip
+
+
 def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     token = work / "token"
@@ -127,7 +147,8 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
          "--faults", args.faults, "--fault-every", str(args.fault_every),
          "--step-seconds", str(args.step_seconds), "--seed", str(args.seed),
          "--restart-delay", str(args.restart_delay),
-         "--stats-file", str(work / "sim-stats.json"), *(["--full-reads"] if full_reads else [])],
+         "--stats-file", str(work / "sim-stats.json"), *(["--full-reads"] if full_reads else []),
+         *(["--no-events"] if args.no_events else [])],
         work / "sim.log", cpu_set(args.sim_cpus),
     )  # fmt: skip
     port = free_port()
@@ -157,6 +178,7 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
                 raise RuntimeError("supervisor did not see every node within 60 s")
             time.sleep(0.2)
         time.sleep(args.warmup)
+        spies = profile(args, work, {"supervisor": sup.pid, "simulator": sim.pid}, nodes)
         wall0 = time.time()
         t0, c0 = time.monotonic(), cpu_seconds(sup.pid)
         sim_c0 = cpu_seconds(sim.pid)
@@ -186,6 +208,8 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         cpu = (cpu_seconds(sup.pid) - c0) / wall
         sim_cpu = (cpu_seconds(sim.pid) - sim_c0) / wall
         passes = passes_run(base) - passes0
+        for spy in spies:
+            spy.wait(timeout=args.profile + 30)
         time.sleep(args.settle)  # let the last faults be seen before stopping
     finally:
         for p in (sup, sim):
@@ -222,7 +246,8 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
             logged.setdefault(f["kind"], []).append(written[hit[0]] - f["at"])
     loop_values = list(loops.values())
     return {
-        "reads": "full" if full_reads else "incremental",
+        "reads": ("full" if full_reads else "incremental")
+        + ("" if args.no_events else " + events"),
         "nodes": nodes,
         "ranks": nodes * 8,
         "load1_mean": statistics.fmean(load),
@@ -277,14 +302,15 @@ def _ratio(a, b) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.1f}x"
 
 
-def ratios(results: list[dict]) -> str:
+def ratios(results: list[dict], args) -> str:
     """Full reads / incremental, per size, for the figures that incremental reads move."""
     head = ["nodes", "KiB per /v1/ranks", "supervisor CPU", "loop p50", "loop p99",
             "dead: to incident written p50", "dead: to incident written max"]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {(r["reads"], r["nodes"]): r for r in results}
     for n in sorted({r["nodes"] for r in results}):
-        f, i = by.get(("full", n)), by.get(("incremental", n))
+        ev = "" if args.no_events else " + events"
+        f, i = by.get(("full" + ev, n)), by.get(("incremental" + ev, n))
         if f is None or i is None:
             continue
         fw, iw = f["written"].get("dead", {}), i["written"].get("dead", {})
@@ -327,6 +353,13 @@ def main(argv=None) -> None:
     p.add_argument("--supervisor-cpus", help="pin the supervisor to these CPUs (e.g. 0)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/supervisor_scale.md")
     p.add_argument("--json", type=Path, help="also write the raw results here")
+    p.add_argument("--profile", type=float, default=0, help="py-spy both processes for S s")
+    p.add_argument("--profile-dir", type=Path, help="where --profile writes (the work dir)")
+    p.add_argument(
+        "--no-events",
+        action="store_true",
+        help="simulated agents without /v1/rank-events (deaths seen by polls only)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--full-reads",
@@ -366,7 +399,7 @@ def main(argv=None) -> None:
         "",
         table(results),
         "",
-        *(["Full reads / incremental:", "", ratios(results), ""] if args.both else []),
+        *(["Full reads / incremental:", "", ratios(results, args), ""] if args.both else []),
     ])  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

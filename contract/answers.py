@@ -42,6 +42,8 @@ __all__ = [
     "NodeAnswer",
     "NodeWarning",
     "RankAnswer",
+    "RankEventAnswer",
+    "RankEventsAnswer",
     "RanksAnswer",
     "Sample",
     "TelemetryStats",
@@ -643,6 +645,90 @@ class RanksAnswer:
             cursor=cursor,
             full=_bool(o, "full") if incremental else False,
             full_reason=_str(o, "full_reason", optional=True) if incremental else None,
+        )
+
+
+# --------------------------------------------------------------------------- /v1/rank-events
+
+_MAX_EVENTS = 4096  # per answer: the agent keeps fewer (agent/rank_events.py)
+
+
+@dataclass(frozen=True)
+class RankEventAnswer:
+    """One change of a rank's process state, as the agent saw it (its pidfd watcher for an
+    exit, at once). ``restart`` is the incarnation the rank's records named when known;
+    ``previous`` is None on first sight; ``seq`` numbers the agent's events; ``step`` is
+    the rank's last reported step (None for a rank without telemetry)."""
+
+    seq: int
+    job: str
+    rank: int
+    pid: int
+    restart: int | None
+    previous: str | None
+    state: str
+    at: float
+    detail: str | None = None
+    step: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "job": self.job, "rank": self.rank, "pid": self.pid,
+                "restart": self.restart, "previous": self.previous, "state": self.state,
+                "at": self.at, "detail": self.detail, "step": self.step}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RankEventAnswer:
+        o = _object(obj)
+        return cls(
+            seq=_int(o, "seq", minimum=1),
+            job=_str(o, "job", max_chars=MAX_JOB_CHARS),
+            rank=_int(o, "rank"),
+            pid=_int(o, "pid"),
+            restart=_int(o, "restart", optional=True),
+            previous=_str(o, "previous", optional=True, choices=RANK_STATES),
+            state=_str(o, "state", choices=RANK_STATES),
+            at=_float(o, "at"),
+            detail=_str(o, "detail", optional=True),
+            step=_int(o, "step", optional=True),
+        )
+
+
+@dataclass(frozen=True)
+class RankEventsAnswer:
+    """``GET /v1/rank-events?after=<cursor>&wait=<s>``: the rank state changes after the
+    cursor, oldest first (contract/cursor.py: the same cursor form as ``/v1/ranks``, its
+    own counter). ``full``: the cursor was not this agent's, or its events fell out of the
+    agent's buffer; ``events`` is then all the agent holds, and some may be missing."""
+
+    node: str
+    time: float
+    cursor: str
+    full: bool = False
+    full_reason: str | None = None
+    events: tuple[RankEventAnswer, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"api": API_VERSION, "node": self.node, "time": self.time,
+                "cursor": self.cursor, "full": self.full, "full_reason": self.full_reason,
+                "events": [e.to_json() for e in self.events]}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RankEventsAnswer:
+        o = _object(obj)
+        events = _list(o, "events", RankEventAnswer.from_json, _MAX_EVENTS)
+        for i in range(1, len(events)):
+            if events[i].seq <= events[i - 1].seq:
+                raise ContractError(
+                    "out_of_range", f"events[{i}].seq: not after the event before it",
+                    f"events[{i}].seq",
+                )  # fmt: skip
+        return cls(
+            node=_str(o, "node"),
+            time=_float(o, "time"),
+            cursor=_str(o, "cursor", max_chars=64),
+            full=_bool(o, "full"),
+            full_reason=_str(o, "full_reason", optional=True),
+            events=events,
         )
 
 

@@ -302,6 +302,10 @@ async def _read_ranks(
     return RanksAnswer.from_json(await fetch("/v1/ranks?after=" + windows.after))
 
 
+def _wait_all(futures: list[Future], seconds: float) -> None:
+    wait(futures, timeout=seconds)
+
+
 class Poller:
     """Polls every agent concurrently, event-driven: one asyncio loop on one thread
     (agent_io.py), at most `max_in_flight` requests at once, keep-alive connections.
@@ -376,9 +380,11 @@ class Poller:
         # The agent's ages are as of its answer, not of the pass that asked for it.
         return replace(obs, observed_at=max(now, time.time()))
 
-    def poll(self, clients: list[AgentClient], now: float | None = None) -> ClusterObs:
+    def poll(self, clients: list[AgentClient], now: float | None = None, waiter=None) -> ClusterObs:
         """One view of the cluster, timed at the end of the poll (`now` overrides it, for
-        tests). Answers from earlier passes are aged to that time."""
+        tests). Answers from earlier passes are aged to that time. `waiter(futures,
+        seconds)` waits for the answers in place of `wait` (the supervisor handles
+        announced deaths meanwhile: reconcile.py)."""
         fixed = now
         now = time.time() if fixed is None else fixed
         asked = []
@@ -388,7 +394,7 @@ class Poller:
                 future = self._loop.submit(self._timed(c, now, started))
                 self._inflight[c.url] = (future, started)
                 asked.append(future)
-        wait(asked, timeout=self.wait_seconds)
+        (waiter or _wait_all)(asked, self.wait_seconds)
         now = time.time() if fixed is None else fixed
         nodes = []
         for c in clients:

@@ -17,8 +17,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, Poller
 from .detectors import DETECTORS, DetectorConfig, pick_culprit_from_stacks, run_all
+from .events import apply_deaths
 from .history import History, advance, advance_unreachable
 from .lifecycle import (
     EV_CAUSED_DEATH,
@@ -152,6 +154,12 @@ class Supervisor:
         self.tokens = token if isinstance(token, AgentTokens) else AgentTokens(shared=token)
         self.cfg = cfg
         self.poller = Poller()
+        # each agent's rank state changes, long-polled: a death starts a state-only pass
+        # at once instead of waiting for the node's next sample poll (docs/scaling.md)
+        self.events = EventWatch(self.poller._loop)
+        self.event_passes = 0
+        # (job, incarnation) an event pass applied a death of, oldest first (bounded)
+        self._event_judged: dict[tuple[str, int | None], None] = {}
         self.history = History()
         self.last_obs: ClusterObs | None = None
         self.jobs: dict[str, JobProgress] = store.jobs()  # goes on from a previous life
@@ -187,10 +195,84 @@ class Supervisor:
     def reconcile_once(self, now: float | None = None) -> list[Decision]:
         start = time.perf_counter()
         self._pass_started = time.monotonic()
-        obs = self.poller.poll(self.clients(), now)  # observe
+        clients = self.clients()
+        self.events.sync(clients)
+        obs = self.poller.poll(clients, now, self._await_polls)  # observe
+        return self._pass(obs, start)
+
+    def _await_polls(self, futures: list, seconds: float) -> None:
+        """Wait up to `seconds` for this round's answers, running an event pass whenever a
+        death is announced meanwhile: a death otherwise waited for the end of the round
+        (docs/scaling.md)."""
+        deadline = time.monotonic() + seconds
+        left = [len(futures)]
+        lock, done = threading.Lock(), threading.Event()
+
+        def one(_) -> None:  # on the poll loop's thread
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+                    self.events.wake.set()
+
+        if not futures:
+            done.set()
+        for f in futures:
+            f.add_done_callback(one)
+        while not done.is_set() and not self._stop.is_set():
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return
+            self.events.wake.wait(wait)
+            if self.events.settle() and not self._stop.is_set():
+                try:
+                    self.reconcile_events()
+                except Exception:  # the round goes on
+                    log.exception("event pass failed")
+
+    def reconcile_events(self) -> list[Decision]:
+        """A state-only pass on the deaths the agents announced since the last one: each
+        applied to its node as last seen (events.py), then the per-pass detectors (dead,
+        ...), record, policy and action, without waiting for the next round of polls."""
+        # Deaths of an incarnation an event pass has judged already are its teardown
+        # (torchrun ends the other ranks at once): the next poll shows them, and at 1,024
+        # nodes a pass for each agent's news cost seconds of CPU (docs/scaling.md).
+        judged = self._event_judged
+        deaths = [(u, e) for u, e in self.events.take() if (e.job, e.restart) not in judged]
+        with self._lock:
+            last = self.last_obs
+        if not deaths or last is None:
+            return []
+        start = time.perf_counter()
+        now = time.time()
+        by_url: dict[str, list] = {}
+        for url, event in deaths:
+            by_url.setdefault(url, []).append(event)
+        nodes, changed = [], False
+        for n in last.nodes:
+            base = self.poller._last.get(n.url) if n.url in by_url and n.reachable else None
+            if base is not None and base.node == n.node:
+                patched = apply_deaths(base, by_url[n.url])
+                if patched is not base:
+                    for e in by_url[n.url]:
+                        if e.restart is not None:
+                            judged[e.job, e.restart] = None
+                    # kept until the agent's next answer replaces it, so the next pass
+                    # does not see the rank alive again
+                    self.poller._last[n.url] = patched
+                    n, changed = patched.aged(now), True
+            nodes.append(n)
+        while len(judged) > 256:  # a few incarnations per job are enough
+            del judged[next(iter(judged))]
+        if not changed:
+            return []  # seen already by a poll, or of ranks not in view yet
+        self.event_passes += 1
+        return self._pass(ClusterObs(time=now, nodes=tuple(nodes)), start, state_only=True)
+
+    def _pass(self, obs: ClusterObs, start: float, state_only: bool = False) -> list[Decision]:
         now = obs.time  # after the poll: nothing is detected before it is seen
         outcomes = self._replay(obs)  # intents a previous life recorded and did not finish
-        findings = self._detect(obs)  # detect
+        findings = self._detect(obs, state_only)  # detect
         findings, steps = attribute(findings, self.store.open_incidents())
         self._record(findings, steps, obs, now)  # record what was seen
         if any(f.kind in RECOVERING_KINDS for f in findings):
@@ -212,27 +294,35 @@ class Supervisor:
         self.scheduler.observe(obs)
         with self._lock:
             self.last_obs = obs
-            self.loop_seconds = time.perf_counter() - start
-            self.passes += 1
+            if not state_only:  # the loop's figures are of the full passes
+                self.loop_seconds = time.perf_counter() - start
+                self.passes += 1
         return decisions
 
-    def _detect(self, obs: ClusterObs) -> list[Finding]:
+    def _detect(self, obs: ClusterObs, state_only: bool = False) -> list[Finding]:
         self.stack_budget.new_pass(self.monotonic())
         cfg = self.cfg.detectors
         restarts = obs.newest_restarts()
-        window = self._window_due(restarts)
+        # an announced death waiting is served first (the pass ends sooner without the
+        # window detectors; they are due again next pass): at 1,024 nodes they take most
+        # of a second, and a death waited for them (docs/scaling.md)
+        window = not state_only and self._window_due(restarts) and not self.events.settle()
         cpu = time.process_time()
         self.history = (advance if window else advance_unreachable)(self.history, obs, cfg)
+        every = {name: run_all(obs, self.history, cfg, ((name, detect),))
+                 for name, detect in DETECTORS if name in EVERY_PASS}  # fmt: skip
+        complete = window
+        for name, detect in DETECTORS if window else ():
+            if name in EVERY_PASS:
+                continue
+            if self.events.settle():  # a death came meanwhile: the rest wait a pass
+                complete = False
+                break
+            self._window_findings[name] = run_all(obs, self.history, cfg, ((name, detect),))
         found: list[Finding] = []
-        for name, detect in DETECTORS:  # in their order, as run_all
-            if name in EVERY_PASS or window:
-                part = run_all(obs, self.history, cfg, ((name, detect),))
-                if name not in EVERY_PASS:
-                    self._window_findings[name] = part
-            else:
-                part = self._window_findings.get(name, [])
-            found += part
-        if window:
+        for name, _ in DETECTORS:  # in their order, as run_all
+            found += every[name] if name in EVERY_PASS else self._window_findings.get(name, [])
+        if complete:
             # at most half the CPU share for the window detectors: the rest is the
             # polls' and the per-pass detectors' (a death's time to incident)
             # (while that fits in an interval, as on small clusters: every pass)
@@ -257,7 +347,14 @@ class Supervisor:
             return finding  # explained without stacks (ranks behind an unreachable agent)
         existing = self.store.by_key(finding.key)
         if existing is not None and existing.rank is not None:
-            return dataclasses.replace(finding, rank=existing.rank, node=existing.node)
+            # the stacks that named it stay in the incident: a pass that re-emits the
+            # carried finding (an event pass, a paced one) would otherwise overwrite them
+            kept = {k: existing.evidence[k] for k in ("stacks", "culprit_reason")
+                    if k in existing.evidence and k not in finding.evidence}  # fmt: skip
+            evidence = {**finding.evidence, **kept}
+            return dataclasses.replace(
+                finding, rank=existing.rank, node=existing.node, evidence=evidence
+            )
         stacks, nodes = {}, {}
         budget, ranks = self.stack_budget, obs.current_ranks(finding.job)
         for r in ranks:
@@ -505,8 +602,22 @@ class Supervisor:
             except Exception:  # one bad pass must not end supervision
                 log.exception("reconcile pass failed")
             mark = time.process_time()
-            self._stop.wait(self.pause(time.monotonic() - started, cpu_mark))
+            self._wait(self.pause(time.monotonic() - started, cpu_mark))
             cpu_mark = mark
+
+    def _wait(self, seconds: float) -> None:
+        """The pause between full passes, with a state-only pass whenever an agent
+        announces a death (its CPU counts in the next pause's share)."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self.events.wake.wait(left) and not self._stop.is_set():
+                try:
+                    self.reconcile_events()
+                except Exception:
+                    log.exception("event pass failed")
 
     def pause(self, elapsed: float, cpu_before: float) -> float:
         """Seconds to wait before the next pass: the rest of the interval, or longer when
@@ -523,9 +634,11 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stop.set()
+        self.events.wake.set()
 
     def close(self) -> None:
         self.stop()
+        self.events.close()
         self.poller.close()
         self.scheduler.close()
 

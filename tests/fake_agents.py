@@ -75,6 +75,11 @@ class _Handler(BaseHTTPRequestHandler):
                 pass  # the supervisor hung up: what we want
             self.close_connection = True
             return
+        if path == "/v1/rank-events" and path not in server.raw:  # an agent before it
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         data = server.answer(path)
         self.send_response(200)
         headers = {"Content-Length": str(len(data)), **server.headers_override.get(path, {})}
