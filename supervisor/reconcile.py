@@ -234,22 +234,33 @@ class Supervisor:
         """A state-only pass on the deaths the agents announced since the last one: each
         applied to its node as last seen (events.py), then the per-pass detectors (dead,
         ...), record, policy and action, without waiting for the next round of polls."""
-        # Deaths of an incarnation an event pass has judged already are its teardown
-        # (torchrun ends the other ranks at once): the next poll shows them, and at 1,024
-        # nodes a pass for each agent's news cost seconds of CPU (docs/scaling.md).
-        judged = self._event_judged
-        deaths = [(u, e) for u, e in self.events.take() if (e.job, e.restart) not in judged]
         with self._lock:
             last = self.last_obs
-        if not deaths or last is None:
+        if last is None:
             return []
         start = time.perf_counter()
+        patched = self._with_announced_deaths(last)
+        if patched is None:
+            return []  # seen already by a poll, or of ranks not in view yet
+        self.event_passes += 1
+        return self._pass(patched, start, state_only=True)
+
+    def _with_announced_deaths(self, obs: ClusterObs) -> ClusterObs | None:
+        """`obs` (the newest view: the last pass's, or the one a full pass is judging) with
+        the deaths announced since they were last taken applied to their nodes; None when
+        none is news. Deaths of an incarnation judged already are its teardown (torchrun
+        ends the other ranks at once): the next poll shows them, and at 1,024 nodes a pass
+        for each agent's news cost seconds of CPU (docs/scaling.md)."""
+        judged = self._event_judged
+        deaths = [(u, e) for u, e in self.events.take() if (e.job, e.restart) not in judged]
+        if not deaths:
+            return None
         now = time.time()
         by_url: dict[str, list] = {}
         for url, event in deaths:
             by_url.setdefault(url, []).append(event)
         nodes, changed = [], False
-        for n in last.nodes:
+        for n in obs.nodes:
             base = self.poller._last.get(n.url) if n.url in by_url and n.reachable else None
             if base is not None and base.node == n.node:
                 patched = apply_deaths(base, by_url[n.url])
@@ -264,15 +275,24 @@ class Supervisor:
             nodes.append(n)
         while len(judged) > 256:  # a few incarnations per job are enough
             del judged[next(iter(judged))]
-        if not changed:
-            return []  # seen already by a poll, or of ranks not in view yet
-        self.event_passes += 1
-        return self._pass(ClusterObs(time=now, nodes=tuple(nodes)), start, state_only=True)
+        return ClusterObs(time=now, nodes=tuple(nodes)) if changed else None
 
     def _pass(self, obs: ClusterObs, start: float, state_only: bool = False) -> list[Decision]:
-        now = obs.time  # after the poll: nothing is detected before it is seen
+        full = not state_only
         outcomes = self._replay(obs)  # intents a previous life recorded and did not finish
+        # A death announced while a full pass polls or detects is judged in this pass, on
+        # its view, before anything is recorded: a full pass at 1,024 nodes takes about a
+        # second, and a death waited for its end (docs/scaling.md). The window detectors
+        # then wait a pass (their findings are carried), as in an event pass.
+        if not state_only and (patched := self._with_announced_deaths(obs)) is not None:
+            obs, state_only = patched, True
+            self.event_passes += 1
         findings = self._detect(obs, state_only)  # detect
+        if not state_only and (patched := self._with_announced_deaths(obs)) is not None:
+            obs, state_only = patched, True
+            self.event_passes += 1
+            findings = self._detect(obs, state_only)  # the state detectors again, on it
+        now = obs.time  # after the poll: nothing is detected before it is seen
         findings, steps = attribute(findings, self.store.open_incidents())
         self._record(findings, steps, obs, now)  # record what was seen
         if any(f.kind in RECOVERING_KINDS for f in findings):
@@ -294,7 +314,7 @@ class Supervisor:
         self.scheduler.observe(obs)
         with self._lock:
             self.last_obs = obs
-            if not state_only:  # the loop's figures are of the full passes
+            if full:  # the loop's figures are of the full passes
                 self.loop_seconds = time.perf_counter() - start
                 self.passes += 1
         return decisions

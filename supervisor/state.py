@@ -9,6 +9,7 @@ Times are unix seconds as the agents report them; `observed_at` is the superviso
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from ..contract.answers import NodeAnswer, RankAnswer, RanksAnswer, Sample
 from ..contract.states import DEAD_STATES, LIVE_STATES
@@ -172,25 +173,43 @@ class ClusterObs:
     time: float
     nodes: tuple[NodeObs, ...] = field(default_factory=tuple)
 
+    # An observation is immutable and read by every detector, the recording and the HTTP
+    # views, each asking for a job's ranks: at 8,192 ranks the scans were an eighth of the
+    # supervisor's CPU (bench/results/supervisor_scale.md), so each is built once per
+    # observation. Callers get a copy of the lists and must not mutate the ranks' tuple.
+    @cached_property
+    def _by_job(self) -> dict[str, list[RankObs]]:
+        out: dict[str, list[RankObs]] = {}
+        for n in self.nodes:
+            for r in n.ranks:
+                out.setdefault(r.job, []).append(r)
+        return out
+
+    @cached_property
+    def _current(self) -> dict[str, list[RankObs]]:
+        """Each job's newest incarnation's ranks (highest restart count per rank)."""
+        out = {}
+        for job, ranks in self._by_job.items():
+            best: dict[int, RankObs] = {}
+            for r in ranks:
+                b = best.get(r.rank)
+                if b is None or (r.restart, r.pid) > (b.restart, b.pid):
+                    best[r.rank] = r
+            out[job] = [best[k] for k in sorted(best)]
+        return out
+
     def ranks(self, job: str | None = None) -> list[RankObs]:
-        out = [r for n in self.nodes for r in n.ranks]
-        return [r for r in out if job is None or r.job == job]
+        if job is None:
+            return [r for n in self.nodes for r in n.ranks]
+        return list(self._by_job.get(job, ()))
 
     def jobs(self) -> list[str]:
-        return sorted({r.job for r in self.ranks()})
+        return sorted(self._by_job)
 
     def newest_restarts(self) -> dict[str, int]:
         """Each job's newest incarnation in view (its highest restart count)."""
-        out: dict[str, int] = {}
-        for r in self.ranks():
-            if r.restart > out.get(r.job, -1):
-                out[r.job] = r.restart
-        return out
+        return {job: max(r.restart for r in ranks) for job, ranks in self._by_job.items()}
 
     def current_ranks(self, job: str) -> list[RankObs]:
         """The newest incarnation's ranks of a job (highest restart count per rank)."""
-        best: dict[int, RankObs] = {}
-        for r in self.ranks(job):
-            if r.rank not in best or (r.restart, r.pid) > (best[r.rank].restart, best[r.rank].pid):
-                best[r.rank] = r
-        return [best[k] for k in sorted(best)]
+        return list(self._current.get(job, ()))
