@@ -59,7 +59,6 @@ def cluster_verdict(obs, jobs: dict, open_incidents: list, now: float, loop_seco
                     f"node_{r.get('code')}", f"{n.node}: {r.get('message')}")  # fmt: skip
     out_jobs = {}
     for job, progress in sorted(jobs.items()):
-        ranks = obs.current_ranks(job)
         out_jobs[job] = {
             "state": progress.state,
             "verdict": progress.verdict,
@@ -67,10 +66,7 @@ def cluster_verdict(obs, jobs: dict, open_incidents: list, now: float, loop_seco
             "first_seen": progress.first_seen,
             "useful_seconds": progress.useful_seconds,
             "max_step": progress.max_step,
-            "ranks": len(ranks),
-            "world_size": max((r.world_size for r in ranks), default=0),
-            "restart": max((r.restart for r in ranks), default=0),
-            "newest_checkpoint_step": max((r.checkpoint_step or 0 for r in ranks), default=None),
+            **_job_ranks(obs, job),
         }
         if progress.state == "stopped":
             add("unhealthy", "job_stopped", f"job {job} stopped: {progress.verdict}")
@@ -79,13 +75,49 @@ def cluster_verdict(obs, jobs: dict, open_incidents: list, now: float, loop_seco
     for inc in open_incidents:
         if inc.kind in ("straggler", "checkpoint_stale") and inc.state in ("open", "reported"):
             add("degraded", inc.kind, inc.summary)
-    nodes = [
+    return {"status": status, "reasons": reasons, "jobs": out_jobs, "nodes": _node_rows(obs),
+            "loop_seconds": loop_seconds, "time": obs.time}  # fmt: skip
+
+
+# One observation serves every read until the next pass: at 1,024 nodes building these
+# rows was most of a /v1/cluster answer (bench/results/supervisor_scale.md). The memo holds
+# the observation itself, so its id cannot be reused while it is cached.
+_memo: dict[str, tuple[object, dict]] = {}
+
+
+def _per_obs(name: str, obs, build) -> dict:
+    cached = _memo.get(name)
+    if cached is None or cached[0] is not obs:
+        cached = _memo[name] = (obs, build())
+    return cached[1]
+
+
+def _job_ranks(obs, job: str) -> dict:
+    def build() -> dict:
+        out = {}
+        for j in obs.jobs():
+            ranks = obs.current_ranks(j)
+            out[j] = {
+                "ranks": len(ranks),
+                "world_size": max((r.world_size for r in ranks), default=0),
+                "restart": max((r.restart for r in ranks), default=0),
+                "newest_checkpoint_step": max(
+                    (r.checkpoint_step or 0 for r in ranks), default=None
+                ),
+            }
+        return out
+
+    empty = {"ranks": 0, "world_size": 0, "restart": 0, "newest_checkpoint_step": None}
+    return dict(_per_obs("jobs", obs, build).get(job, empty))
+
+
+def _node_rows(obs) -> list[dict]:
+    rows = _per_obs("nodes", obs, lambda: {"rows": [
         {"node": n.node, "url": n.url, "reachable": n.reachable, "status": n.status,
          "error": n.error, "reasons": list(n.reasons), "ranks": len(n.ranks)}
         for n in obs.nodes
-    ]  # fmt: skip
-    return {"status": status, "reasons": reasons, "jobs": out_jobs, "nodes": nodes,
-            "loop_seconds": loop_seconds, "time": obs.time}  # fmt: skip
+    ]})  # fmt: skip
+    return rows["rows"]
 
 
 def ranks_view(sup) -> dict:
