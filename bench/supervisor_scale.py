@@ -268,6 +268,7 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         "wrong_culprit": wrong,
         "detect": {k: summary(v) for k, v in detect.items()},
         "written": {k: summary(v) for k, v in logged.items()},
+        "written_each": {k: sorted(round(x, 3) for x in v) for k, v in logged.items()},
     }
 
 

@@ -255,8 +255,11 @@ class EventWatch:
     queued for the reconcile loop, which `wake` wakes; an agent without the endpoint (404:
     an older agent) is left to the sample polls, logged once."""
 
-    def __init__(self, loop: EventLoop, wait: float = EVENT_WAIT_SECONDS):
-        self._loop = loop
+    def __init__(self, wait: float = EVENT_WAIT_SECONDS):
+        # its own loop and thread: on the sample polls' loop an announced death was read
+        # after whatever answers of a poll round were ready before it, up to 0.75 s at
+        # 1,024 nodes (bench/results/supervisor_scale.md); here it waits for the GIL only
+        self._loop = EventLoop("rankguard-events")
         self.wait = wait
         self._pool = AsyncConnections(idle_per_agent=1)
         self._tasks: dict[str, Future] = {}
@@ -338,3 +341,4 @@ class EventWatch:
             f.cancel()
         with contextlib.suppress(Exception):  # closing: nothing left to report to
             self._loop.submit(_close()).result(timeout=5)
+        self._loop.close()

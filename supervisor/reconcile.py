@@ -21,6 +21,7 @@ from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, Poller
 from .detectors import DETECTORS, DetectorConfig, pick_culprit_from_stacks, run_all
 from .events import apply_deaths
+from .heap import HeapPacer
 from .history import History, advance, advance_unreachable
 from .lifecycle import (
     EV_CAUSED_DEATH,
@@ -156,7 +157,7 @@ class Supervisor:
         self.poller = Poller()
         # each agent's rank state changes, long-polled: a death starts a state-only pass
         # at once instead of waiting for the node's next sample poll (docs/scaling.md)
-        self.events = EventWatch(self.poller._loop)
+        self.events = EventWatch()
         self.event_passes = 0
         # (job, incarnation) an event pass applied a death of, oldest first (bounded)
         self._event_judged: dict[tuple[str, int | None], None] = {}
@@ -184,6 +185,7 @@ class Supervisor:
         self._pass_started = 0.0
         self._credit = 0.0  # CPU seconds the share allowed and the loop did not use
         self._credit_cap = max(1.0, cfg.cpu_share * 2)
+        self.heap = HeapPacer()  # full collections paced (heap.py)
 
     def clients(self) -> list[AgentClient]:
         return [self.client_for(u) for u in self._urls()]
@@ -621,6 +623,7 @@ class Supervisor:
                 self.reconcile_once()
             except Exception:  # one bad pass must not end supervision
                 log.exception("reconcile pass failed")
+            self.heap.after_pass()
             mark = time.process_time()
             self._wait(self.pause(time.monotonic() - started, cpu_mark))
             cpu_mark = mark
@@ -658,6 +661,7 @@ class Supervisor:
 
     def close(self) -> None:
         self.stop()
+        self.heap.close()
         self.events.close()
         self.poller.close()
         self.scheduler.close()
