@@ -182,12 +182,10 @@ def test_hung_ranks_are_found_named_and_ended(rig, clean):
         assert "Thread" in stacks or "stacks" in stacks, "the culprit's stack must be captured"
 
 
-# Still soak (issue 16 asks for three runs out of three): in session 9 it passed 3 of 3
-# runs back to back under the CPU lock (17:50-18:14 UTC 2026-11-23, beside the clean
-# 500-step run, also 3 of 3), then failed the 4th, run within its module at 19:53: no
-# straggler incident at all in 120 steps, and no "preempted" line either. 5 of 6 over
-# sessions 8 and 9.
-@pytest.mark.soak
+# Issue 16: the slowed rank's window median sits at 1.09x-1.5x its peer's on this host
+# (1.2x in sleep, plus or minus the relief of its peer's contention), about the 0.15
+# threshold; a dip restarted the persistence (8 steps and 2.5 s), and once in 6 runs the
+# rank went unnamed. Hysteresis in the detector (grace, release threshold) holds it.
 def test_straggler_named_within_30_steps(rig):
     proc = torchrun(["--steps", "120", *STRAGGLER_MODEL, "--job", "job", "--fault",
                      "slow:step=60:rank=1:factor=1.2"], cwd=rig.tmp,
