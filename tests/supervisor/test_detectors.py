@@ -572,6 +572,18 @@ def test_a_suspect_stays_one_down_to_the_release_threshold():
         straggler.StragglerConfig(release_threshold=0.2)
 
 
+def test_own_work_that_stands_out_less_than_its_extra_wait_is_preempted():
+    """Own work 1.16x its peers' (0.081 s vs 0.07 s) but 0.019 s more run-queue wait a
+    step than they: mostly preempted (a clean run beside a busy loop was named so, 1.13x
+    and 1.17x). Preempted, not a straggler; with 0.005 s of extra wait it is one."""
+    ranks = [rank(r, recent=_waiting(30, comm=0.05)) for r in range(4)]
+    ranks[2] = rank(2, recent=_waiting(30, compute=0.1, wait=0.019))
+    found, [p] = straggler.judge(cluster(*ranks), NO_WARMUP, History())
+    assert found == [] and p.rank == 2 and p.own_ratio == pytest.approx(0.081 / 0.07)
+    ranks[2] = rank(2, recent=_waiting(30, compute=0.086, wait=0.005))
+    assert [f.rank for f in _stragglers(ranks)] == [2]
+
+
 def test_a_rank_whose_own_work_stands_out_is_never_called_preempted():
     """Own work 1.2x its peers' in the median, but only 8 of 12 steps 1.05x slower on own
     work (a step's wait subtracted is noisier than the median), 12 of 12 on raw compute.
