@@ -83,8 +83,6 @@ class StragglerConfig:
         check_settings(self)
         at_least(self, window=3, warmup_steps=0, persist_steps=0)
         positive(self, "threshold", "step_threshold", "release_threshold")
-        if self.release_threshold > self.threshold:
-            raise ValueError("release_threshold must be at most threshold")
         if not 0 < self.consistency <= 1:
             raise ValueError(f"consistency must be in (0, 1], not {self.consistency}")
 
@@ -194,7 +192,7 @@ def judge(
         for suspect in windows:
             # a suspect already held (persisting) stays one down to the release threshold
             held = f"straggler:{job}:{suspect.rank.rank}:{restart}" in history.straggler_since
-            level = 1 + (c.release_threshold if held else c.threshold)
+            level = 1 + (min(c.release_threshold, c.threshold) if held else c.threshold)
             verdict = _judge(obs, job, restart, suspect, windows, peers, cfg, level)
             if isinstance(verdict, Finding):
                 out.append(verdict)

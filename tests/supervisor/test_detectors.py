@@ -568,8 +568,12 @@ def test_a_suspect_stays_one_down_to_the_release_threshold():
     assert held.straggler_since == {"straggler:j:1:0": (T0, 40)}
     held = advance_history(held, obs(0.0756, T0 + 6), CFG)  # 1.08x
     assert advance_history(held, obs(0.0756, T0 + 8), CFG).straggler_since == {}
-    with pytest.raises(ValueError, match="release_threshold"):
-        straggler.StragglerConfig(release_threshold=0.2)
+    # a release above the threshold is the threshold (no hysteresis)
+    strict = dataclasses.replace(
+        CFG, straggler=dataclasses.replace(CFG.straggler, release_threshold=0.2)
+    )
+    held = advance_history(History(), obs(0.1, T0), strict)
+    assert advance_history(held, obs(0.0784, T0 + 2), strict).straggler_since == {}
 
 
 def test_own_work_that_stands_out_less_than_its_extra_wait_is_preempted():
