@@ -71,11 +71,7 @@ class StragglerConfig:
     wait_share: float = 0.5  # peers' extra comm wait, as a share of the compute gap
     warmup_steps: int = 20  # first steps of an incarnation are not judged
     persist_steps: int = 8  # a suspect must stay slow this many steps...
-    # ... and this long (host noise comes in bursts). 1.5 s (was 2.5): at a quiet host's
-    # ~0.14 s step, 2.5 s was 18 steps, and a 1.2x rank (whose median reads 1.13x-1.16x
-    # when the ranks do not contend) was named 34 and 39 steps after its slowdown in 2 of
-    # 5 runs; replayed clean runs never stayed suspect over 6 steps (issue 16).
-    persist_seconds: float = 1.5
+    persist_seconds: float = 2.5  # ... and this long (host noise comes in bursts)
     # A suspect keeps its count while it looks clear for less than this, and stays a
     # suspect down to `release_threshold` (hysteresis). Measured (issue 16): a 1.2x rank's
     # window median sat at 1.09x-1.2x for stretches, about the 0.15 threshold; every dip

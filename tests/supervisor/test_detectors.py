@@ -811,10 +811,10 @@ def test_straggler_must_persist_and_warmup_is_not_judged():
     for steps, t in ((40, T0), (45, T0 + 1)):
         history = advance_history(history, obs(steps, t), CFG)
         assert straggler.detect(obs(steps, t), history, CFG) == []  # not yet 10 steps
-    history = advance_history(history, obs(50, T0 + 1.2), CFG)
-    assert straggler.detect(obs(50, T0 + 1.2), history, CFG) == []  # 10 steps, only 1.2 s
-    history = advance_history(history, obs(52, T0 + 2), CFG)
-    [f] = straggler.detect(obs(52, T0 + 2), history, CFG)
+    history = advance_history(history, obs(50, T0 + 2), CFG)
+    assert straggler.detect(obs(50, T0 + 2), history, CFG) == []  # 10 steps, but only 2 s
+    history = advance_history(history, obs(52, T0 + 3), CFG)
+    [f] = straggler.detect(obs(52, T0 + 3), history, CFG)
     assert f.rank == 1
 
     # a suspect that stops looking slow is forgotten, once clear for longer than the grace
@@ -822,14 +822,14 @@ def test_straggler_must_persist_and_warmup_is_not_judged():
         return cluster(rank(0, recent=_steps_for(60), step=60),
                        rank(1, recent=_steps_for(60), step=60), time=t)  # fmt: skip
 
-    assert advance_history(history, calm(T0 + 2.5), CFG).straggler_since != {}
-    assert advance_history(history, calm(T0 + 3), CFG).straggler_since == {}
+    assert advance_history(history, calm(T0 + 3.5), CFG).straggler_since != {}
+    assert advance_history(history, calm(T0 + 4), CFG).straggler_since == {}
 
 
 def test_a_suspect_clear_for_one_pass_keeps_its_count():
     """A 1.2x rank's window median dips under the threshold for a pass or two with host
     noise (measured: 1.09x in a window of slowed steps). Each dip restarted the persistence
-    (8 steps and 1.5 s), the rank went unnamed past 30 steps; within the grace it keeps
+    (8 steps and 2.5 s), the rank went unnamed past 30 steps; within the grace it keeps
     its count and is named on time."""
 
     def obs(steps, t, slow=True):
