@@ -35,10 +35,12 @@ class HeapPacer:
         self.clock = clock
         self._last_full = clock()
         self.full_collections = 0
-        self._thresholds = gc.get_threshold()
-        gc.set_threshold(YOUNG_THRESHOLD, *self._thresholds[1:])
+        self._thresholds: tuple[int, ...] | None = None  # the process's, until the first pass
 
     def after_pass(self) -> None:
+        if self._thresholds is None:  # only a running loop changes the process's collector
+            self._thresholds = gc.get_threshold()
+            gc.set_threshold(YOUNG_THRESHOLD, *self._thresholds[1:])
         if self.clock() - self._last_full >= self.full_every:
             started = time.perf_counter()
             gc.unfreeze()
@@ -51,5 +53,7 @@ class HeapPacer:
 
     def close(self) -> None:
         """Back to normal collection (a supervisor run inside a longer-lived process)."""
-        gc.unfreeze()
-        gc.set_threshold(*self._thresholds)
+        if self._thresholds is not None:
+            gc.unfreeze()
+            gc.set_threshold(*self._thresholds)
+            self._thresholds = None
