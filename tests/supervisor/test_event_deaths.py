@@ -122,3 +122,29 @@ def test_a_death_waiting_puts_the_window_detectors_off_a_pass(tmp_path):
     finally:
         sup.close()
         store.close()
+
+
+def test_a_full_pass_judges_a_death_announced_while_it_polled(tmp_path):
+    """The poll round's view still shows the rank alive; the death announced meanwhile is
+    applied to that view and recorded by this pass, not the next (docs/scaling.md)."""
+    import time
+
+    from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+    from rankguard.supervisor.store import IncidentStore
+
+    store = IncidentStore(tmp_path / "db.sqlite")
+    sup = Supervisor(store, lambda: [], "t" * 16, SupervisorConfig())
+    try:
+        obs = cluster(rank(0), rank(1))
+        (node,) = obs.nodes
+        sup.poller._last[node.url] = node  # the answer this view was built from
+        with sup.events._lock:
+            sup.events._deaths.append((node.url, event(1, pid=1001)))
+        sup._pass(obs, time.perf_counter())
+        (incident,) = store.open_incidents()
+        assert (incident.kind, incident.rank) == ("rank_dead", 1)
+        assert (sup.passes, sup.event_passes) == (1, 1)
+        assert [r.state for r in sup.last_obs.ranks()] == ["alive", "exited"]
+    finally:
+        sup.close()
+        store.close()
