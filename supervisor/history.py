@@ -30,8 +30,6 @@ class History:
     incarnation_start: dict[str, int] = field(default_factory=dict)
     # straggler finding key -> (time, training step) since when the rank has looked slow
     straggler_since: dict[str, tuple[float, int]] = field(default_factory=dict)
-    # straggler finding key -> when it last looked slow (the grace of `straggler_since`)
-    straggler_seen: dict[str, float] = field(default_factory=dict)
     # the straggler suspects of the observation taken at `suspects_at` (Finding objects)
     suspects: tuple[Any, ...] = ()
     suspects_at: float | None = None
@@ -57,8 +55,7 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
     unreachable_since[url]: the first poll that failed; dropped once the agent answers.
     incarnation_start[job:restart]: the first training step seen of each incarnation.
     straggler_since[key]: when (time, step) a straggler suspect was first seen, kept while it
-    stays suspect, and while it looks clear for less than `persist_grace_seconds`
-    (`straggler_seen[key]`: when it last looked slow); dropped after.
+    stays suspect, dropped when it does not.
     restarts_before, restarts[job]: the job's newest incarnation at the last poll and now.
     """
     from .detectors import DetectorConfig, straggler
@@ -87,14 +84,6 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
         f.key: history.straggler_since.get(f.key, (obs.time, f.evidence["step"]))
         for f in now_suspect
     }
-    seen = dict.fromkeys(stragglers, obs.time)
-    grace = (cfg or DetectorConfig()).straggler.persist_grace_seconds
-    for key, since in history.straggler_since.items():
-        # a suspect that looks clear for less than the grace keeps its count: one window
-        # whose median dips under the threshold must not restart it (issue 16)
-        last = history.straggler_seen.get(key, since[0])
-        if key not in stragglers and obs.time - last < grace:
-            stragglers[key], seen[key] = since, last
     preempted = {}
     for p in preempted_now:
         since = history.preempted.get(p.key)
@@ -125,7 +114,6 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
         checkpoint_progress=progress,
         unreachable_since=unreachable,
         straggler_since=stragglers,
-        straggler_seen=seen,
         preempted=preempted,
         suspects=now_suspect,
         suspects_at=obs.time,

@@ -24,10 +24,6 @@ Two more guards against transient slowness: the first steps of an incarnation (w
 allocator, a restart's page faults) are not judged, and a suspect becomes a finding only
 once it has looked slow for `straggler_persist_steps` consecutive steps and
 `straggler_persist_seconds` (tracked in `History.straggler_since` by `advance_history`).
-Both with hysteresis (issue 16): a suspect that looks clear for less than
-`persist_grace_seconds` keeps its count, and a suspect stays one while its median is
-above `release_threshold`, lower than the `threshold` that makes it one; a 1.2x rank's
-median hovers about 1.15x on this host, and each dip used to restart the count.
 """
 
 from __future__ import annotations
@@ -72,17 +68,11 @@ class StragglerConfig:
     warmup_steps: int = 20  # first steps of an incarnation are not judged
     persist_steps: int = 8  # a suspect must stay slow this many steps...
     persist_seconds: float = 2.5  # ... and this long (host noise comes in bursts)
-    # A suspect keeps its count while it looks clear for less than this, and stays a
-    # suspect down to `release_threshold` (hysteresis). Measured (issue 16): a 1.2x rank's
-    # window median sat at 1.09x-1.2x for stretches, about the 0.15 threshold; every dip
-    # restarted the persistence, and the rank went unnamed for 60 slowed steps.
-    persist_grace_seconds: float = 1.0
-    release_threshold: float = 0.10
 
     def __post_init__(self) -> None:
         check_settings(self)
         at_least(self, window=3, warmup_steps=0, persist_steps=0)
-        positive(self, "threshold", "step_threshold", "release_threshold")
+        positive(self, "threshold", "step_threshold")
         if not 0 < self.consistency <= 1:
             raise ValueError(f"consistency must be in (0, 1], not {self.consistency}")
 
@@ -148,7 +138,6 @@ def _peers(windows: list[_Window]) -> _Peers:
 
 
 _median_without = median_without  # the name the property test imports
-_OWN_OVER_WAIT = 1.0  # own-work excess at least this x its extra run-queue wait
 
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
@@ -179,7 +168,6 @@ def judge(
     but for their run-queue wait)."""
     out: list[Finding] = []
     preempted: list[Preempted] = []
-    c = cfg.straggler
     for job in obs.jobs():
         restart, ranks = incarnation(obs, job)
         start = history.incarnation_start.get(f"{job}:{restart}", 0)
@@ -190,10 +178,7 @@ def judge(
             continue
         peers = _peers(windows)
         for suspect in windows:
-            # a suspect already held (persisting) stays one down to the release threshold
-            held = f"straggler:{job}:{suspect.rank.rank}:{restart}" in history.straggler_since
-            level = 1 + (min(c.release_threshold, c.threshold) if held else c.threshold)
-            verdict = _judge(obs, job, restart, suspect, windows, peers, cfg, level)
+            verdict = _judge(obs, job, restart, suspect, windows, peers, cfg)
             if isinstance(verdict, Finding):
                 out.append(verdict)
             elif verdict is not None:
@@ -235,10 +220,7 @@ def _judge(
     windows: list[_Window],
     peers: _Peers,
     cfg: DetectorConfig,
-    level: float,
 ) -> Finding | Preempted | None:
-    """`level`: the median ratio that makes a suspect (1 + threshold, or 1 + the release
-    threshold for a rank already suspect)."""
     c = cfg.straggler
     peers_compute = _median_without(peers.compute, suspect.compute)
     if peers_compute <= 0:
@@ -247,7 +229,7 @@ def _judge(
     raw = _Verdict(ratio, suspect.compute, peers_compute)
     if peers.own is None or peers.own_by_step is None or peers.wait is None:
         # the wait is unknown for some rank of the job: raw compute, as before issue 16
-        if ratio < level:
+        if ratio < 1 + c.threshold:
             return None  # most ranks stop here, before the per-step comparison
         raw.consistency = _slower_steps_fraction(suspect.by_step, peers.by_step, c)
         if not _corroborated(raw, suspect, peers, c):
@@ -256,36 +238,21 @@ def _judge(
     own = suspect.own or 0.0
     peers_own = _median_without(peers.own, own)
     mine = _Verdict(own / peers_own if peers_own > 0 else 0.0, own, peers_own)
-    if mine.ratio < level and ratio < level:
+    if mine.ratio < 1 + c.threshold and ratio < 1 + c.threshold:
         return None  # most ranks stop here
-    wait = suspect.wait or 0.0
-    extra_wait = wait - _median_without(peers.wait, wait)
-    # Its own work stands out only if its excess is not mostly run-queue wait: a rank
-    # preempted far more than its peers runs slower once back on a CPU too (cold caches,
-    # the VM's steal time, which schedstat does not see). Measured on a clean run beside
-    # a busy loop: own work 1.13x-1.17x with peers waiting 0.1 s for its raw compute.
-    if mine.ratio >= level and own - peers_own >= _OWN_OVER_WAIT * extra_wait:
-        # Its own work stands out in the median: it is not preempted, whatever follows.
-        # Slower step by step on own work, or on raw compute: a step's own work is compute
-        # less a wait read at two marks, noisier than the median (a 1.2x rank's own work
-        # was 1.2x-1.3x in the median while only 8 of 12 steps were 1.05x slower: it was
-        # logged "preempted" and its persistence restarted for 2 s, issue 16).
-        mine.consistency = max(
-            _slower_steps_fraction(suspect.own_by_step or {}, peers.own_by_step, c),
-            _slower_steps_fraction(suspect.by_step, peers.by_step, c),
-        )
+    if mine.ratio >= 1 + c.threshold:
+        mine.consistency = _slower_steps_fraction(suspect.own_by_step or {}, peers.own_by_step, c)
         # the peers wait for its own work, not for the time it sat preempted
         if _corroborated(mine, suspect, peers, c):
             return _finding(obs, job, restart, suspect, windows, peers, cfg, mine, raw)
-        return None
-    if ratio < level:
+    if ratio < 1 + c.threshold:
         return None
     # Raw compute stands out, own work does not: the straggler it would have been named
     # before issue 16 is a rank the scheduler kept off the CPU.
     raw.consistency = _slower_steps_fraction(suspect.by_step, peers.by_step, c)
     if not _corroborated(raw, suspect, peers, c):
         return None
-    r = suspect.rank
+    r, wait = suspect.rank, suspect.wait or 0.0
     return Preempted(
         key=f"straggler:{job}:{r.rank}:{restart}", job=job, node=r.node, rank=r.rank,
         step=max(suspect.by_step), ratio=ratio, own_ratio=mine.ratio, wait=wait,

@@ -553,57 +553,6 @@ def test_a_slow_rank_without_run_queue_wait_is_named_with_the_waits_in_evidence(
     assert _stragglers(raw) == []
 
 
-def test_a_suspect_stays_one_down_to_the_release_threshold():
-    """Hysteresis: 1.12x does not make a suspect (threshold 1.15x), but keeps one (release
-    1.10x). A 1.2x rank measured 1.09x-1.2x in the median for stretches."""
-
-    def obs(compute, t):
-        return cluster(rank(0, recent=_steps_for(40, comm=0.05), step=40),
-                       rank(1, recent=_steps_for(40, compute=compute), step=40), time=t)  # fmt: skip
-
-    assert advance_history(History(), obs(0.0784, T0), CFG).straggler_since == {}  # 1.12x
-    held = advance_history(History(), obs(0.1, T0), CFG)  # 1.43x: a suspect
-    for t in (T0 + 2, T0 + 4):  # past the grace: kept by the 1.12x median itself
-        held = advance_history(held, obs(0.0784, t), CFG)
-    assert held.straggler_since == {"straggler:j:1:0": (T0, 40)}
-    held = advance_history(held, obs(0.0756, T0 + 6), CFG)  # 1.08x
-    assert advance_history(held, obs(0.0756, T0 + 8), CFG).straggler_since == {}
-    # a release above the threshold is the threshold (no hysteresis)
-    strict = dataclasses.replace(
-        CFG, straggler=dataclasses.replace(CFG.straggler, release_threshold=0.2)
-    )
-    held = advance_history(History(), obs(0.1, T0), strict)
-    assert advance_history(held, obs(0.0784, T0 + 2), strict).straggler_since == {}
-
-
-def test_own_work_that_stands_out_less_than_its_extra_wait_is_preempted():
-    """Own work 1.16x its peers' (0.081 s vs 0.07 s) but 0.019 s more run-queue wait a
-    step than they: mostly preempted (a clean run beside a busy loop was named so, 1.13x
-    and 1.17x). Preempted, not a straggler; with 0.005 s of extra wait it is one."""
-    ranks = [rank(r, recent=_waiting(30, comm=0.05)) for r in range(4)]
-    ranks[2] = rank(2, recent=_waiting(30, compute=0.1, wait=0.019))
-    found, [p] = straggler.judge(cluster(*ranks), NO_WARMUP, History())
-    assert found == [] and p.rank == 2 and p.own_ratio == pytest.approx(0.081 / 0.07)
-    ranks[2] = rank(2, recent=_waiting(30, compute=0.086, wait=0.005))
-    assert [f.rank for f in _stragglers(ranks)] == [2]
-
-
-def test_a_rank_whose_own_work_stands_out_is_never_called_preempted():
-    """Own work 1.2x its peers' in the median, but only 8 of 12 steps 1.05x slower on own
-    work (a step's wait subtracted is noisier than the median), 12 of 12 on raw compute.
-    It was logged preempted and its persistence restarted (measured in the 1.2x end-to-end
-    run); it is a straggler, its slower steps counted on either."""
-    ranks = [rank(r, recent=_waiting(30, comm=0.034)) for r in range(4)]
-    ranks[2] = rank(2, recent=tuple(
-        dataclasses.replace(s, compute_wait_seconds=0.014 if s.step % 3 == 0 else 0.0)
-        for s in _steps_for(30, compute=0.084)
-    ))  # fmt: skip
-    found, preempted = straggler.judge(cluster(*ranks), NO_WARMUP, History())
-    assert preempted == [] and [f.rank for f in found] == [2]
-    assert found[0].evidence["ratio"] == pytest.approx(1.2)
-    assert found[0].evidence["slower_steps_fraction"] == 1.0
-
-
 def test_a_rank_without_the_wait_field_makes_the_job_judged_on_raw_compute():
     """An older client among the ranks: the wait is unknown, the job is judged as before
     issue 16, and the preempted-looking rank is named on its raw compute."""
@@ -816,32 +765,6 @@ def test_straggler_must_persist_and_warmup_is_not_judged():
     history = advance_history(history, obs(52, T0 + 3), CFG)
     [f] = straggler.detect(obs(52, T0 + 3), history, CFG)
     assert f.rank == 1
-
-    # a suspect that stops looking slow is forgotten, once clear for longer than the grace
-    def calm(t):
-        return cluster(rank(0, recent=_steps_for(60), step=60),
-                       rank(1, recent=_steps_for(60), step=60), time=t)  # fmt: skip
-
-    assert advance_history(history, calm(T0 + 3.5), CFG).straggler_since != {}
-    assert advance_history(history, calm(T0 + 4), CFG).straggler_since == {}
-
-
-def test_a_suspect_clear_for_one_pass_keeps_its_count():
-    """A 1.2x rank's window median dips under the threshold for a pass or two with host
-    noise (measured: 1.09x in a window of slowed steps). Each dip restarted the persistence
-    (8 steps and 2.5 s), the rank went unnamed past 30 steps; within the grace it keeps
-    its count and is named on time."""
-
-    def obs(steps, t, slow=True):
-        fast = _steps_for(steps, comm=0.05)
-        slowed = _steps_for(steps, compute=0.1 if slow else 0.07)
-        return cluster(rank(0, recent=fast, step=steps), rank(1, recent=slowed, step=steps),
-                       time=t)  # fmt: skip
-
-    history = advance_history(History(), obs(30, T0 - 1), CFG)
-    for steps, t, slow in ((40, T0, True), (45, T0 + 1, True), (47, T0 + 1.5, False),
-                           (50, T0 + 2, True), (52, T0 + 3, True)):  # fmt: skip
-        history = advance_history(history, obs(steps, t, slow), CFG)
-    assert history.straggler_since == {"straggler:j:1:0": (T0, 40)}
-    [f] = straggler.detect(obs(52, T0 + 3), history, CFG)
-    assert f.rank == 1
+    # a suspect that stops looking slow is forgotten
+    calm = cluster(rank(0, recent=_steps_for(60), step=60), rank(1, recent=_steps_for(60), step=60))
+    assert advance_history(history, calm, CFG).straggler_since == {}
