@@ -138,7 +138,9 @@ def transitions(
        torchrun recovers from by itself, reported for the rest;
     3. a recovering incident whose job shows a newer incarnation: restarted (once); its
        first timed step (or, without telemetry, every new rank alive) resolves it;
-    4. a reported incident whose finding is no longer seen is resolved.
+    4. a reported incident whose finding is no longer seen is resolved;
+    5. a stop done ends the job's other incidents not yet ended: stopped, naming the stop
+       (the death that tipped a crash loop is recorded too, and no restart follows it).
     """
     by_id = {i.id: i for i in incidents}
     by_key = {i.key: i for i in incidents}
@@ -183,6 +185,13 @@ def transitions(
     for inc in incidents:
         if state[inc.id] == REPORTED and inc.state == REPORTED and inc.key not in seen:
             move(inc, RESOLVED)
+
+    stops = {by_id[o.incident_id].job: o.incident_id for o in outcomes  # 5
+             if o.ok and o.action == ACT_STOP_JOB and o.incident_id in by_id}  # fmt: skip
+    for inc in incidents:
+        stop = stops.get(inc.job)
+        if stop is not None and inc.id != stop and state[inc.id] not in TERMINAL:
+            move(inc, STOPPED, {"verdict": f"the job was stopped (incident {stop})"})
     return out
 
 
@@ -283,7 +292,8 @@ def job_state(
     mine = [i for i in incidents if i.job == progress.job]
     stopped = [i for i in mine if i.state == STOPPED]
     if stopped:
-        last = max(stopped, key=lambda i: (i.resolved_at or 0, i.id))
+        # the stop itself, not an incident it ended with the job (transitions, rule 5)
+        last = max(stopped, key=lambda i: (i.resolved_at or 0, i.action == ACT_STOP_JOB, i.id))
         return "stopped", last.verdict or last.summary
     if progress.state == "stopped":
         return progress.state, progress.verdict

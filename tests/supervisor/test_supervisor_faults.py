@@ -231,7 +231,11 @@ def test_crash_loop_is_stopped_with_a_verdict(rig):
     assert proc.returncode != 0
     (loop,) = rig.incidents("crash_loop")
     assert "crash loop" in (loop["verdict"] or loop["summary"]).lower(), loop
-    assert len(rig.incidents("rank_dead")) == 3
+    # the death that tips the loop is recorded as well when an agent announces it
+    # (/v1/rank-events) before torchrun's next restart; the stop ends it with the job
+    deaths = rig.incidents("rank_dead")
+    assert len(deaths) in (3, 4), deaths
+    assert all(d["state"] in ("resolved", "stopped") for d in deaths), deaths
     cluster = http_json(rig.supervisor.url + "/v1/cluster")
     assert cluster["status"] == "unhealthy" and cluster["jobs"]["job"]["state"] == "stopped"
     health = rig.cli("health")
