@@ -244,15 +244,15 @@ class Supervisor:
         patched = self._with_announced_deaths(last)
         if patched is None:
             return []  # seen already by a poll, or of ranks not in view yet
-        self.event_passes += 1
         return self._pass(patched, start, state_only=True)
 
     def _with_announced_deaths(self, obs: ClusterObs) -> ClusterObs | None:
         """`obs` (the newest view: the last pass's, or the one a full pass is judging) with
         the deaths announced since they were last taken applied to their nodes; None when
-        none is news. Deaths of an incarnation judged already are its teardown (torchrun
-        ends the other ranks at once): the next poll shows them, and at 1,024 nodes a pass
-        for each agent's news cost seconds of CPU (docs/scaling.md)."""
+        none is news (counted in `event_passes` otherwise: the pass judging it is one).
+        Deaths of an incarnation judged already are its teardown (torchrun ends the other
+        ranks at once): the next poll shows them, and at 1,024 nodes a pass for each
+        agent's news cost seconds of CPU (docs/scaling.md)."""
         judged = self._event_judged
         deaths = [(u, e) for u, e in self.events.take() if (e.job, e.restart) not in judged]
         if not deaths:
@@ -277,7 +277,10 @@ class Supervisor:
             nodes.append(n)
         while len(judged) > 256:  # a few incarnations per job are enough
             del judged[next(iter(judged))]
-        return ClusterObs(time=now, nodes=tuple(nodes)) if changed else None
+        if not changed:
+            return None
+        self.event_passes += 1
+        return ClusterObs(time=now, nodes=tuple(nodes))
 
     def _pass(self, obs: ClusterObs, start: float, state_only: bool = False) -> list[Decision]:
         full = not state_only
@@ -286,13 +289,11 @@ class Supervisor:
         # its view, before anything is recorded: a full pass at 1,024 nodes takes about a
         # second, and a death waited for its end (docs/scaling.md). The window detectors
         # then wait a pass (their findings are carried), as in an event pass.
-        if not state_only and (patched := self._with_announced_deaths(obs)) is not None:
+        if full and (patched := self._with_announced_deaths(obs)) is not None:
             obs, state_only = patched, True
-            self.event_passes += 1
         findings = self._detect(obs, state_only)  # detect
         if not state_only and (patched := self._with_announced_deaths(obs)) is not None:
             obs, state_only = patched, True
-            self.event_passes += 1
             findings = self._detect(obs, state_only)  # the state detectors again, on it
         now = obs.time  # after the poll: nothing is detected before it is seen
         findings, steps = attribute(findings, self.store.open_incidents())

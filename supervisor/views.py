@@ -82,42 +82,42 @@ def cluster_verdict(obs, jobs: dict, open_incidents: list, now: float, loop_seco
 # One observation serves every read until the next pass: at 1,024 nodes building these
 # rows was most of a /v1/cluster answer (bench/results/supervisor_scale.md). The memo holds
 # the observation itself, so its id cannot be reused while it is cached.
-_memo: dict[str, tuple[object, dict]] = {}
+_memo: dict[str, tuple[object, object]] = {}
 
 
-def _per_obs(name: str, obs, build) -> dict:
+def _per_obs(name: str, obs, build):
     cached = _memo.get(name)
     if cached is None or cached[0] is not obs:
-        cached = _memo[name] = (obs, build())
+        cached = _memo[name] = (obs, build(obs))
     return cached[1]
 
 
-def _job_ranks(obs, job: str) -> dict:
-    def build() -> dict:
-        out = {}
-        for j in obs.jobs():
-            ranks = obs.current_ranks(j)
-            out[j] = {
-                "ranks": len(ranks),
-                "world_size": max((r.world_size for r in ranks), default=0),
-                "restart": max((r.restart for r in ranks), default=0),
-                "newest_checkpoint_step": max(
-                    (r.checkpoint_step or 0 for r in ranks), default=None
-                ),
-            }
-        return out
+def _jobs_ranks(obs) -> dict[str, dict]:
+    out = {}
+    for job in obs.jobs():
+        ranks = obs.current_ranks(job)
+        out[job] = {
+            "ranks": len(ranks),
+            "world_size": max((r.world_size for r in ranks), default=0),
+            "restart": max((r.restart for r in ranks), default=0),
+            "newest_checkpoint_step": max((r.checkpoint_step or 0 for r in ranks), default=None),
+        }
+    return out
 
-    empty = {"ranks": 0, "world_size": 0, "restart": 0, "newest_checkpoint_step": None}
-    return dict(_per_obs("jobs", obs, build).get(job, empty))
+
+_NO_RANKS = {"ranks": 0, "world_size": 0, "restart": 0, "newest_checkpoint_step": None}
+
+
+def _job_ranks(obs, job: str) -> dict:
+    return dict(_per_obs("jobs", obs, _jobs_ranks).get(job, _NO_RANKS))
 
 
 def _node_rows(obs) -> list[dict]:
-    rows = _per_obs("nodes", obs, lambda: {"rows": [
+    return _per_obs("nodes", obs, lambda obs: [
         {"node": n.node, "url": n.url, "reachable": n.reachable, "status": n.status,
          "error": n.error, "reasons": list(n.reasons), "ranks": len(n.ranks)}
         for n in obs.nodes
-    ]})  # fmt: skip
-    return rows["rows"]
+    ])  # fmt: skip
 
 
 def ranks_view(sup) -> dict:
