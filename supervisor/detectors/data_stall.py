@@ -71,9 +71,10 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
         restart, ranks = incarnation(obs, job)
         start = history.incarnation_start.get(f"{job}:{restart}", 0)
         waits = {}
+        # Every rank of the incarnation is a peer, a finished or dead one too (its window
+        # still says how long batches took); only live ranks are judged. A rank still
+        # draining its last steps after its peers finished keeps its peers' reference.
         for r in ranks:
-            if r.state not in LIVE_STATES:
-                continue
             steps = [
                 s
                 for s in samples_of(r, restart)
@@ -91,7 +92,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
         recent = {k: median([s.data_wait_seconds for s in w.recent]) for k, (_, w) in waits.items()}
         ordered = sorted(recent.values())  # the peers' median by bisection: O(N log N)
         for k, (r, w) in waits.items():
-            if w.baseline is None:
+            if w.baseline is None or r.state not in LIVE_STATES:
                 continue
             peers_wait = median_without(ordered, recent[k]) if len(ordered) > 1 else None
             wait = recent[k]

@@ -96,3 +96,15 @@ def test_settings_are_checked_and_can_turn_it_off():
             data_stall.DataStallConfig(**bad)
     off = DetectorConfig(data_stall=dataclasses.replace(CFG.data_stall, enabled=False))
     assert run_all(job(waits(1, 40), waits(1, 40, slow_from=35)), History(), off) == []
+
+
+def test_peers_that_finished_still_set_the_reference():
+    # the end of a job: rank 0 finished its last step while rank 1 still loads its own
+    done = cluster(rank(0, step=40, state="finished", recent=waits(1, 40)),
+                   rank(1, step=40, recent=waits(1, 40, slow_from=35)))  # fmt: skip
+    (f,) = data_stall.detect(done, History(), CFG)
+    assert f.rank == 1 and f.evidence["peers_data_wait_seconds"] == 0.002
+    # and a shared slow store is not blamed on the last rank running
+    shared = cluster(rank(0, step=40, state="finished", recent=waits(1, 40, slow_from=35)),
+                     rank(1, step=40, recent=waits(1, 40, slow_from=35)))  # fmt: skip
+    assert data_stall.detect(shared, History(), CFG) == []
