@@ -24,15 +24,29 @@ Two more guards against transient slowness: the first steps of an incarnation (w
 allocator, a restart's page faults) are not judged, and a suspect becomes a finding only
 once it has looked slow for `straggler_persist_steps` consecutive steps and
 `straggler_persist_seconds` (tracked in `History.straggler_since` by `advance_history`).
+
+Accumulated excess (session 11). The median rule above misses a real 1.2x slowdown when
+its signal flickers: on CPU a peer's compute sometimes absorbs its wait for the straggler
+for ~6 steps (the peer's first all-reduce in flight slows its own backward), the window
+stops looking consistent, and every flicker restarted the persistence; and a rank that
+was a few percent faster than its peers before it slowed reads only 1.13-1.16x. So a
+rank whose window median is over 1 + `excess_floor` is also judged by Page's CUSUM over
+its per-step ratios to its peers, each divided by its usual ratio (the median before the
+window, when under 1): each step adds log(ratio / usual) - `excess_allowance`, capped,
+and the sum never drops under 0. A sum at `excess_limit`, over steps that took
+`persist_seconds`, is a finding at once; brief flickers only take a little off it. The
+peers must still wait for it in communication.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..model import STRAGGLER, Finding, History
-from ..state import LIVE_STATES, ClusterObs, RankObs
+from ..state import LIVE_STATES, ClusterObs, RankObs, StepSample
 from .common import (
     at_least,
     check_settings,
@@ -68,11 +82,29 @@ class StragglerConfig:
     warmup_steps: int = 20  # first steps of an incarnation are not judged
     persist_steps: int = 8  # a suspect must stay slow this many steps...
     persist_seconds: float = 2.5  # ... and this long (host noise comes in bursts)
+    # Accumulated excess (session 11): Page's CUSUM over the per-step ratios to the peers,
+    # each against the rank's usual ratio, so a slowdown that flickers (on CPU a peer's
+    # compute sometimes absorbs its wait, for ~6 steps) still adds up, and a rank that ran
+    # a few percent faster than its peers before it slowed 1.2x (1.13-1.16x against them)
+    # is judged on its 1.2x. Each step adds log(ratio / usual) - allowance, capped at
+    # +-step_cap (one odd step counts little); the sum never drops below 0, and a rank
+    # whose sum reaches `excess_limit` is named without the persistence above (the sum is
+    # its persistence). Replayed through this detector, 12 runs slowed 1.2x here reached
+    # 1.8 6-19 steps after the slowdown; 4 clean 500-step runs peaked at 1.13.
+    excess_floor: float = 0.075  # a rank under 1 + this ratio over the window is not judged
+    excess_allowance: float = 0.09  # per step: half of log(1.2)
+    excess_step_cap: float = 0.3
+    excess_limit: float = 1.8
+    # Its usual ratio: the median of its per-step ratios over up to `baseline_steps` steps
+    # before the window (past the warm-up; 1 with fewer than half of them), credited only
+    # when under 1: a rank usually slower than its peers is not excused.
+    baseline_steps: int = 24
 
     def __post_init__(self) -> None:
         check_settings(self)
-        at_least(self, window=3, warmup_steps=0, persist_steps=0)
-        positive(self, "threshold", "step_threshold")
+        at_least(self, window=3, warmup_steps=0, persist_steps=0, baseline_steps=0)
+        positive(self, "threshold", "step_threshold", "excess_floor", "excess_allowance",
+                 "excess_step_cap", "excess_limit")  # fmt: skip
         if not 0 < self.consistency <= 1:
             raise ValueError(f"consistency must be in (0, 1], not {self.consistency}")
 
@@ -87,6 +119,15 @@ class _Window:
     own: float | None = None  # median over the window
     own_by_step: dict[int, float] | None = None
     wait: float | None = None  # median run-queue wait in compute
+    # every training sample of the incarnation held, and the first step judged (past the
+    # warm-up): the steps before the window give its usual ratio, read only when needed
+    series: Sequence[StepSample] = ()
+    first_step: int = 0
+
+    def older(self, c: StragglerConfig) -> list[StepSample]:
+        """Up to `baseline_steps` judged steps before the window."""
+        before = self.series[max(0, len(self.series) - c.window - c.baseline_steps) : -c.window]
+        return [s for s in before if s.step >= self.first_step]
 
 
 @dataclass(frozen=True)
@@ -120,6 +161,23 @@ class _Peers:
     own: list[float] | None = None
     own_by_step: dict[int, list[float]] | None = None
     wait: list[float] | None = None
+    # older steps every rank reported -> sorted seconds (own work when known), on demand
+    _older: dict[int, list[float]] | None = field(default=None, compare=False)
+
+    def older(self, windows: list[_Window], c: StragglerConfig) -> dict[int, list[float]]:
+        """The peers' seconds at each older step (before the window) all ranks reported:
+        computed only when a rank is judged against its own usual ratio."""
+        if self._older is None:
+            own = self.own is not None
+            steps = [{s.step: _seconds(s, own) for s in w.older(c)} for w in windows]
+            common = set(steps[0]).intersection(*steps[1:])
+            object.__setattr__(self, "_older", {t: sorted(x[t] for x in steps) for t in common})
+        return self._older  # type: ignore[return-value]
+
+
+def _seconds(s: StepSample, own: bool) -> float:
+    """A step's compute seconds, less its run-queue wait when the job is judged on own work."""
+    return s.compute_seconds - (s.compute_wait_seconds or 0.0) if own else s.compute_seconds
 
 
 def _peers(windows: list[_Window]) -> _Peers:
@@ -146,6 +204,9 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
     # the pass's suspects, judged once when the history was advanced for this observation
     found = history.suspects if history.suspects_at == obs.time else suspects(obs, cfg, history)
     for f in found:
+        if _accumulated(f.evidence, cfg.straggler):
+            out.append(f)  # its accumulated excess is its persistence
+            continue
         since = history.straggler_since.get(f.key)
         if (
             since is not None
@@ -189,8 +250,10 @@ def judge(
 def _window(r: RankObs, restart: int, start: int, cfg: DetectorConfig) -> _Window | None:
     # training steps only, past the incarnation's warm-up; steps only go up within an
     # incarnation, so the last `window` samples qualify when the oldest of them does
-    samples = samples_of(r, restart, phase="train")[-cfg.straggler.window :]
-    if len(samples) < cfg.straggler.window or samples[0].step < start + cfg.straggler.warmup_steps:
+    c = cfg.straggler
+    series = samples_of(r, restart, phase="train")
+    samples = series[-c.window :]
+    if len(samples) < c.window or samples[0].step < start + c.warmup_steps:
         return None
     compute = [s.compute_seconds for s in samples]
     waits = [s.compute_wait_seconds for s in samples]
@@ -209,6 +272,8 @@ def _window(r: RankObs, restart: int, start: int, cfg: DetectorConfig) -> _Windo
         own,
         own_by_step,
         wait,
+        series,
+        start + c.warmup_steps,
     )
 
 
@@ -229,28 +294,27 @@ def _judge(
     raw = _Verdict(ratio, suspect.compute, peers_compute)
     if peers.own is None or peers.own_by_step is None or peers.wait is None:
         # the wait is unknown for some rank of the job: raw compute, as before issue 16
-        if ratio < 1 + c.threshold:
+        if ratio < 1 + c.excess_floor:
             return None  # most ranks stop here, before the per-step comparison
-        raw.consistency = _slower_steps_fraction(suspect.by_step, peers.by_step, c)
-        if not _corroborated(raw, suspect, peers, c):
+        if not _stands_out(raw, suspect.by_step, peers.by_step, suspect, windows, peers, c):
             return None
         return _finding(obs, job, restart, suspect, windows, peers, cfg, raw, None)
     own = suspect.own or 0.0
     peers_own = _median_without(peers.own, own)
     mine = _Verdict(own / peers_own if peers_own > 0 else 0.0, own, peers_own)
-    if mine.ratio < 1 + c.threshold and ratio < 1 + c.threshold:
+    if mine.ratio < 1 + c.excess_floor and ratio < 1 + c.threshold:
         return None  # most ranks stop here
-    if mine.ratio >= 1 + c.threshold:
-        mine.consistency = _slower_steps_fraction(suspect.own_by_step or {}, peers.own_by_step, c)
-        # the peers wait for its own work, not for the time it sat preempted
-        if _corroborated(mine, suspect, peers, c):
-            return _finding(obs, job, restart, suspect, windows, peers, cfg, mine, raw)
+    # the peers wait for its own work, not for the time it sat preempted
+    if mine.ratio >= 1 + c.excess_floor and _stands_out(
+        mine, suspect.own_by_step or {}, peers.own_by_step, suspect, windows, peers, c
+    ):
+        return _finding(obs, job, restart, suspect, windows, peers, cfg, mine, raw)
     if ratio < 1 + c.threshold:
         return None
     # Raw compute stands out, own work does not: the straggler it would have been named
     # before issue 16 is a rank the scheduler kept off the CPU.
     raw.consistency = _slower_steps_fraction(suspect.by_step, peers.by_step, c)
-    if not _corroborated(raw, suspect, peers, c):
+    if not (raw.consistency >= c.consistency and _peers_wait(raw, suspect, peers, c)):
         return None
     r, wait = suspect.rank, suspect.wait or 0.0
     return Preempted(
@@ -268,13 +332,75 @@ class _Verdict:
     mine: float  # the suspect's median seconds
     peers: float  # its peers' median
     consistency: float = 0.0  # share of the window's steps it was slower on
+    usual: float = 1.0  # its usual ratio to its peers (at most 1)
+    excess: float = 0.0  # its accumulated excess over that ratio (the CUSUM)
+    excess_seconds: float = 0.0  # the time its steps took while it accumulated
 
 
-def _corroborated(v: _Verdict, suspect: _Window, peers: _Peers, c: StragglerConfig) -> bool:
-    """Slower on most steps, and the peers sit in the all-reduce for it, for a good part of
-    the gap."""
+def _stands_out(
+    v: _Verdict,
+    by_step: dict[int, float],
+    peers_by_step: dict[int, list[float]],
+    suspect: _Window,
+    windows: list[_Window],
+    peers: _Peers,
+    c: StragglerConfig,
+) -> bool:
+    """Its peers wait for it, and it is slower on most of the window's steps by a median
+    over the threshold, or its excess over its usual ratio has added up to the limit."""
+    if not _peers_wait(v, suspect, peers, c):
+        return False
+    if v.ratio >= 1 + c.threshold:
+        v.consistency = _slower_steps_fraction(by_step, peers_by_step, c)
+    v.usual, v.excess, v.excess_seconds = _excess(
+        by_step, peers_by_step, suspect, windows, peers, c
+    )
+    return v.consistency >= c.consistency or v.excess >= c.excess_limit
+
+
+def _excess(
+    by_step: dict[int, float],
+    peers_by_step: dict[int, list[float]],
+    suspect: _Window,
+    windows: list[_Window],
+    peers: _Peers,
+    c: StragglerConfig,
+) -> tuple[float, float, float]:
+    """(its usual ratio, its excess over it accumulated through the steps held, oldest
+    first, and the seconds of the steps since the sum last stood at 0): computed only for
+    a rank already slower than 1 + excess_floor."""
+    own = peers.own is not None
+    mine = {s.step: _seconds(s, own) for s in suspect.older(c)}
+    older = [
+        (t, _ratio(mine[t], ordered)) for t, ordered in sorted(peers.older(windows, c).items())
+    ]
+    known = older and len(older) >= c.baseline_steps / 2  # baseline_steps 0: never
+    usual = min(1.0, median([r for _, r in older])) if known else 1.0
+    recent = [(t, _ratio(by_step[t], ordered)) for t, ordered in sorted(peers_by_step.items())]
+    took = {s.step: s.step_seconds for s in suspect.series[-(c.window + c.baseline_steps) :]}
+    total, seconds, cap = 0.0, 0.0, c.excess_step_cap
+    for t, ratio in older + recent:
+        step = math.log(ratio / usual) if ratio > 0 else -cap
+        total = max(0.0, total + max(-cap, min(cap, step)) - c.excess_allowance)
+        seconds = seconds + took.get(t, 0.0) if total > 0 else 0.0
+    return usual, total, seconds
+
+
+def _accumulated(evidence: dict, c: StragglerConfig) -> bool:
+    """Its excess reached the limit over steps that took `persist_seconds` at least (a
+    burst of fast steps slowed for a moment is not a straggler)."""
+    return evidence["excess"] >= c.excess_limit and evidence["excess_seconds"] >= c.persist_seconds
+
+
+def _ratio(mine: float, ordered: list[float]) -> float:
+    peers = _median_without(ordered, mine)
+    return mine / peers if peers > 0 else 0.0
+
+
+def _peers_wait(v: _Verdict, suspect: _Window, peers: _Peers, c: StragglerConfig) -> bool:
+    """The peers sit in the all-reduce for it, for a good part of the gap."""
     comm_gap = _median_without(peers.comm, suspect.comm) - suspect.comm
-    return v.consistency >= c.consistency and comm_gap >= c.wait_share * (v.mine - v.peers)
+    return comm_gap >= c.wait_share * (v.mine - v.peers)
 
 
 def _finding(
@@ -301,6 +427,10 @@ def _finding(
         "judged_on": "compute" if raw is None else "own_work",
         "ratio": judged.ratio,
         "slower_steps_fraction": judged.consistency,
+        "usual_ratio": judged.usual,
+        "excess": judged.excess,
+        "excess_seconds": judged.excess_seconds,
+        "excess_limit": cfg.straggler.excess_limit,
         "threshold": 1 + cfg.straggler.threshold,
         "step_threshold": 1 + cfg.straggler.step_threshold,
         "window": cfg.straggler.window,
@@ -325,12 +455,15 @@ def _finding(
             median_compute_wait_seconds=wait,
             peers_median_compute_wait_seconds=_median_without(peers.wait, wait),
         )
+    usually = f", usually {judged.usual:.2f}x" if judged.usual < 1 else ""
+    if _accumulated(evidence, cfg.straggler):
+        usually += f", excess {judged.excess:.1f} over its usual ratio"
     return Finding(
         kind=STRAGGLER,
         key=f"straggler:{job}:{r.rank}:{restart}",
         severity="warning",
         summary=f"job {job} rank {r.rank} on {r.node} is a straggler: {what} "
-        f"{judged.mine:.3f}s vs peers' {judged.peers:.3f}s ({judged.ratio:.2f}x); peers "
+        f"{judged.mine:.3f}s vs peers' {judged.peers:.3f}s ({judged.ratio:.2f}x{usually}); peers "
         f"wait {peers_comm:.3f}s in communication vs its {suspect.comm:.3f}s",
         job=job,
         node=r.node,

@@ -565,6 +565,60 @@ def test_a_rank_without_the_wait_field_makes_the_job_judged_on_raw_compute():
     assert straggler.judge(cluster(*ranks), NO_WARMUP, History())[1] == []
 
 
+def _usually(usual, now, *, steps=60, slow_from=45, wait=None):
+    """Rank 1's compute: `usual` x its peers' until `slow_from`, then `now` x; its peers wait
+    in communication for the gap."""
+
+    def rank_steps(r):
+        out = []
+        for s in range(1, steps + 1):
+            slow = now if s >= slow_from else usual  # rank 1's, which its peers wait for
+            factor = slow if r == 1 else 1.0
+            comm = 0.02 + (0.0 if r == 1 else 0.07 * max(0.0, slow - 1) + 0.02)
+            out.append(dataclasses.replace(sample(s, compute=0.07 * factor if r == 1 else 0.07,
+                                                  comm=comm), compute_wait_seconds=wait))  # fmt: skip
+        return tuple(out)
+
+    return [rank(r, step=steps, recent=rank_steps(r)) for r in range(3)]
+
+
+def _straggler_cfg(**kw):
+    return dataclasses.replace(NO_WARMUP, straggler=dataclasses.replace(NO_WARMUP.straggler, **kw))
+
+
+def test_a_usually_fast_rank_slowed_is_named_on_its_excess_over_its_usual_ratio():
+    """Issue 16: a rank 0.9x its peers slowed 1.24x reads only 1.12x against them, under the
+    threshold; step by step its ratio exceeds its usual one by log(1.24) - 0.09, and the
+    sum passes the limit of 1.8 after 14 steps."""
+    [f] = _stragglers(_usually(0.9, 1.12, slow_from=38))
+    assert f.rank == 1 and f.evidence["usual_ratio"] == pytest.approx(0.9)
+    assert f.evidence["ratio"] == pytest.approx(1.12) and f.evidence["slower_steps_fraction"] == 0
+    assert f.evidence["excess"] == pytest.approx(23 * (math.log(1.12 / 0.9) - 0.09))
+    assert f.evidence["excess_seconds"] == pytest.approx(2.3)  # 23 steps of 0.1 s
+    assert "usually 0.90x" in f.summary
+    # judged on own work the same way when the run-queue wait is known
+    [f] = _stragglers(_usually(0.9, 1.12, slow_from=38, wait=0.0))
+    assert f.evidence["judged_on"] == "own_work" and f.evidence["usual_ratio"] < 1
+    # 12 steps: not yet
+    assert _stragglers(_usually(0.9, 1.12, slow_from=49)) == []
+    # against a usual ratio of 1 it would not be either
+    unknown = _straggler_cfg(baseline_steps=0)
+    assert _stragglers(_usually(0.9, 1.12, slow_from=38), unknown) == []
+
+
+def test_the_excess_excuses_nothing_and_counts_each_step_little():
+    # a fast rank back with the pack (1.05x, under the floor of 1.075) is no straggler
+    assert _stragglers(_usually(0.85, 1.05, slow_from=38)) == []
+    # a rank usually slower than its peers gets no credit: 1.14x is 1.04x its usual 1.1x
+    assert _stragglers(_usually(1.1, 1.14, slow_from=38)) == []
+    # a steady rank at its usual ratio: nothing
+    assert _stragglers(_usually(0.9, 0.9)) == []
+    # one very slow step adds at most the cap: 10 steps at 3x are 10 x (0.3 - 0.09)
+    [f] = _stragglers(_usually(1.0, 3.0, slow_from=51))
+    assert f.evidence["excess"] == pytest.approx(10 * 0.21)
+    assert f.evidence["slower_steps_fraction"] >= 0.75  # named by the median rule
+
+
 # -- numerics -------------------------------------------------------------------------------
 
 
@@ -754,6 +808,7 @@ def test_straggler_must_persist_and_warmup_is_not_judged():
         return cluster(rank(0, recent=fast, step=steps), rank(1, recent=slow, step=steps), time=t)
 
     # the first 20 steps of an incarnation are warm-up: 30 steps leave too few to judge
+    CFG = _straggler_cfg(warmup_steps=20, excess_limit=100.0)  # the median rule alone
     history = advance_history(History(), obs(30, T0 - 1), CFG)
     assert history.incarnation_start == {"j:0": 1}
     assert straggler.suspects(obs(30, T0), CFG, history) == []
@@ -768,3 +823,23 @@ def test_straggler_must_persist_and_warmup_is_not_judged():
     # a suspect that stops looking slow is forgotten
     calm = cluster(rank(0, recent=_steps_for(60), step=60), rank(1, recent=_steps_for(60), step=60))
     assert advance_history(history, calm, CFG).straggler_since == {}
+
+
+def test_an_accumulated_excess_is_named_once_its_steps_took_the_persistence_time():
+    """The excess path skips the per-pass persistence (a slowdown that flickers restarts
+    it) but not its time: the steps it accumulated over must have taken persist_seconds."""
+
+    def obs(steps, seconds):
+        fast = tuple(
+            dataclasses.replace(s, step_seconds=seconds) for s in _steps_for(steps, comm=0.05)
+        )
+        slow = tuple(
+            dataclasses.replace(s, step_seconds=seconds) for s in _steps_for(steps, compute=0.1)
+        )
+        return cluster(rank(0, recent=fast, step=steps), rank(1, recent=slow, step=steps))
+
+    # 1.43x from step 1 on: the excess passes 1.8 after 9 steps, in this one pass
+    (f,) = straggler.detect(obs(40, 0.2), History(), NO_WARMUP)  # 40 steps of 0.2 s: 8 s
+    assert f.rank == 1 and "excess" in f.summary
+    # the same steps at 50 ms: 2 s, under persist_seconds (2.5): the pass persistence rules
+    assert straggler.detect(obs(40, 0.05), History(), NO_WARMUP) == []
