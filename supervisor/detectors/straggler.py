@@ -294,7 +294,7 @@ def _judge(
     raw = _Verdict(ratio, suspect.compute, peers_compute)
     if peers.own is None or peers.own_by_step is None or peers.wait is None:
         # the wait is unknown for some rank of the job: raw compute, as before issue 16
-        if ratio < 1 + c.excess_floor:
+        if ratio < _judged_from(c):
             return None  # most ranks stop here, before the per-step comparison
         if not _stands_out(raw, suspect.by_step, peers.by_step, suspect, windows, peers, c):
             return None
@@ -302,10 +302,10 @@ def _judge(
     own = suspect.own or 0.0
     peers_own = _median_without(peers.own, own)
     mine = _Verdict(own / peers_own if peers_own > 0 else 0.0, own, peers_own)
-    if mine.ratio < 1 + c.excess_floor and ratio < 1 + c.threshold:
+    if mine.ratio < _judged_from(c) and ratio < 1 + c.threshold:
         return None  # most ranks stop here
     # the peers wait for its own work, not for the time it sat preempted
-    if mine.ratio >= 1 + c.excess_floor and _stands_out(
+    if mine.ratio >= _judged_from(c) and _stands_out(
         mine, suspect.own_by_step or {}, peers.own_by_step, suspect, windows, peers, c
     ):
         return _finding(obs, job, restart, suspect, windows, peers, cfg, mine, raw)
@@ -337,6 +337,11 @@ class _Verdict:
     excess_seconds: float = 0.0  # the time its steps took while it accumulated
 
 
+def _judged_from(c: StragglerConfig) -> float:
+    """The ratio under which a rank is not judged at all (by either rule)."""
+    return 1 + min(c.threshold, c.excess_floor)
+
+
 def _stands_out(
     v: _Verdict,
     by_step: dict[int, float],
@@ -352,9 +357,10 @@ def _stands_out(
         return False
     if v.ratio >= 1 + c.threshold:
         v.consistency = _slower_steps_fraction(by_step, peers_by_step, c)
-    v.usual, v.excess, v.excess_seconds = _excess(
-        by_step, peers_by_step, suspect, windows, peers, c
-    )
+    if v.ratio >= 1 + c.excess_floor:
+        v.usual, v.excess, v.excess_seconds = _excess(
+            by_step, peers_by_step, suspect, windows, peers, c
+        )
     return v.consistency >= c.consistency or v.excess >= c.excess_limit
 
 
