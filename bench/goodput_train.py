@@ -124,6 +124,7 @@ class Snapshots:
 
         peers = tuple(p for p in args.snapshot_peers.split(",") if p)
         self.every = args.snapshot_every
+        self._sending = self._spare = None
         self.client = SnapshotClient(args.snapshot_holder, peers, "goodput", rank, world,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", world)), keep=2)  # fmt: skip
 
@@ -132,7 +133,10 @@ class Snapshots:
 
         # a NaN state must never be what a restart resumes from (the store's rule too)
         if all(bool(torch.isfinite(t).all()) for t in state["model"].values()):
-            self.client.save(step, bytes(serialize(state)))
+            # two buffers in turn: the client's save waits for the previous send first
+            data = serialize(state, reuse=self._spare)
+            self.client.save(step, data)
+            self._spare, self._sending = self._sending, data
 
     def resume(self) -> tuple[int, dict | None]:
         """The newest step every rank fetched intact (a collective), or (0, None)."""

@@ -1,8 +1,10 @@
 """Tier-0 snapshot serialization: the flat format (client/snapshots.py) against torch.save.
 
-    python bench/snapshot_serialize.py [--preset tiny] [--repeats 50]
+    python bench/snapshot_serialize.py [--preset tiny] [--repeats 50] [--model-args '...']
 
 One rank's state (model + AdamW after one step + RNG), one thread; milliseconds per call.
+The second flat row refills a buffer of the same size, as the trainer does in turn with two
+(a new buffer is zero-filled and faulted in page by page first).
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument(
+        "--model-args", default="", help="trainer model flags, e.g. '--d-model 384 --n-layer 6'"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
-    cfg = config_from_args(["--preset", args.preset], environ={})
+    cfg = config_from_args(["--preset", args.preset, *args.model_args.split()], environ={})
     model = GPT(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.zeros((1, cfg.model.seq_len), dtype=torch.long)
@@ -48,6 +53,7 @@ def main() -> None:
         return buf.getvalue()
 
     old, new = torch_save(), serialize(state)
+    spare = serialize(state)  # what the trainer refills (the send of the other one is done)
     rows = [
         ("torch.save", per_call_ms(torch_save, args.repeats), len(old)),
         (
@@ -56,6 +62,11 @@ def main() -> None:
             len(old),
         ),  # fmt: skip
         ("flat serialize", per_call_ms(lambda: serialize(state), args.repeats), len(new)),
+        (
+            "flat serialize into a spare buffer",
+            per_call_ms(lambda: serialize(state, reuse=spare), args.repeats),
+            len(new),
+        ),  # fmt: skip
         ("flat deserialize", per_call_ms(lambda: deserialize(new), args.repeats), len(new)),
         ("blake2b checksum", per_call_ms(lambda: checksum(new), args.repeats), len(new)),
     ]

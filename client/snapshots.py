@@ -92,11 +92,15 @@ class _Unpickler(pickle.Unpickler):
         return flat.reshape(shape).clone()
 
 
-def serialize(state) -> bytearray:
+def serialize(state, reuse: bytearray | None = None) -> bytearray:
     """A flat copy of a state (nested dicts/lists of tensors and plain values): a small
     pickle of the structure, then every tensor's bytes back to back. Ten times faster than
     torch.save into a buffer on the tiny model (docs/architecture.md); device tensors are
-    copied straight into the buffer."""
+    copied straight into the buffer.
+
+    `reuse`: a buffer from an earlier call that nothing reads any more (its send is done),
+    filled in place when the size matches: a new buffer of a large state is zero-filled
+    and page-faulted in first, which cost more than the copy itself (issue 14)."""
     import torch
 
     head = io.BytesIO()
@@ -104,7 +108,8 @@ def serialize(state) -> bytearray:
     pickler.dump(state)
     structure = head.getvalue()
     start = len(MAGIC) + _HEAD.size + len(structure)
-    out = bytearray(start + pickler.offset)
+    size = start + pickler.offset
+    out = reuse if reuse is not None and len(reuse) == size else bytearray(size)
     out[:start] = MAGIC + _HEAD.pack(len(structure)) + structure
     for t, offset, nbytes in pickler.tensors:
         if nbytes:

@@ -83,6 +83,9 @@ class TierZero:
                                      info.local_world_size, cfg.keep, token=token)  # fmt: skip
         self.saves = 0
         self.serialize_seconds = 0.0
+        # two buffers in turn: one in the send in flight, the other (its send done) refilled
+        self._sending: bytearray | None = None
+        self._spare: bytearray | None = None
 
     def due(self, step: int) -> bool:
         return bool(self.cfg.every) and step % self.cfg.every == 0
@@ -92,10 +95,11 @@ class TierZero:
         start = time.perf_counter()
         data = serialize(
             {"model": unwrap(model).state_dict(), "optim": optim.state_dict(),
-             "trainer": trainer_state}
+             "trainer": trainer_state}, reuse=self._spare,
         )  # fmt: skip
         self.serialize_seconds += time.perf_counter() - start
-        self.client.save(step, data)
+        self.client.save(step, data)  # waits for the send of `_sending` to end first
+        self._spare, self._sending = self._sending, data
         self.saves += 1
         return time.perf_counter() - start
 

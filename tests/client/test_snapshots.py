@@ -113,6 +113,25 @@ def test_serialize_round_trip_is_exact_and_data_only():
         deserialize(data[: len(data) - 8])  # truncated payload
 
 
+def test_a_spare_buffer_of_the_same_size_is_refilled_in_place():
+    import torch
+
+    from rankguard.client.snapshots import deserialize, serialize
+
+    first = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    spare = serialize(first)
+    second = {"w": torch.arange(1000, dtype=torch.float32) * 2, "step": 2}
+    out = serialize(second, reuse=spare)
+    assert out is spare  # no new buffer: the old bytes are all overwritten
+    back = deserialize(out)
+    assert torch.equal(back["w"], second["w"]) and back["step"] == 2
+    # another size (an optimizer's state appeared): a new buffer, the spare left alone
+    bigger = {"w": torch.zeros(2000), "step": 3}
+    out = serialize(bigger, reuse=spare)
+    assert out is not spare and len(out) > len(spare)
+    assert torch.equal(deserialize(spare)["w"], second["w"])
+
+
 def test_restored_model_and_optimizer_continue_bit_identically():
     """A GPT and its AdamW restored from a snapshot take the next step exactly as the
     originals do (what exact resume from tier 0 rests on)."""
