@@ -45,14 +45,21 @@ class Up:
         return "".join(self.out) + "".join(self.err)
 
     def agent_url(self, timeout: float = 60) -> str:
+        return self._url("agent", timeout)
+
+    def supervisor_url(self, timeout: float = 60) -> str:
+        return self._url("supervisor", timeout)
+
+    def _url(self, daemon: str, timeout: float) -> str:
+        """The daemon's URL from `rankguard up`'s first line ("| agent URL | supervisor URL")."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            m = re.search(r"\| agent (http://\S+) \|", "".join(self.out))
+            m = re.search(rf"\| {daemon} (http://\S+)", "".join(self.out))
             if m:
                 return m.group(1)
             assert self.proc.poll() is None, self.output()
             time.sleep(0.1)
-        raise AssertionError(f"no agent URL in the output: {self.output()}")
+        raise AssertionError(f"no {daemon} URL in the output: {self.output()}")
 
     def wait(self, timeout: float) -> int:
         try:
