@@ -182,10 +182,10 @@ def test_hung_ranks_are_found_named_and_ended(rig, clean):
         assert "Thread" in stacks or "stacks" in stacks, "the culprit's stack must be captured"
 
 
-# Out of soak (issue 16) in session 11: a rank slowed 1.2x was named 20-26 steps after
-# the slowdown in 6 runs of 6 here with the median rule alone, and with its accumulated
-# excess 6-23 steps after it in the replay of 8 recorded runs (docs/architecture.md,
-# "Straggler: session 11").
+# Out of soak (issue 16) since session 11, with the accumulated-excess rule: named at
+# steps 78, 78 and 82 in 3 runs of 3 under the CPU lock beside the clean 500-step test
+# (3 of 3 clean), and in the full suite; replayed, 9 recorded slowed runs were named 9-19
+# steps after the slowdown (docs/architecture.md, "Straggler: session 11").
 def test_straggler_named_within_30_steps(rig):
     proc = torchrun(["--steps", "120", *STRAGGLER_MODEL, "--job", "job", "--fault",
                      "slow:step=60:rank=1:factor=1.2"], cwd=rig.tmp,
