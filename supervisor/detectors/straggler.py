@@ -358,23 +358,22 @@ def _stands_out(
     if v.ratio >= 1 + c.threshold:
         v.consistency = _slower_steps_fraction(by_step, peers_by_step, c)
     if v.ratio >= 1 + c.excess_floor:
-        v.usual, v.excess, v.excess_seconds = _excess(
-            by_step, peers_by_step, suspect, windows, peers, c
-        )
+        recent = [(t, _ratio(by_step[t], ordered)) for t, ordered in sorted(peers_by_step.items())]
+        v.usual, v.excess, v.excess_seconds = _excess(recent, suspect, windows, peers, c)
     return v.consistency >= c.consistency or v.excess >= c.excess_limit
 
 
 def _excess(
-    by_step: dict[int, float],
-    peers_by_step: dict[int, list[float]],
+    recent: list[tuple[int, float]],
     suspect: _Window,
     windows: list[_Window],
     peers: _Peers,
     c: StragglerConfig,
 ) -> tuple[float, float, float]:
     """(its usual ratio, its excess over it accumulated through the steps held, oldest
-    first, and the seconds of the steps since the sum last stood at 0): computed only for
-    a rank already slower than 1 + excess_floor."""
+    first, and the seconds of the steps since the sum last stood at 0), from its window's
+    (step, ratio to its peers) and the older steps: computed only for a rank already
+    slower than 1 + excess_floor."""
     own = peers.own is not None
     mine = {s.step: _seconds(s, own) for s in suspect.older(c)}
     older = [
@@ -382,7 +381,6 @@ def _excess(
     ]
     known = older and len(older) >= c.baseline_steps / 2  # baseline_steps 0: never
     usual = min(1.0, median([r for _, r in older])) if known else 1.0
-    recent = [(t, _ratio(by_step[t], ordered)) for t, ordered in sorted(peers_by_step.items())]
     took = {s.step: s.step_seconds for s in suspect.series[-(c.window + c.baseline_steps) :]}
     total, seconds, cap = 0.0, 0.0, c.excess_step_cap
     for t, ratio in older + recent:
