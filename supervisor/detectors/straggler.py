@@ -28,14 +28,19 @@ once it has looked slow for `straggler_persist_steps` consecutive steps and
 Accumulated excess (session 11). The median rule above misses a real 1.2x slowdown when
 its signal flickers: on CPU a peer's compute sometimes absorbs its wait for the straggler
 for ~6 steps (the peer's first all-reduce in flight slows its own backward), the window
-stops looking consistent, and every flicker restarted the persistence; and a rank that
-was a few percent faster than its peers before it slowed reads only 1.13-1.16x. So a
-rank whose window median is over 1 + `excess_floor` is also judged by Page's CUSUM over
-its per-step ratios to its peers, each divided by its usual ratio (the median before the
-window, when under 1): each step adds log(ratio / usual) - `excess_allowance`, capped,
-and the sum never drops under 0. A sum at `excess_limit`, over steps that took
-`persist_seconds`, is a finding at once; brief flickers only take a little off it. The
-peers must still wait for it in communication.
+stops looking consistent, and every flicker restarted the persistence. So a rank whose
+window median is over 1 + `excess_floor` is also judged by Page's CUSUM over its per-step
+ratios to its peers, through the window and up to `lookback_steps` steps before it: each
+step adds log(ratio) - `excess_allowance`, capped, and the sum never drops under 0. A sum
+at `excess_limit`, over steps that took `persist_seconds`, is a finding at once; brief
+flickers only take a little off it. The peers must still wait for it in communication.
+
+The ratio is the raw one, not one against the rank's own usual ratio (session 12): on
+shared hosts, slowness that neither rank's run-queue wait sees (a noisy neighbour on the
+host's cores) moves from rank to rank, so a rank's "usual" ratio of 0.89 was its peer's
+slow spell, and dividing by it turned the rank's own 1.22x spell of 3 s into 1.37x and a
+finding in CI's clean 500-step run. Replayed, the division had moved no 1.2x slowdown
+by more than 3 steps.
 """
 
 from __future__ import annotations
@@ -83,26 +88,24 @@ class StragglerConfig:
     persist_steps: int = 8  # a suspect must stay slow this many steps...
     persist_seconds: float = 2.5  # ... and this long (host noise comes in bursts)
     # Accumulated excess (session 11): Page's CUSUM over the per-step ratios to the peers,
-    # each against the rank's usual ratio, so a slowdown that flickers (on CPU a peer's
-    # compute sometimes absorbs its wait, for ~6 steps) still adds up, and a rank that ran
-    # a few percent faster than its peers before it slowed 1.2x (1.13-1.16x against them)
-    # is judged on its 1.2x. Each step adds log(ratio / usual) - allowance, capped at
-    # +-step_cap (one odd step counts little); the sum never drops below 0, and a rank
-    # whose sum reaches `excess_limit` is named without the persistence above (the sum is
-    # its persistence). Replayed through this detector, 12 runs slowed 1.2x here reached
-    # 1.8 6-19 steps after the slowdown; 4 clean 500-step runs peaked at 1.13.
+    # so a slowdown that flickers (on CPU a peer's compute sometimes absorbs its wait, for
+    # ~6 steps) still adds up. Each step adds log(ratio) - allowance, capped at +-step_cap
+    # (one odd step counts little); the sum never drops below 0, and a rank whose sum
+    # reaches `excess_limit` is named without the persistence above (the sum is its
+    # persistence). Replayed through this detector, 12 runs slowed 1.2x here reached 1.8
+    # 7-19 steps after the slowdown; 7 clean 500-step runs peaked at 0.89
+    # (bench/results/straggler_replay.md).
     excess_floor: float = 0.075  # a rank under 1 + this ratio over the window is not judged
     excess_allowance: float = 0.09  # per step: half of log(1.2)
     excess_step_cap: float = 0.3
     excess_limit: float = 1.8
-    # Its usual ratio: the median of its per-step ratios over up to `baseline_steps` steps
-    # before the window (past the warm-up; 1 with fewer than half of them), credited only
-    # when under 1: a rank usually slower than its peers is not excused.
-    baseline_steps: int = 24
+    # the sum also runs over up to this many judged steps before the window (past the
+    # warm-up), so a slowdown older than the window is not forgotten
+    lookback_steps: int = 24
 
     def __post_init__(self) -> None:
         check_settings(self)
-        at_least(self, window=3, warmup_steps=0, persist_steps=0, baseline_steps=0)
+        at_least(self, window=3, warmup_steps=0, persist_steps=0, lookback_steps=0)
         positive(self, "threshold", "step_threshold", "excess_floor", "excess_allowance",
                  "excess_step_cap", "excess_limit")  # fmt: skip
         if not 0 < self.consistency <= 1:
@@ -120,13 +123,13 @@ class _Window:
     own_by_step: dict[int, float] | None = None
     wait: float | None = None  # median run-queue wait in compute
     # every training sample of the incarnation held, and the first step judged (past the
-    # warm-up): the steps before the window give its usual ratio, read only when needed
+    # warm-up): the accumulated excess also reads the steps before the window
     series: Sequence[StepSample] = ()
     first_step: int = 0
 
     def older(self, c: StragglerConfig) -> list[StepSample]:
-        """Up to `baseline_steps` judged steps before the window."""
-        before = self.series[max(0, len(self.series) - c.window - c.baseline_steps) : -c.window]
+        """Up to `lookback_steps` judged steps before the window."""
+        before = self.series[max(0, len(self.series) - c.window - c.lookback_steps) : -c.window]
         return [s for s in before if s.step >= self.first_step]
 
 
@@ -166,7 +169,7 @@ class _Peers:
 
     def older(self, windows: list[_Window], c: StragglerConfig) -> dict[int, list[float]]:
         """The peers' seconds at each older step (before the window) all ranks reported:
-        computed only when a rank is judged against its own usual ratio."""
+        computed only when a rank's accumulated excess is."""
         if self._older is None:
             own = self.own is not None
             steps = [{s.step: _seconds(s, own) for s in w.older(c)} for w in windows]
@@ -332,8 +335,7 @@ class _Verdict:
     mine: float  # the suspect's median seconds
     peers: float  # its peers' median
     consistency: float = 0.0  # share of the window's steps it was slower on
-    usual: float = 1.0  # its usual ratio to its peers (at most 1)
-    excess: float = 0.0  # its accumulated excess over that ratio (the CUSUM)
+    excess: float = 0.0  # its accumulated excess over its peers (the CUSUM)
     excess_seconds: float = 0.0  # the time its steps took while it accumulated
 
 
@@ -352,14 +354,14 @@ def _stands_out(
     c: StragglerConfig,
 ) -> bool:
     """Its peers wait for it, and it is slower on most of the window's steps by a median
-    over the threshold, or its excess over its usual ratio has added up to the limit."""
+    over the threshold, or its excess over them has added up to the limit."""
     if not _peers_wait(v, suspect, peers, c):
         return False
     if v.ratio >= 1 + c.threshold:
         v.consistency = _slower_steps_fraction(by_step, peers_by_step, c)
     if v.ratio >= 1 + c.excess_floor:
         recent = [(t, _ratio(by_step[t], ordered)) for t, ordered in sorted(peers_by_step.items())]
-        v.usual, v.excess, v.excess_seconds = _excess(recent, suspect, windows, peers, c)
+        v.excess, v.excess_seconds = _excess(recent, suspect, windows, peers, c)
     return v.consistency >= c.consistency or v.excess >= c.excess_limit
 
 
@@ -369,25 +371,23 @@ def _excess(
     windows: list[_Window],
     peers: _Peers,
     c: StragglerConfig,
-) -> tuple[float, float, float]:
-    """(its usual ratio, its excess over it accumulated through the steps held, oldest
-    first, and the seconds of the steps since the sum last stood at 0), from its window's
-    (step, ratio to its peers) and the older steps: computed only for a rank already
-    slower than 1 + excess_floor."""
+) -> tuple[float, float]:
+    """(its excess over its peers accumulated through the steps held, oldest first, and
+    the seconds of the steps since the sum last stood at 0), from its window's (step, ratio
+    to its peers) and the older steps: computed only for a rank already slower than
+    1 + excess_floor."""
     own = peers.own is not None
     mine = {s.step: _seconds(s, own) for s in suspect.older(c)}
     older = [
         (t, _ratio(mine[t], ordered)) for t, ordered in sorted(peers.older(windows, c).items())
     ]
-    known = older and len(older) >= c.baseline_steps / 2  # baseline_steps 0: never
-    usual = min(1.0, median([r for _, r in older])) if known else 1.0
-    took = {s.step: s.step_seconds for s in suspect.series[-(c.window + c.baseline_steps) :]}
+    took = {s.step: s.step_seconds for s in suspect.series[-(c.window + c.lookback_steps) :]}
     total, seconds, cap = 0.0, 0.0, c.excess_step_cap
     for t, ratio in older + recent:
-        step = math.log(ratio / usual) if ratio > 0 else -cap
+        step = math.log(ratio) if ratio > 0 else -cap
         total = max(0.0, total + max(-cap, min(cap, step)) - c.excess_allowance)
         seconds = seconds + took.get(t, 0.0) if total > 0 else 0.0
-    return usual, total, seconds
+    return total, seconds
 
 
 def _accumulated(evidence: dict, c: StragglerConfig) -> bool:
@@ -431,7 +431,6 @@ def _finding(
         "judged_on": "compute" if raw is None else "own_work",
         "ratio": judged.ratio,
         "slower_steps_fraction": judged.consistency,
-        "usual_ratio": judged.usual,
         "excess": judged.excess,
         "excess_seconds": judged.excess_seconds,
         "excess_limit": cfg.straggler.excess_limit,
@@ -459,15 +458,15 @@ def _finding(
             median_compute_wait_seconds=wait,
             peers_median_compute_wait_seconds=_median_without(peers.wait, wait),
         )
-    usually = f", usually {judged.usual:.2f}x" if judged.usual < 1 else ""
+    accumulated = ""
     if _accumulated(evidence, cfg.straggler):
-        usually += f", excess {judged.excess:.1f} over its usual ratio"
+        accumulated = f", excess {judged.excess:.1f} over {judged.excess_seconds:.1f}s"
     return Finding(
         kind=STRAGGLER,
         key=f"straggler:{job}:{r.rank}:{restart}",
         severity="warning",
         summary=f"job {job} rank {r.rank} on {r.node} is a straggler: {what} "
-        f"{judged.mine:.3f}s vs peers' {judged.peers:.3f}s ({judged.ratio:.2f}x{usually}); peers "
+        f"{judged.mine:.3f}s vs peers' {judged.peers:.3f}s ({judged.ratio:.2f}x{accumulated}); peers "
         f"wait {peers_comm:.3f}s in communication vs its {suspect.comm:.3f}s",
         job=job,
         node=r.node,
