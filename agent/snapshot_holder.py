@@ -305,8 +305,9 @@ class HolderServer:
     def dispatch(self, req: wire.Request, data: bytearray) -> tuple[dict, bytes]:
         self.requests[req.op] += 1
         if req.op == "put":
+            # the payload's buffer is this request's own: held as it is, not copied
             held = Held(job=req.job, step=req.step, rank=req.rank, world=req.world,
-                        local_world=req.local_world, checksum=req.checksum, data=bytes(data),
+                        local_world=req.local_world, checksum=req.checksum, data=data,
                         kind=REPLICA if req.replica else LOCAL)  # fmt: skip
             evicted = self.store.put(held, req.keep)
             if self.replicator and held.kind == LOCAL:

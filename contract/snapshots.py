@@ -37,6 +37,7 @@ import secrets
 import socket
 import stat
 import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,9 +64,12 @@ class WireError(Exception):
 
 
 def checksum(data) -> str:
-    """Integrity, not tamper resistance: BLAKE2b is faster than SHA-256 on a CPU and, like
-    it, releases the GIL on large buffers."""
-    return hashlib.blake2b(data, digest_size=32).hexdigest()
+    """Integrity, not tamper resistance (who may put is checked by the socket's credentials
+    or the token): CRC-32, 4x cheaper than BLAKE2b (34 against 141 ms on 130 MB here), and
+    the sender's checksum is CPU taken from training every snapshot. zlib releases the GIL
+    above 5 KiB. The prefix names the algorithm: a copy saved with another (BLAKE2b before
+    session 12) does not verify and is refused, never misread."""
+    return f"crc32:{zlib.crc32(data):08x}"
 
 
 def parse_address(addr: str) -> tuple[int, object]:

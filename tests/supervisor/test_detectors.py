@@ -591,31 +591,31 @@ def _named_at_once(ranks, cfg=NO_WARMUP):
 
 
 def test_a_slowdown_adds_up_step_by_step_to_the_excess_limit():
-    """Issue 16: each step 1.2x slower adds log(1.2) - 0.09; after 27 steps (2.7 s) the sum
-    is over the limit of 1.8 and the rank is named without waiting for persistence."""
-    [f] = _named_at_once(_slowed([1.0] * 33 + [1.2] * 27))
+    """Issue 16: each step 1.2x slower adds log(1.2) - 0.09; after 31 steps (3.1 s) the sum
+    is over the limit of 2.2 and the rank is named without waiting for persistence."""
+    [f] = _named_at_once(_slowed([1.0] * 29 + [1.2] * 31))
     assert f.rank == 1 and f.evidence["ratio"] == pytest.approx(1.2)
-    assert f.evidence["excess"] == pytest.approx(27 * (math.log(1.2) - 0.09))
-    assert f.evidence["excess_seconds"] == pytest.approx(2.7)  # 27 steps of 0.1 s
-    assert "excess 2.5 over 2.7s" in f.summary
+    assert f.evidence["excess"] == pytest.approx(31 * (math.log(1.2) - 0.09))
+    assert f.evidence["excess_seconds"] == pytest.approx(3.1)  # 31 steps of 0.1 s
+    assert "excess 2.9 over 3.1s" in f.summary
     # judged on own work the same way when the run-queue wait is known
-    [f] = _named_at_once(_slowed([1.0] * 33 + [1.2] * 27, wait=0.0))
-    assert f.evidence["judged_on"] == "own_work" and f.evidence["excess"] > 1.8
+    [f] = _named_at_once(_slowed([1.0] * 29 + [1.2] * 31, wait=0.0))
+    assert f.evidence["judged_on"] == "own_work" and f.evidence["excess"] > 2.2
     # 12 steps: a suspect of the median rule, which waits for its persistence
     [f] = _stragglers(_slowed([1.0] * 48 + [1.2] * 12))
     assert f.evidence["excess"] == pytest.approx(12 * (math.log(1.2) - 0.09))
     assert _named_at_once(_slowed([1.0] * 48 + [1.2] * 12)) == []
     # the sum runs over `lookback_steps` before the window only
-    assert _named_at_once(_slowed([1.0] * 33 + [1.2] * 27), _straggler_cfg(lookback_steps=0)) == []
+    assert _named_at_once(_slowed([1.0] * 29 + [1.2] * 31), _straggler_cfg(lookback_steps=0)) == []
 
 
 def test_a_flickering_slowdown_is_named_on_its_excess():
     """On CPU the slowed rank's signal flickers: slower on 2 steps of 3, under the median
     rule's consistency of 0.75, but each flicker takes only 0.09 off the sum."""
-    ranks = _slowed([1.0] * 24 + [1.25, 1.25, 1.0] * 12)
+    ranks = _slowed([1.0] * 24 + [1.3, 1.3, 1.0] * 12)
     [f] = _named_at_once(ranks)
     assert f.rank == 1 and f.evidence["slower_steps_fraction"] < 0.75
-    assert f.evidence["excess"] == pytest.approx(12 * (2 * math.log(1.25) - 3 * 0.09))
+    assert f.evidence["excess"] == pytest.approx(12 * (2 * math.log(1.3) - 3 * 0.09))
 
 
 def test_a_rank_gets_no_credit_for_its_peers_slow_spell():
@@ -860,8 +860,8 @@ def test_an_accumulated_excess_is_named_once_its_steps_took_the_persistence_time
         )
         return cluster(rank(0, recent=fast, step=steps), rank(1, recent=slow, step=steps))
 
-    # 1.43x from step 1 on: the excess passes 1.8 after 9 steps, in this one pass
+    # 1.43x from step 1 on: the excess passes 2.2 after 11 steps, in this one pass
     (f,) = straggler.detect(obs(40, 0.2), History(), NO_WARMUP)  # 40 steps of 0.2 s: 8 s
     assert f.rank == 1 and "excess" in f.summary
-    # the same steps at 50 ms: 2 s, under persist_seconds (2.5): the pass persistence rules
+    # the same steps at 50 ms: 1.8 s, under persist_seconds (3): the pass persistence rules
     assert straggler.detect(obs(40, 0.05), History(), NO_WARMUP) == []
