@@ -198,8 +198,9 @@ def send_frame(sock: socket.socket, header: dict, payload=b"") -> None:
         sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
+def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
+    """n bytes, into `into` when it is a buffer of exactly n bytes (a holder's spare)."""
+    buf = into if into is not None and len(into) == n else bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -232,9 +233,11 @@ def recv_header(sock: socket.socket) -> dict:
     return decode_header(_recv_exact(sock, n))
 
 
-def recv_payload(sock: socket.socket, header: Mapping[str, Any]) -> bytearray:
+def recv_payload(
+    sock: socket.socket, header: Mapping[str, Any], into: bytearray | None = None
+) -> bytearray:
     size = header.get("size", 0)
-    return _recv_exact(sock, size) if size else bytearray()
+    return _recv_exact(sock, size, into) if size else bytearray()
 
 
 def recv_frame(sock: socket.socket, max_payload: int = MAX_PAYLOAD) -> tuple[dict, bytearray]:
@@ -410,6 +413,7 @@ class HolderStatus:
     replication: dict | None = None  # peer, sent, dropped, failures, pending, last_error
     requests: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
+    spare_bytes: int = 0  # buffers of dropped snapshots, kept to receive the next ones into
 
     MAX_STEPS = 4096  # entries in one answer: far above keep x jobs, far below a problem
 
@@ -418,7 +422,7 @@ class HolderStatus:
                 "bytes": self.bytes, "evicted": self.evicted, "max_keep": self.max_keep,
                 "keep": dict(self.keep), "snapshots": [s.to_json() for s in self.snapshots],
                 "replication": self.replication, "requests": dict(self.requests),
-                "refused": dict(self.refused)}  # fmt: skip
+                "refused": dict(self.refused), "spare_bytes": self.spare_bytes}  # fmt: skip
 
     @classmethod
     def from_json(cls, o: Any) -> HolderStatus:
@@ -443,7 +447,8 @@ class HolderStatus:
                    _int(o, "max_keep"), _counts(o.get("keep"), "keep", cls.MAX_STEPS),
                    tuple(StepHeld.from_json(s) for s in steps), rep,
                    _counts(o.get("requests"), "requests"),
-                   _counts(o.get("refused"), "refused"))  # fmt: skip
+                   _counts(o.get("refused"), "refused"),
+                   _int(o, "spare_bytes") if "spare_bytes" in o else 0)  # fmt: skip
 
     def jobs(self) -> list[JobMemory]:
         """Per (job, kind): bytes, rank snapshots, steps, the newest and newest complete step."""

@@ -61,6 +61,11 @@ def holder_metrics(status: wire.HolderStatus | None, up: bool) -> list:
             complete.add(key, j.newest_complete_step)
     total = gauge("rankguard_snapshot_holder_bytes", "All snapshot bytes the holder holds.")
     total.add((), status.bytes)
+    spare = gauge(
+        "rankguard_snapshot_holder_spare_bytes",
+        "Buffers of dropped snapshots the holder keeps to receive the next ones into.",
+    )
+    spare.add((), status.spare_bytes)
     evicted = counter(
         "rankguard_snapshot_evicted_total", "Snapshot steps evicted by --snapshot-keep."
     )
@@ -73,7 +78,7 @@ def holder_metrics(status: wire.HolderStatus | None, up: bool) -> list:
     )
     for reason in wire.REFUSALS:
         refused.add((reason,), status.refused.get(reason, 0))
-    out = [up_g, bytes_g, held, newest, complete, total, evicted, refused]
+    out = [up_g, bytes_g, held, newest, complete, total, spare, evicted, refused]
     rep = status.replication
     if rep is not None:
         sent = counter("rankguard_snapshot_replicated_total", "Snapshots sent to the peer holder.")
@@ -88,7 +93,7 @@ def holder_metrics(status: wire.HolderStatus | None, up: bool) -> list:
 def holder_facts(status: wire.HolderStatus | None, address: str, error: str | None) -> dict:
     facts: dict[str, Any] = {"holder": address, "up": status is not None, "error": error}
     if status is not None:
-        facts.update(bytes=status.bytes, evicted=status.evicted, refused=dict(status.refused),
+        facts.update(bytes=status.bytes, spare_bytes=status.spare_bytes, evicted=status.evicted, refused=dict(status.refused),
                      replication=status.replication,
                      jobs=[j.to_json() for j in status.jobs()])  # fmt: skip
     return facts

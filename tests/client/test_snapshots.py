@@ -58,6 +58,34 @@ def test_store_corrupt_changes_bytes_not_checksum():
     assert after.checksum == before.checksum and wire.checksum(after.data) != after.checksum
 
 
+def _put_fresh(s: SnapshotStore, step: int, size: int = 4096) -> int:
+    """Put a one-rank snapshot in a new buffer that nothing else references; its id."""
+    data = bytearray(size)
+    data[:8] = step.to_bytes(8, "big")
+    s.put(Held("j", step, 0, 1, 1, "x", data), keep=1)
+    return id(data)
+
+
+def test_dropped_snapshots_buffers_are_received_into_again_unless_still_read():
+    s = SnapshotStore()
+    first = _put_fresh(s, 10)
+    _put_fresh(s, 20)  # 10 evicted: nothing reads it, its buffer is a spare
+    assert s.status()["spare_bytes"] == 4096
+    assert s.spare(100) is None  # another size: a new buffer
+    buf = s.spare(4096)
+    assert id(buf) == first and s.reused == 1 and s.status()["spare_bytes"] == 0
+    # a reader that took step 20 before it was dropped keeps its bytes: no spare
+    reader = s.get("j", 20, 0)
+    _put_fresh(s, 30)
+    assert s.spare(4096) is None and reader.data[:8] == (20).to_bytes(8, "big")
+    # truncated steps give their buffers too; bytes (not receivable into) never do
+    _put_fresh(s, 40)  # 30 evicted, a spare
+    assert s.truncate("j", 0) == 1 and s.status()["spare_bytes"] == 2 * 4096
+    s.put(Held("j", 50, 0, 1, 1, "x", bytes(4096)), keep=1)
+    s.truncate("j", 0)
+    assert s.status()["spare_bytes"] == 2 * 4096
+
+
 def test_common_steps_needs_every_rank():
     assert common_steps([[10, 20, 30], [20, 30], [10, 30]]) == [30]
     assert common_steps([[10], []]) == []
@@ -238,6 +266,28 @@ def test_replication_and_verified_fetch(tmp_path):
         c.truncate(8)  # replicated to the peer in order
         _wait(lambda: [e["step"] for e in b.store.listing("j", 1, 2)] == [8])
         assert [e["step"] for e in a.store.listing("j", 1, 2)] == [8]
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_holders_receive_into_dropped_buffers_and_serve_the_new_bytes(tmp_path):
+    b, b_path = _serve(tmp_path, "b")
+    a, a_path = _serve(tmp_path, "a", peer=b_path)
+    try:
+        c = SnapshotClient(a_path, (b_path,), "j", 0, 1, 1, keep=1)
+        for step in (10, 20, 30, 40):  # the same size each time
+            c.save(step, f"state {step}".encode() * 5000)
+            c.wait()
+            _wait(lambda: a.replicator.pending() == 0)
+        _wait(lambda: (r := a.status()["replication"])["sent"] + r["dropped"] == 4)
+        assert a.store.reused >= 2 and b.store.reused >= 1  # b: when its replicas came
+        cands = c.candidates()
+        assert sorted(cands) == [40] and [s[1] for s in cands[40]] == [LOCAL, REPLICA]
+        assert c.fetch(40, cands[40]) == (b"state 40" * 5000, "holder")
+        a.store.corrupt("j", 40, 0, LOCAL)
+        assert c.fetch(40, cands[40]) == (b"state 40" * 5000, f"replica@{b_path}")
+        c.close()
     finally:
         a.shutdown()
         b.shutdown()
