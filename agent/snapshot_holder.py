@@ -49,7 +49,7 @@ class SnapshotStore:
     usable one): at most keep + 1 steps. Thread-safe.
 
     The buffers of dropped snapshots are kept as spares (at most `max_spares`) and refilled
-    by the next snapshot of the same size: a new 130 MB buffer is zero-filled and faulted
+    by the next snapshot of about the same size: a new 130 MB buffer is zero-filled and faulted
     in page by page, 95-160 ms of a core here per snapshot received, beside training, while
     receiving into a used one costs the copy alone (session 12)."""
 
@@ -100,16 +100,24 @@ class SnapshotStore:
                     self._spares.popleft()
 
     def spare(self, size: int) -> bytearray | None:
-        """A used buffer of exactly `size` bytes to receive a snapshot into, or None."""
+        """A used buffer resized to `size` bytes to receive a snapshot into, or None. Any
+        spare within an eighth of the size will do: a rank's snapshots differ by a few
+        bytes (its trainer state), and a large bytearray is resized in place (mremap)."""
         if size <= 0:
             return None
         with self._lock:
             for i, buf in enumerate(self._spares):
-                if len(buf) == size:
+                if abs(len(buf) - size) <= size // 8:
                     del self._spares[i]
                     self.reused += 1
-                    return buf
-        return None
+                    break
+            else:
+                return None
+        if len(buf) > size:
+            del buf[size:]
+        else:
+            buf.extend(bytes(size - len(buf)))
+        return buf
 
     def listing(self, job: str, rank: int, world: int) -> list[dict]:
         """What this holder has for one rank: step, checksum, kind, newest first."""
