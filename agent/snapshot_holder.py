@@ -48,14 +48,14 @@ class SnapshotStore:
     steps plus the newest complete step (so a half-received step never pushes out the last
     usable one): at most keep + 1 steps. Thread-safe.
 
-    The buffers of dropped snapshots are kept as spares (at most `max_spares`) and refilled
-    by the next snapshot of about the same size: a new 130 MB buffer is zero-filled and faulted
+    The buffers of dropped snapshots are kept as spares (at most two steps of the sending
+    node's ranks: its local copies and a peer's replicas) and refilled by the next snapshot
+    of about the same size: a new 130 MB buffer is zero-filled and faulted
     in page by page, 95-160 ms of a core here per snapshot received, beside training, while
     receiving into a used one costs the copy alone (session 12)."""
 
-    def __init__(self, max_keep: int = 8, max_spares: int = 8):
+    def __init__(self, max_keep: int = 8):
         self.max_keep = max_keep
-        self.max_spares = max_spares
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], dict[int, dict[int, Held]]] = {}
         self._keep: dict[str, int] = {}
@@ -96,7 +96,7 @@ class SnapshotStore:
                 and sys.getrefcount(held.data) == 2
             ):
                 self._spares.append(held.data)
-                if len(self._spares) > self.max_spares:
+                if len(self._spares) > 2 * held.local_world:
                     self._spares.popleft()
 
     def spare(self, size: int) -> bytearray | None:
