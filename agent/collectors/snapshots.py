@@ -93,7 +93,8 @@ def holder_metrics(status: wire.HolderStatus | None, up: bool) -> list:
 def holder_facts(status: wire.HolderStatus | None, address: str, error: str | None) -> dict:
     facts: dict[str, Any] = {"holder": address, "up": status is not None, "error": error}
     if status is not None:
-        facts.update(bytes=status.bytes, spare_bytes=status.spare_bytes, evicted=status.evicted, refused=dict(status.refused),
+        facts.update(bytes=status.bytes, spare_bytes=status.spare_bytes,
+                     evicted=status.evicted, refused=dict(status.refused),
                      replication=status.replication,
                      jobs=[j.to_json() for j in status.jobs()])  # fmt: skip
     return facts
