@@ -45,6 +45,10 @@ class PhaseBudgetConfig:
     floor_seconds: float = 5.0
     min_samples: int = 1
     keep: int = 32  # durations kept per phase (the newest)
+    # A restarted incarnation's first few steps make a thin p99: until it has shown this
+    # many, the step times of the job's last settled incarnation bound its train budget
+    # from below (a restart does not make the job faster).
+    settled_steps: int = 20
     # Evidence that needs no budget (a stopped rank; a rank idle behind its peers) must
     # hold this long: long enough for a scheduler's stop of every rank to show whole.
     confirm_seconds: float = 1.5
@@ -56,7 +60,7 @@ class PhaseBudgetConfig:
         for name in ("margin", "floor_seconds", *PHASES):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)!r}")
-        for name in ("min_samples", "keep"):
+        for name in ("min_samples", "keep", "settled_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
@@ -69,13 +73,21 @@ class PhaseBudgetConfig:
 class Budget:
     phase: str
     seconds: float
-    source: str  # "default" (nothing learned yet), "learned", or "steps" (train: hang.py)
+    # "default" (nothing learned yet), "learned", or for train (hang.py): "steps", or
+    # "earlier steps" while a restarted incarnation has not settled
+    source: str
     samples: int = 0
     quantile_seconds: float | None = None
 
     def describe(self, cfg: PhaseBudgetConfig) -> str:
         if self.source == "default":
             return f"{self.seconds:.1f}s ({self.phase} default: the job has not shown this phase)"
+        if self.source == "earlier steps":
+            return (
+                f"{self.seconds:.1f}s ({self.phase}: from this incarnation's step times and "
+                f"the last settled incarnation's, until this one has shown "
+                f"{cfg.settled_steps} steps)"
+            )
         if self.source == "steps" or self.quantile_seconds is None:
             return f"{self.seconds:.1f}s ({self.phase}: from this incarnation's step times)"
         return (
@@ -99,6 +111,8 @@ class PhaseTrace:
     durations: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
     # job -> the last time every rank of its world was seen stopped (a suspend)
     suspended_at: Mapping[str, float] = field(default_factory=dict)
+    # job -> (restart, step times) of its newest incarnation that showed settled_steps
+    settled_steps: Mapping[str, tuple[int, tuple[float, ...]]] = field(default_factory=dict)
 
 
 def rank_phase(r: RankObs, restart: int) -> str | None:
@@ -128,8 +142,12 @@ def advance(trace: PhaseTrace, obs: ClusterObs, cfg: PhaseBudgetConfig) -> Phase
     current = dict(trace.current)
     durations = {job: dict(d) for job, d in trace.durations.items()}
     suspends = dict(trace.suspended_at)
+    settled = dict(trace.settled_steps)
     for job in obs.jobs():
         restart, ranks = incarnation(obs, job)
+        times = _settled_step_times(ranks, restart, cfg)
+        if times:
+            settled[job] = (restart, times)
         live = [r for r in ranks if r.state in LIVE_STATES]
         if suspended(live):
             suspends[job] = obs.time
@@ -154,7 +172,30 @@ def advance(trace: PhaseTrace, obs: ClusterObs, cfg: PhaseBudgetConfig) -> Phase
     # forget ranks no longer in view (their job ended, or they were forgotten)
     seen = {(r.job, r.rank) for r in obs.ranks()}
     current = {k: v for k, v in current.items() if k in seen}
-    return PhaseTrace(current=current, durations=durations, suspended_at=suspends)
+    return PhaseTrace(
+        current=current, durations=durations, suspended_at=suspends, settled_steps=settled
+    )
+
+
+# Ranks read for an incarnation's step times: under DDP every rank takes each step's time,
+# so a few stand for all, and a 1,000-rank job costs no more per pass than a small one.
+SETTLED_RANKS_READ = 8
+
+
+def _settled_step_times(
+    ranks: list[RankObs], restart: int, cfg: PhaseBudgetConfig
+) -> tuple[float, ...]:
+    """The incarnation's step times once a rank has shown `settled_steps`, else ()."""
+    windows = [samples_of(r, restart) for r in ranks[:SETTLED_RANKS_READ]]
+    if max(map(len, windows), default=0) < cfg.settled_steps:
+        return ()
+    return tuple(s.step_seconds for w in windows for s in w)
+
+
+def earlier_step_times(trace: PhaseTrace, job: str, restart: int) -> tuple[float, ...]:
+    """The step times of the job's last settled incarnation before `restart`, or ()."""
+    kept = trace.settled_steps.get(job)
+    return kept[1] if kept is not None and kept[0] < restart else ()
 
 
 def _left(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from ..phase_budgets import (
     PhaseBudgetConfig,
     PhaseTrace,
     budget,
+    earlier_step_times,
     rank_phase,
     suspended,
 )
@@ -105,12 +107,18 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
     return out
 
 
-def train_budget(step_seconds: list[float], cfg: DetectorConfig) -> tuple[float, float | None]:
+def train_budget(
+    step_seconds: list[float], cfg: DetectorConfig, earlier: Sequence[float] = ()
+) -> tuple[float, float | None]:
     """(budget of a training step, the quantile it came from). Until the job has shown
-    a few steps, a generous warm-up budget covers compilation and first data loads."""
+    a few steps, a generous warm-up budget covers compilation and first data loads.
+    `earlier`: the step times of the job's last settled incarnation, while this one has
+    not settled; its budget is then the larger of the two."""
     if len(step_seconds) < cfg.hang.min_samples:
         return cfg.hang.warmup_seconds, None
     q = quantile(step_seconds, cfg.hang.quantile)
+    if earlier:
+        q = max(q, quantile(earlier, cfg.hang.quantile))
     return max(cfg.hang.floor_seconds, cfg.hang.quantile_factor * q), q
 
 
@@ -120,13 +128,14 @@ def phase_budget(
     cfg: DetectorConfig,
     trace: PhaseTrace | None = None,
     job: str = "",
+    train_source: str = "steps",
 ) -> Budget:
     """The budget of a rank in `phase` (as `rank_phase` names it): learned from this job's
-    past phases (phase_budgets.py), the step-time budget in `train`."""
+    past phases (phase_budgets.py), the step-time budget in `train` (from `train_source`)."""
     if phase == "done":
         return Budget("done", math.inf, "default")  # the job is ending; an exit tells the rest
     if phase not in PHASES:
-        return Budget("train", train, "steps")
+        return Budget("train", train, train_source)
     b = budget(trace or PhaseTrace(), job, phase, cfg.hang.phases)
     if phase == "checkpoint_save" and b.source == "default" and train > b.seconds:
         return Budget(phase, train, b.source)  # no save shown yet: a slow job's save
@@ -154,10 +163,14 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
         return None  # a deliberate stop of the whole job (scheduler suspend) is not a hang
     at = trace.suspended_at.get(job)
     since_suspend = math.inf if at is None else max(0.0, obs.time - at)
-    step_seconds = [s.step_seconds for r in ranks for s in samples_of(r, restart)]
-    train, q = train_budget(step_seconds, cfg)
+    windows = [samples_of(r, restart) for r in ranks]
+    step_seconds = [s.step_seconds for w in windows for s in w]
+    settled = max(map(len, windows), default=0) >= cfg.hang.phases.settled_steps
+    earlier = () if settled else earlier_step_times(trace, job, restart)
+    train, q = train_budget(step_seconds, cfg, earlier)
+    source = "earlier steps" if earlier and q is not None else "steps"
     phase_of = {r.rank: rank_phase(r, restart) for r in live}
-    budgets = {r.rank: phase_budget(phase_of[r.rank], train, cfg, trace, job) for r in live}
+    budgets = {r.rank: phase_budget(phase_of[r.rank], train, cfg, trace, job, source) for r in live}
     evidence = _evidence(obs, live, phase_of, cfg.hang.phases, since_suspend)
     if evidence is not None:
         culprit, reason, decided_by = evidence
@@ -214,6 +227,7 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
             "step_seconds_quantile": cfg.hang.quantile,
             "p99_step_seconds": q,
             "sample_count": len(step_seconds),
+            "earlier_sample_count": len(earlier),
             "heartbeat_ages": {str(r.rank): r.heartbeat_age_seconds for r in live},
             "steps": {str(r.rank): r.step for r in live},
             "states": {str(r.rank): r.state for r in live},

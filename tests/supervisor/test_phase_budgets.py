@@ -195,3 +195,32 @@ def test_a_stuck_save_is_blamed_on_the_rank_whose_save_thread_is_not_in_a_collec
     assert hang.pick_culprit_from_stacks(both) is None
     plain = {r: 'Thread 1 (idle): "MainThread"\n    wait (a.py:1)\n' for r in (0, 1)}
     assert hang.pick_culprit_from_stacks(plain) is None
+
+
+def test_a_restarted_incarnation_keeps_the_last_settled_ones_step_times_until_it_settles():
+    """CI's partition test: after the restart, 5 steps of 0.16 s made a 1.6 s budget and
+    a 1.8 s stall of two busy ranks on a loaded host was killed as a hang. The job's
+    earlier steps (0.9 s) still bound the budget until the new incarnation settles."""
+    before = [rank(n, step=40, recent=samples(1, 40, seconds=0.9)) for n in (0, 1)]
+    h = step_through([at(0, *before)])
+    assert h.phases.settled_steps["j"][0] == 0
+
+    def restarted(last, age):
+        window = samples(31, last, restart=1, seconds=0.15)
+        return at(5, *[rank(n, restart=1, step=last, age=age, recent=window) for n in (0, 1)])
+
+    young = restarted(35, 1.8)
+    [alone] = hang.detect(young, History(), CFG)  # with no history: 10 x 0.15 s
+    assert alone.evidence["budget"]["source"] == "steps"
+    h = step_through([young], h)  # a young incarnation leaves the settled one in place
+    assert h.phases.settled_steps["j"][0] == 0
+    assert hang.detect(young, h, CFG) == []
+    [f] = hang.detect(restarted(35, 9.5), h, CFG)
+    assert f.evidence["budget"]["source"] == "earlier steps"
+    assert f.evidence["train_budget_seconds"] == pytest.approx(9.0)
+    assert f.evidence["earlier_sample_count"] == 80 and "settled" in f.summary
+    # settled (20 steps): its own step times alone decide, and it becomes the one kept
+    settled = restarted(31 + P.settled_steps, 1.8)
+    [f] = hang.detect(settled, h, CFG)
+    assert f.evidence["budget"]["source"] == "steps" and f.evidence["earlier_sample_count"] == 0
+    assert step_through([settled], h).phases.settled_steps["j"][0] == 1
