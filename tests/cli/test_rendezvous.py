@@ -164,6 +164,32 @@ def test_backend_refuses_is_host():
         create_rankguard_handler(params)
 
 
+def test_a_restart_joins_without_torchs_random_first_round_wait(store, monkeypatch):
+    """torch waits a random 0-0.3 s before a join while the round is 0, which includes a
+    job's first restart; our handler's restarts join at once (the fixed poll delay stays)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+
+    from rankguard.trainer.rendezvous import create_rankguard_handler
+
+    waits = []
+
+    def record(seconds):
+        waits.append(seconds)
+
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", record)
+    params = RendezvousParameters("rankguard", f"127.0.0.1:{store.port}", "j", 1, 1)
+    handler = create_rankguard_handler(params)
+    try:
+        first = handler.next_rendezvous()
+        assert waits == [(0, 0.3)]  # torch's spreading wait at the first join, as before
+        again = handler.next_rendezvous()  # what torchrun's agent calls at a restart
+        assert waits == [(0, 0.3)], waits
+        assert (first.rank, first.world_size, again.rank, again.world_size) == (0, 1, 0, 1)
+        assert dynamic_rendezvous._delay is record  # put back after the call
+    finally:
+        handler.shutdown()
+
+
 # --------------------------------------------------------- torchrun across a restart
 
 
