@@ -17,7 +17,9 @@ Stacks (`--stacks`, comma-separated, run in this order for each fault):
   by default), so that run is cut off after --hang-wait seconds and reported as not
   recovered. Its cold restart after a kill is the reference of the ratio column.
 - rankguard: an agent and the supervisor beside torchrun; timings from the incident
-  (fault -> detected -> acted -> restarted -> first step); workers started cold.
+  (fault -> detected -> acted -> restarted -> first step); workers started cold; torchrun
+  on `--rdzv-backend rankguard` against a `rankguard rendezvous` store, as `rankguard up`
+  runs it.
 - warm: rankguard with workers forked from a process that imported torch once
   (trainer/warm.py), as `rankguard up` does by default.
 - "+t0" on any of them (plain+t0, rankguard+t0, warm+t0): in-memory snapshots every
@@ -46,6 +48,7 @@ from rankguard.cli.local_stack import (
     SnapshotHolders,
     TelemetrySink,
     http_json,
+    rendezvous_store,
     start_agent,
     start_supervisor,
 )
@@ -55,11 +58,24 @@ FAULT_STEP = 120  # --fault-step's default
 
 
 def trainer_cmd(
-    tmp: Path, steps: int, fault: str, warm: bool = False, extra: list[str] = ()
+    tmp: Path,
+    steps: int,
+    fault: str,
+    warm: bool = False,
+    extra: list[str] = (),
+    rendezvous: str | None = None,
 ) -> list[str]:
+    """`rendezvous`: HOST:PORT of `rankguard rendezvous` for torchrun's `--rdzv-backend
+    rankguard`, as `rankguard up` runs it; plain torchrun's own `--standalone` without."""
     entry = ["rankguard.trainer.warm", "run"] if warm else ["rankguard.trainer"]
+    rdzv = (
+        ["--nnodes=1", "--rdzv-backend=rankguard", f"--rdzv-endpoint={rendezvous}",
+         "--rdzv-id=bench"]
+        if rendezvous
+        else ["--standalone"]
+    )  # fmt: skip
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node=2",
         "--max-restarts=3", "-m", *entry, "--preset", "tiny", "--steps", str(steps),
         "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "10", "--log-every", "0", "--job", "bench",
         "--fault", f"{fault}:step={FAULT_STEP}:rank=1", *extra,
@@ -133,12 +149,13 @@ def supervised(fault: str, steps: int, warm: bool = False, snapshot_every: int =
             with (
                 warm_server(tmp, warm) as warm_socket,
                 snapshot_holders(tmp, snapshot_every) as extra,
+                rendezvous_store(tmp) as rendezvous,
             ):
                 env = env_for(tmp, agent.socket)
                 if warm_socket:
                     env["RANKGUARD_WARM_SOCKET"] = str(warm_socket)
                 kind = "crash" if fault == "kill" else "hang"
-                cmd = trainer_cmd(tmp, steps, kind, warm, extra)
+                cmd = trainer_cmd(tmp, steps, kind, warm, extra, rendezvous)
                 proc = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
             time.sleep(0.5)
             kind = "rank_dead" if fault == "kill" else "rank_hung"

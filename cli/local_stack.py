@@ -4,6 +4,7 @@ benchmarks in bench/ start (bench/ does not import tests/, so it lives here)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -117,6 +118,29 @@ def start_supervisor(
     for url in agent_urls:
         args += ["--agents", url]
     return Daemon(args, tmp / f"supervisor-{port}.log", f"http://127.0.0.1:{port}", **daemon_kw)
+
+
+@contextlib.contextmanager
+def rendezvous_store(tmp: Path):
+    """`rankguard rendezvous` on a free loopback port, the store `rankguard up` keeps for
+    torchrun's `--rdzv-backend rankguard`: yields its HOST:PORT."""
+    from .rendezvous import reachable
+
+    port = free_port()
+    with open(tmp / "rendezvous.log", "w") as out:
+        proc = subprocess.Popen([*RANKGUARD, "rendezvous", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_until(lambda: proc.poll() is None and reachable("127.0.0.1", port), 60,
+                   f"the rendezvous store ({tmp / 'rendezvous.log'})")  # fmt: skip
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class TelemetrySink:
