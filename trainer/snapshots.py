@@ -20,6 +20,7 @@ world size only.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -74,10 +75,67 @@ def newest_committed_step(root) -> int | None:
     return max(steps, default=None)
 
 
+def shard_owners(sizes: list[int], parts: int) -> list[int]:
+    """Which of `parts` ranks copies each item: the largest first, each to the least loaded
+    so far (ties to the lowest index). Pure, so every rank of a node draws the same plan."""
+    load = [0] * parts
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(parts), key=lambda p: (load[p], p))
+        owners[i] = owner
+        load[owner] += sizes[i]
+    return owners
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(map(_nbytes, value.values()))
+    return 0
+
+
+def split_replicated(model_sd, optim_sd: dict, index: int, parts: int) -> tuple[dict, dict]:
+    """Part `index` of `parts` of a model and optimizer state that every rank of the node
+    holds alike (DDP): each weight and each parameter's optimizer state goes to one part,
+    balanced by bytes. The optimizer's param groups (small) are in every part."""
+    keys, params = list(model_sd), list(optim_sd["state"])
+    sizes = [_nbytes(model_sd[k]) for k in keys] + [_nbytes(optim_sd["state"][p]) for p in params]
+    owners = shard_owners(sizes, parts)
+    model = collections.OrderedDict(
+        (k, model_sd[k])
+        for k, owner in zip(keys, owners[: len(keys)], strict=True)
+        if owner == index
+    )
+    if hasattr(model_sd, "_metadata"):  # module versions, which load_state_dict reads
+        model._metadata = model_sd._metadata
+    mine = owners[len(keys) :]
+    state = {
+        p: optim_sd["state"][p] for p, owner in zip(params, mine, strict=True) if owner == index
+    }
+    return model, {**optim_sd, "state": state}
+
+
+def merge_replicated(parts: list[dict]) -> dict:
+    """The whole state from the parts of one node's snapshot, in index order: the trainer
+    state of the first (the caller's own saved rank), model and optimizer state of all."""
+    model = collections.OrderedDict()
+    if hasattr(parts[0]["model"], "_metadata"):
+        model._metadata = parts[0]["model"]._metadata
+    state: dict = {}
+    for part in parts:
+        model.update(part["model"])
+        state.update(part["optim"]["state"])
+    return {**parts[0], "model": model, "optim": {**parts[0]["optim"], "state": state}}
+
+
 class TierZero:
     def __init__(self, cfg: SnapshotConfig, info: DistInfo, job: str, sharded: bool = False):
         self.cfg, self.info = cfg, info
         self.sharded = sharded  # FSDP: shards are per rank, so only the same world size
+        # DDP: every rank of the node holds the same model and optimizer state, so each
+        # snapshots a 1/local_world part of it (and its own trainer state)
+        self.split = not sharded and info.local_world_size > 1
         token = read_token(cfg.token_file) if cfg.token_file else None
         self.client = SnapshotClient(cfg.holder, cfg.peers, job, info.rank, info.world_size,
                                      info.local_world_size, cfg.keep, token=token)  # fmt: skip
@@ -93,10 +151,15 @@ class TierZero:
     def save(self, step: int, model, optim, trainer_state: dict) -> float:
         """Copy this rank's state and hand it to the sender; returns the seconds blocked."""
         start = time.perf_counter()
-        data = serialize(
-            {"model": unwrap(model).state_dict(), "optim": optim.state_dict(),
-             "trainer": trainer_state}, reuse=self._spare,
-        )  # fmt: skip
+        state = {"model": unwrap(model).state_dict(), "optim": optim.state_dict(),
+                 "trainer": trainer_state}  # fmt: skip
+        if self.split:
+            index, parts = self.info.local_rank, self.info.local_world_size
+            state["model"], state["optim"] = split_replicated(
+                state["model"], state["optim"], index, parts
+            )
+            state["part"] = {"index": index, "of": parts}
+        data = serialize(state, reuse=self._spare)
         self.serialize_seconds += time.perf_counter() - start
         self.client.save(step, data)  # waits for the send of `_sending` to end first
         self._spare, self._sending = self._sending, data
@@ -112,20 +175,52 @@ class TierZero:
             self.client.truncate(step)
 
     # -- resume -------------------------------------------------------------------
+    def _fetch(self, step: int, rank: int, saved_world: int, inventory) -> tuple[dict, str] | None:
+        """(payload, where from) of saved `rank`'s snapshot at `step`: the first copy that
+        verifies and deserializes, or None."""
+        sources = [(addr, kind, cs) for addr, s, r, w, kind, cs in inventory
+                   if (s, r, w) == (step, rank, saved_world)]  # fmt: skip
+        got = self.client.fetch(step, sources, rank=rank)
+        if got is None:
+            return None
+        try:
+            payload = deserialize(got[0])
+            if not all(k in payload for k in ("model", "optim", "trainer")):
+                raise ValueError("missing model, optim or trainer state")
+        except Exception as exc:  # a snapshot that verifies but cannot load: refused
+            log.warning("snapshot step %d rank %d refused: %r", step, rank, exc)
+            return None
+        return payload, got[1]
+
+    def _whole(self, step: int, src: int, saved_world: int, inventory) -> tuple[dict, str] | None:
+        """Saved rank `src`'s state at `step`, its model and optimizer state put together
+        from the parts its node's ranks saved (each checked to be the part it claims)."""
+        got = self._fetch(step, src, saved_world, inventory)
+        part = got[0].get("part") if got else None
+        if part is None:
+            return got
+        index, parts = (part.get("index"), part.get("of")) if isinstance(part, dict) else (0, 0)
+        first = src - index if isinstance(index, int) else -1
+        if not (
+            isinstance(parts, int) and 0 <= index < parts and 0 <= first <= saved_world - parts
+        ):
+            log.warning("snapshot step %d rank %d refused: bad part %.100r", step, src, part)
+            return None
+        pieces = [got[0]]
+        for j in range(parts):
+            if j == index:
+                continue
+            other = self._fetch(step, first + j, saved_world, inventory)
+            if other is None or other[0].get("part") != {"index": j, "of": parts}:
+                log.warning("snapshot step %d: part %d of rank %d's state missing", step, j, src)
+                return None
+            pieces.append(other[0])
+        return merge_replicated(pieces), got[1]
+
     def _try(self, step: int, saved_world: int, inventory, model, optim) -> tuple[dict, str] | None:
         src = source_rank(self.info.rank, self.info.world_size, saved_world)
-        sources = [(addr, kind, cs) for addr, s, r, w, kind, cs in inventory
-                   if (s, r, w) == (step, src, saved_world)]  # fmt: skip
-        got = self.client.fetch(step, sources, rank=src)
-        payload = None
-        if got is not None:
-            try:
-                payload = deserialize(got[0])
-                if not all(k in payload for k in ("model", "optim", "trainer")):
-                    raise ValueError("missing model, optim or trainer state")
-            except Exception as exc:  # a snapshot that verifies but cannot load: refused
-                log.warning("snapshot step %d rank %d refused: %r", step, src, exc)
-                payload = None
+        got = self._whole(step, src, saved_world, inventory)
+        payload = got[0] if got else None
         if payload is not None and self.sharded:
             try:
                 payload = reshard_state(payload, model, optim)

@@ -197,6 +197,49 @@ def test_restored_model_and_optimizer_continue_bit_identically():
         assert torch.equal(a, b), name
 
 
+def test_a_state_split_in_parts_restores_whole_and_bit_identically():
+    """DDP: the ranks of a node each snapshot a part of the model and optimizer state they
+    all hold; the parts, each serialized alone, put back together load and continue
+    exactly, and each part holds about its share of the bytes."""
+    import torch
+
+    from rankguard.client.snapshots import deserialize, serialize
+    from rankguard.trainer.model import GPT
+    from rankguard.trainer.snapshots import merge_replicated, shard_owners, split_replicated
+
+    assert shard_owners([5, 1, 4, 2, 3], 2) == [0, 0, 1, 0, 1]  # 8 and 7 bytes
+    assert shard_owners([3, 3], 4) == [0, 1]
+    cfg = config_from_args(["--preset", "tiny"], environ={})
+    torch.manual_seed(0)
+    m = GPT(cfg.model)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
+    m(x, x).backward()
+    opt.step()
+    opt.zero_grad()
+    whole = serialize({"model": m.state_dict(), "optim": opt.state_dict(), "trainer": {}})
+    parts = []
+    for index in range(3):
+        model, optim = split_replicated(m.state_dict(), opt.state_dict(), index, 3)
+        data = serialize({"model": model, "optim": optim, "trainer": {"rank": index}})
+        assert len(data) < len(whole) / 2  # a third of the tensors' bytes, and the structure
+        parts.append(deserialize(data))
+    merged = merge_replicated([parts[1], parts[0], parts[2]])
+    assert merged["trainer"] == {"rank": 1}  # the caller's own part comes first
+    assert list(merged["model"]) != list(m.state_dict())  # in part order, not the model's...
+    torch.manual_seed(1)
+    m2 = GPT(cfg.model)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    m2.load_state_dict(merged["model"])  # ...which loading does not mind
+    opt2.load_state_dict(merged["optim"])
+    for model, optim in ((m, opt), (m2, opt2)):
+        model(x, x).backward()
+        optim.step()
+    for (name, a), b in zip(m.state_dict().items(), m2.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert opt.state_dict()["state"].keys() == opt2.state_dict()["state"].keys()
+
+
 def test_config_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="needs a holder"):
         config_from_args(["--snapshot-every", "5"], environ={})
@@ -415,6 +458,14 @@ def test_tier0_exact_resume_after_sigkill(tmp_path, holders, clean_40):
     st = holders.status(holders.a)
     assert [e["step"] for e in st["snapshots"]] == [35, 40]  # bounded by --snapshot-keep 2
     assert st["bytes"] == sum(e["bytes"] for e in st["snapshots"]) > 0
+    # the two ranks (DDP: the same model and optimizer state) each held a part: a step is
+    # about one state (weights and AdamW's two moments), not two
+    from rankguard.trainer.model import GPT
+
+    model = GPT(config_from_args(["--preset", "tiny"], environ={}).model)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    state_bytes = weights + 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    assert state_bytes < st["snapshots"][0]["bytes"] < 1.3 * state_bytes, (st, state_bytes)
 
 
 @pytest.mark.slow
