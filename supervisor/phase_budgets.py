@@ -180,6 +180,7 @@ def advance(trace: PhaseTrace, obs: ClusterObs, cfg: PhaseBudgetConfig) -> Phase
 # Ranks read for an incarnation's step times: under DDP every rank takes each step's time,
 # so a few stand for all, and a 1,000-rank job costs no more per pass than a small one.
 SETTLED_RANKS_READ = 8
+SETTLED_SAMPLES_KEPT = 128  # per job, for as long as the supervisor runs
 
 
 def _settled_step_times(
@@ -189,7 +190,7 @@ def _settled_step_times(
     windows = [samples_of(r, restart) for r in ranks[:SETTLED_RANKS_READ]]
     if max(map(len, windows), default=0) < cfg.settled_steps:
         return ()
-    return tuple(s.step_seconds for w in windows for s in w)
+    return tuple(s.step_seconds for w in windows for s in w)[-SETTLED_SAMPLES_KEPT:]
 
 
 def earlier_step_times(trace: PhaseTrace, job: str, restart: int) -> tuple[float, ...]:

@@ -1,8 +1,11 @@
 """Tier 0 in the trainer: snapshots into the node's holder, and the resume across tiers.
 
-Save (every `--snapshot-every` steps, after the optimizer step): torch.save of this rank's
+Save (every `--snapshot-every` steps, after the optimizer step): a flat copy of this rank's
 model, optimizer and trainer state into a buffer (training waits for this copy only), then
-the client sends it in the background (client/snapshots.py).
+the client sends it in the background (client/snapshots.py). Under DDP every rank of a node
+holds the same model and optimizer state, so each copies only its part of it
+(`split_replicated`, by local rank, balanced by bytes) with its own trainer state: a node
+copies, sends and keeps one state per snapshot instead of one per rank.
 
 Resume (every start; a collective): each rank lists every rank's snapshots on the holders
 it can reach (local holder, its peer, --snapshot-peers); the ranks all-gather what they
@@ -10,6 +13,8 @@ saw with rank 0's newest committed disk step, and try the steps whose saved rank
 present somewhere, newest first. Each rank loads its own saved rank's copy, or at another
 world size (a node lost) saved rank `rank % saved_world` (`source_rank`: under DDP every
 rank holds the same state), which may exist only as the lost node's replica on its peer.
+A part-wise snapshot is put back together from the parts its node's ranks saved
+(`merge_replicated`), each fetched and verified like the rank's own.
 A step is taken only when every rank fetched a copy whose checksum verifies and that
 deserializes (all-reduce); otherwise the next older one. The disk tier is consulted as
 soon as its newest committed checkpoint is newer than the snapshot step in hand, and wins
