@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rankguard.cli.local_stack import SnapshotHolders
+from rankguard.cli.local_stack import SnapshotHolders, end_launcher
 from rankguard.trainer.warm import start_server
 
 
@@ -73,9 +73,7 @@ def run(mode: str, args, workdir: Path) -> dict:
     try:
         _, proc.stderr_text = proc.communicate()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_launcher(proc, grace=10)
         if holders:
             holders.close()
     if proc.returncode != 0:

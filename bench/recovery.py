@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 from rankguard.cli.local_stack import (
     SnapshotHolders,
     TelemetrySink,
+    end_launcher,
     http_json,
     rendezvous_store,
     start_agent,
@@ -192,8 +192,7 @@ def plain(fault: str, steps: int, hang_wait: float, snapshot_every: int = 0) -> 
             try:
                 proc.wait(timeout=hang_wait + 60 if fault == "kill" else hang_wait + 20)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our group only
-                proc.wait()
+                end_launcher(proc)  # torchrun and its workers, by PID
                 return {"ok": False, "note": f"not recovered within {hang_wait:.0f} s"}
             records = list(sink.records)
         milestones = trace_milestones(tmp / "trace.jsonl", 1)

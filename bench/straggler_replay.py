@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from rankguard.cli.local_stack import http_json, start_agent, start_supervisor
+from rankguard.cli.local_stack import end_launcher, http_json, start_agent, start_supervisor
 from rankguard.supervisor.detectors import DetectorConfig, straggler
 from rankguard.supervisor.history import History, advance
 from rankguard.supervisor.state import ClusterObs, NodeObs, RankObs, StepSample
@@ -88,9 +88,7 @@ def record(out: Path, steps: int, fault: str | None, noise: float, seed: int) ->
             print(file=sys.stderr)
             incidents = http_json(supervisor.url + "/v1/incidents")["incidents"]
         finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)  # the job's own process group
-                job.wait()
+            end_launcher(job, grace=10)  # torchrun and its workers, by PID
             supervisor.stop()
             agent.stop()
     found = [(i["kind"], i["rank"], i["step_at_detect"]) for i in incidents]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -118,6 +119,32 @@ def start_supervisor(
     for url in agent_urls:
         args += ["--agents", url]
     return Daemon(args, tmp / f"supervisor-{port}.log", f"http://127.0.0.1:{port}", **daemon_kw)
+
+
+def end_launcher(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """End a torchrun (or `rankguard up`) started in its own session, and its workers.
+    torchrun starts each worker in a session of its own, so its process group alone
+    misses them: SIGTERM first (torchrun then stops its workers), and SIGKILL to every
+    process of the tree still there after `grace` seconds, by PID."""
+    import psutil
+
+    if proc.poll() is not None:
+        return
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for child in tree:  # the PIDs seen under it, checked to be the same processes
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 @contextlib.contextmanager
