@@ -80,7 +80,7 @@ def newest_committed_step(root) -> int | None:
     return max(steps, default=None)
 
 
-def shard_owners(sizes: list[int], parts: int) -> list[int]:
+def part_owners(sizes: list[int], parts: int) -> list[int]:
     """Which of `parts` ranks copies each item: the largest first, each to the least loaded
     so far (ties to the lowest index). Pure, so every rank of a node draws the same plan."""
     load = [0] * parts
@@ -106,7 +106,7 @@ def split_replicated(model_sd, optim_sd: dict, index: int, parts: int) -> tuple[
     balanced by bytes. The optimizer's param groups (small) are in every part."""
     keys, params = list(model_sd), list(optim_sd["state"])
     sizes = [_nbytes(model_sd[k]) for k in keys] + [_nbytes(optim_sd["state"][p]) for p in params]
-    owners = shard_owners(sizes, parts)
+    owners = part_owners(sizes, parts)
     model = collections.OrderedDict(
         (k, model_sd[k])
         for k, owner in zip(keys, owners[: len(keys)], strict=True)
@@ -122,8 +122,8 @@ def split_replicated(model_sd, optim_sd: dict, index: int, parts: int) -> tuple[
 
 
 def merge_replicated(parts: list[dict]) -> dict:
-    """The whole state from the parts of one node's snapshot, in index order: the trainer
-    state of the first (the caller's own saved rank), model and optimizer state of all."""
+    """The whole state from all parts of one node's snapshot: model and optimizer state of
+    all, the trainer state of the first (the saved rank the caller loads)."""
     model = collections.OrderedDict()
     if hasattr(parts[0]["model"], "_metadata"):
         model._metadata = parts[0]["model"]._metadata

@@ -205,10 +205,10 @@ def test_a_state_split_in_parts_restores_whole_and_bit_identically():
 
     from rankguard.client.snapshots import deserialize, serialize
     from rankguard.trainer.model import GPT
-    from rankguard.trainer.snapshots import merge_replicated, shard_owners, split_replicated
+    from rankguard.trainer.snapshots import merge_replicated, part_owners, split_replicated
 
-    assert shard_owners([5, 1, 4, 2, 3], 2) == [0, 0, 1, 0, 1]  # 8 and 7 bytes
-    assert shard_owners([3, 3], 4) == [0, 1]
+    assert part_owners([5, 1, 4, 2, 3], 2) == [0, 0, 1, 0, 1]  # 8 and 7 bytes
+    assert part_owners([3, 3], 4) == [0, 1]
     cfg = config_from_args(["--preset", "tiny"], environ={})
     torch.manual_seed(0)
     m = GPT(cfg.model)
