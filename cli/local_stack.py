@@ -243,6 +243,17 @@ class SnapshotHolders:
         self.args = ["--snapshot-every", str(every), "--snapshot-holder", str(a),
                      "--snapshot-peers", str(b)]  # fmt: skip
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) both holders have used so far."""
+        import psutil
+
+        total = 0.0
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(p.pid).cpu_times()
+                total += t.user + t.system
+        return total
+
     def close(self) -> None:
         for p in self.procs:
             p.terminate()

@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +23,7 @@ import typer
 from . import live_view as lv
 from .keeper import KeptDaemon
 from .local_stack import free_port
+from .rendezvous import reachable
 
 Opt = typer.Option
 
@@ -85,86 +88,79 @@ def _spawn(args: list[str], log: Path, env: dict, append: bool = False) -> subpr
                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
 
-def _start(args: list[str], log: Path, health: str, env: dict) -> subprocess.Popen:
-    proc = _spawn(args, log, env)
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise typer.Exit(_fail(f"{args[0]} exited at start; see {log}"))
-        if _get(health):
-            return proc
-        time.sleep(0.1)
-    raise typer.Exit(_fail(f"{args[0]} did not start; see {log}"))
+@dataclass
+class _Starting:
+    """A daemon spawned and not yet waited for: `up` spawns them all, then waits for each,
+    so their start-ups (imports: torch for the rendezvous store and the warm server)
+    overlap instead of adding up."""
+
+    name: str
+    args: list[str]  # `rankguard` arguments (empty: not a kept daemon)
+    proc: subprocess.Popen
+    log: Path
+    ready: Callable[[], bool]
+
+    def wait(self, timeout: float = 60.0) -> subprocess.Popen:
+        """The process once ready; exit 2 (could not start) if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if self.proc.poll() is not None:
+                raise typer.Exit(_fail(f"{self.name} exited at start; see {self.log}"))
+            if time.monotonic() > deadline:
+                raise typer.Exit(_fail(f"{self.name} did not start; see {self.log}"))
+            time.sleep(0.05)
+        return self.proc
 
 
-def _start_warm_server(run_dir: Path, env: dict) -> subprocess.Popen:
-    from rankguard.trainer.warm import start_server
-
-    with open(run_dir / "warm.log", "w") as out:
-        try:
-            return start_server(run_dir / "warm.sock", env, stdout=out)
-        except RuntimeError as exc:
-            raise typer.Exit(_fail(f"{exc}; see {run_dir}/warm.log")) from None
+def _start(name: str, args: list[str], run_dir: Path, env: dict, ready) -> _Starting:
+    log = run_dir / f"{name}.log"
+    return _Starting(name, args, _spawn(args, log, env), log, ready)
 
 
-def _start_holders(run_dir: Path, env: dict, procs: list) -> list[str]:
+def _keep(started: _Starting, env: dict) -> KeptDaemon:
+    """Wait for a started daemon (exit 2 when it cannot start) and keep it running: a
+    restart appends to the same log and reuses the same arguments (port, database, token)."""
+    return KeptDaemon(
+        started.name,
+        spawn=lambda: _spawn(started.args, started.log, env, append=True),
+        healthy=started.ready,
+        proc=started.wait(),
+    )
+
+
+def _start_warm_server(run_dir: Path, env: dict) -> _Starting:
+    from rankguard.trainer.warm import spawn_server
+
+    sock, log = run_dir / "warm.sock", run_dir / "warm.log"
+    with open(log, "w") as out:
+        proc = spawn_server(sock, env, stdout=out)
+    return _Starting("the warm-start server", [], proc, log, sock.exists)
+
+
+def _start_holders(run_dir: Path, env: dict) -> tuple[list[_Starting], list[str]]:
+    """Holder B, and A replicating to it (A reaches B when it has something to send), and
+    the trainer's flags for them."""
     from rankguard.contract.snapshots import request
 
+    def up(path: str) -> bool:
+        try:
+            request(path, {"op": "status"}, timeout=1)
+            return True
+        except (OSError, EOFError):
+            return False
+
     a, b = (str((run_dir / f"holder-{n}.sock").absolute()) for n in "ab")
-    for name, path, peer in (("b", b, []), ("a", a, ["--peer", b])):
-        procs.append(_spawn(["snapshot-holder", "run", "--socket", path, *peer],
-                            run_dir / f"holder-{name}.log", env))  # fmt: skip
-        for _ in range(300):
-            try:
-                request(path, {"op": "status"}, timeout=1)
-                break
-            except (OSError, EOFError):
-                time.sleep(0.1)
-        else:
-            raise typer.Exit(
-                _fail(f"snapshot holder did not start; see {run_dir}/holder-{name}.log")
-            )
-    return ["--snapshot-holder", a, "--snapshot-peers", b]
+    started = [
+        _start(f"holder-{name}", ["snapshot-holder", "run", "--socket", path, *peer], run_dir,
+               env, lambda path=path: up(path))
+        for name, path, peer in (("b", b, []), ("a", a, ["--peer", b]))
+    ]  # fmt: skip
+    return started, ["--snapshot-holder", a, "--snapshot-peers", b]
 
 
 def _fail(message: str) -> int:
     typer.echo(f"rankguard up: {message}", err=True)
     return 2
-
-
-def _keep(name: str, args: list[str], run_dir: Path, health: str, env: dict) -> KeptDaemon:
-    """Start a daemon (exit 2 when it cannot start) and keep it running: a restart appends
-    to the same log and reuses the same arguments (port, database, token)."""
-    log = run_dir / f"{name}.log"
-    return KeptDaemon(
-        name,
-        spawn=lambda: _spawn(args, log, env, append=True),
-        healthy=lambda: _get(health) is not None,
-        proc=_start(args, log, health, env),
-    )
-
-
-def _keep_rendezvous(port: int, run_dir: Path, env: dict) -> KeptDaemon:
-    """`rankguard rendezvous` on a loopback port, kept running like the agent: its health is
-    that it accepts connections (a TCPStore speaks no HTTP)."""
-    from .rendezvous import reachable
-
-    args, log = ["rendezvous", "--port", str(port)], run_dir / "rendezvous.log"
-    proc = _spawn(args, log, env)
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise typer.Exit(_fail(f"rendezvous exited at start; see {log}"))
-        if reachable("127.0.0.1", port):
-            break
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        raise typer.Exit(_fail(f"rendezvous did not start; see {log}"))
-    return KeptDaemon(
-        "rendezvous",
-        spawn=lambda: _spawn(args, log, env, append=True),
-        healthy=lambda: reachable("127.0.0.1", port),
-        proc=proc,
-    )
 
 
 def _check_endpoint(endpoint: str) -> str:
@@ -349,34 +345,47 @@ def up(
     daemon_env = dict(env)  # as started: later additions are for the trainer only
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        kept.append(_keep("agent", ["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
-                                    "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"],
-                                    "--ckpt-dir", str(ckpt_dir), "--interval", "0.5"],
-                          run_dir, agent_url + "/healthz", daemon_env))  # fmt: skip
-        kept.append(_keep("supervisor", ["supervisor", "--agents", agent_url, "--db", str(db),
-                                         "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
-                                         "--process-idle-seconds", str(process_idle_seconds),
-                                         "--config", str(_local_supervisor_config(run_dir))],
-                          run_dir, sup_url + "/healthz", daemon_env))  # fmt: skip
+        starting = [
+            _start("agent", ["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
+                             "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"],
+                             "--ckpt-dir", str(ckpt_dir), "--interval", "0.5"],
+                   run_dir, daemon_env, lambda: _get(agent_url + "/healthz") is not None),
+            _start("supervisor", ["supervisor", "--agents", agent_url, "--db", str(db),
+                                  "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
+                                  "--process-idle-seconds", str(process_idle_seconds),
+                                  "--config", str(_local_supervisor_config(run_dir))],
+                   run_dir, daemon_env, lambda: _get(sup_url + "/healthz") is not None),
+        ]  # fmt: skip
+        procs.extend(d.proc for d in starting)  # ended on the way out if a start fails
         # torchrun's rendezvous store in its own process, not inside torchrun: the job
         # survives its restart (trainer/rendezvous.py), as on a cluster's control node
         job = run_dir.name
         if rendezvous is None:
             rdzv_port = free_port()
-            kept.append(_keep_rendezvous(rdzv_port, run_dir, daemon_env))
+            starting.append(_start("rendezvous", ["rendezvous", "--port", str(rdzv_port)], run_dir,
+                                   daemon_env, lambda: reachable("127.0.0.1", rdzv_port)))  # fmt: skip
+            procs.append(starting[-1].proc)
             rendezvous = f"127.0.0.1:{rdzv_port}"
         rdzv = ["--rdzv-backend=rankguard", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job}"]
         entry = ["rankguard.trainer"]
+        helpers: list[_Starting] = []  # started with the daemons, not restarted by `up`
         # warm by default for the bundled trainer; a script opts in (docs/architecture.md:
         # the agent sees a zero-code script's warm worker only through its shim)
         warm = warm_start or not (cold_start or script)
         if warm:  # restarts skip `import torch`: workers forked from a server that has it
-            procs.append(_start_warm_server(run_dir, env))
+            helpers.append(_start_warm_server(run_dir, env))
             env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
             entry = ["rankguard.trainer.warm", "run"]
         if snapshot_every:  # holder A, replicating to B: a second node's holder, on one machine
-            trainer_arg = [*(trainer_arg or []), "--snapshot-every", str(snapshot_every),
-                           *_start_holders(run_dir, env, procs)]  # fmt: skip
+            holders, flags = _start_holders(run_dir, daemon_env)
+            helpers += holders
+            trainer_arg = [*(trainer_arg or []), "--snapshot-every", str(snapshot_every), *flags]
+        procs.extend(h.proc for h in helpers)
+        for started in starting:
+            kept.append(_keep(started, daemon_env))
+            procs.remove(started.proc)  # the keeper's now (it may replace it)
+        for helper in helpers:
+            helper.wait()
         if script:
             # torchrun's c10d rendezvous shares one store across restarts, and a plain
             # script's init_process_group (env://) writes its gloo addresses under the same

@@ -190,16 +190,22 @@ def _python_exit() -> None:
 # -- server -------------------------------------------------------------------------------
 
 
-def start_server(path, env: dict | None = None, stdout=None, timeout: float = 60):
-    """Start `serve` as a child process and wait for its socket (importing torch takes a
-    few seconds); RuntimeError if it exits or does not listen in time."""
+def spawn_server(path, env: dict | None = None, stdout=None):
+    """`serve` as a child process, not waited for: its socket appears once torch is imported."""
     import subprocess
-    import time
 
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "rankguard.trainer.warm", "serve", "--socket", str(path)],
         env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
     )  # fmt: skip
+
+
+def start_server(path, env: dict | None = None, stdout=None, timeout: float = 60):
+    """Start `serve` as a child process and wait for its socket (importing torch takes a
+    few seconds); RuntimeError if it exits or does not listen in time."""
+    import time
+
+    proc = spawn_server(path, env, stdout)
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if proc.poll() is not None or time.monotonic() > deadline:

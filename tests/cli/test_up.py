@@ -48,8 +48,14 @@ def test_up_trains_through_an_injected_kill(tmp_path):
     assert "rank_dead" in kinds
     assert len(events) == 1, events
     phases = json.loads(events[0][0])
-    names = ("teardown", "respawn", "imports", "rendezvous", "build", "state_load", "first_step")
-    assert all(isinstance(phases[k], float) and phases[k] >= 0 for k in names), phases
+    names = ("respawn", "imports", "rendezvous", "build", "state_load", "first_step")
+    assert all(isinstance(phases[k], float) and phases[k] >= 0 for k in names), json.dumps(phases)
+    # teardown is split off only when the supervisor saw every old rank's exit before the
+    # new ranks appeared; a restart faster than the agent's 0.5 s interval (since session
+    # 13's rendezvous without torch's random wait) often is not, and respawn spans both
+    teardown = phases["teardown"]
+    assert teardown is None or (isinstance(teardown, float) and teardown >= 0), phases
+    names += ("teardown",) if teardown is not None else ()
     # the phases run from the fault to the first new step; the supervisor sees that step
     # at its next pass, so its own fault -> first step is the longer, by at most a few passes
     total = sum(phases[k] for k in names)
