@@ -208,7 +208,8 @@ class TelemetrySink:
         self.close()
 
 
-def _holder_up(path: Path) -> bool:
+def holder_up(path: Path | str) -> bool:
+    """A snapshot holder answers `status` on its socket."""
     from ..contract.snapshots import request
 
     try:
@@ -233,7 +234,7 @@ class SnapshotHolders:
                     [*RANKGUARD, "snapshot-holder", "run", "--socket", str(path), *peer],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
                 deadline = time.monotonic() + 30
-                while not _holder_up(path):
+                while not holder_up(path):
                     if time.monotonic() > deadline or self.procs[-1].poll() is not None:
                         raise RuntimeError(f"snapshot holder {path} did not start")
                     time.sleep(0.05)

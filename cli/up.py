@@ -22,7 +22,7 @@ import typer
 
 from . import live_view as lv
 from .keeper import KeptDaemon
-from .local_stack import free_port
+from .local_stack import free_port, holder_up
 from .rendezvous import reachable
 
 Opt = typer.Option
@@ -140,19 +140,10 @@ def _start_warm_server(run_dir: Path, env: dict) -> _Starting:
 def _start_holders(run_dir: Path, env: dict) -> tuple[list[_Starting], list[str]]:
     """Holder B, and A replicating to it (A reaches B when it has something to send), and
     the trainer's flags for them."""
-    from rankguard.contract.snapshots import request
-
-    def up(path: str) -> bool:
-        try:
-            request(path, {"op": "status"}, timeout=1)
-            return True
-        except (OSError, EOFError):
-            return False
-
     a, b = (str((run_dir / f"holder-{n}.sock").absolute()) for n in "ab")
     started = [
         _start(f"holder-{name}", ["snapshot-holder", "run", "--socket", path, *peer], run_dir,
-               env, lambda path=path: up(path))
+               env, lambda path=path: holder_up(path))
         for name, path, peer in (("b", b, []), ("a", a, ["--peer", b]))
     ]  # fmt: skip
     return started, ["--snapshot-holder", a, "--snapshot-peers", b]
