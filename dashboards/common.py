@@ -166,6 +166,7 @@ def table(
     height: int = 8,
     description: str = "",
     hide_columns: Iterable[str] = ("Time",),
+    rename: dict[str, str] | None = None,
 ) -> Cell:
     panel = Table(
         title=title,
@@ -177,7 +178,10 @@ def table(
             {"id": "merge", "options": {}},
             {
                 "id": "organize",
-                "options": {"excludeByName": dict.fromkeys(hide_columns, True)},
+                "options": {
+                    "excludeByName": dict.fromkeys(hide_columns, True),
+                    "renameByName": rename or {},
+                },
             },
         ],
     )

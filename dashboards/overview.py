@@ -106,10 +106,17 @@ def build():
         timeseries("Restarts", [Query("sum by (kind) (increase(rankguard_supervisor_restarts_total[5m]))",
                                       "after {{kind}}")], "short", bars=True, width=8,
                    description="Job restarts in the last 5 minutes, by the incident that caused them."),
-        table("Open incidents", [Query(f"sum by (kind, training_job, node, rank) (rankguard_supervisor_incident_open{{{JOB}}}) > 0",
-                                       instant=True, table=True)],
-              "none", width=8, hide_columns=("Time", "Value"),
-              description="Open and under recovery; details with `rankguard incidents`."),
+        # both: a warm restart closes a death's incident before most scrapes see it open
+        table("Open and recent incidents", [
+                  Query(f"sum by (kind, training_job, node, rank) (rankguard_supervisor_incident_open{{{JOB}}}) > 0",
+                        instant=True, table=True),
+                  Query(f"round(time() - max by (kind, training_job, node, rank) "
+                        f"(rankguard_supervisor_incident_detected_timestamp_seconds{{{JOB}}}))",
+                        instant=True, table=True)],
+              "none", width=8, hide_columns=("Time",),
+              rename={"Value #A": "open", "Value #B": "detected s ago"},
+              description="Open (under recovery) or detected in the last 15 minutes; details "
+                          "with `rankguard incidents`."),
         timeseries("Time to detect (mean, last hour)", [Query(_mean_time("rankguard_supervisor_time_to_detect_seconds"),
                                                    "{{kind}}")], "s",
                    description="From the fault (exit, last heartbeat) to the supervisor's finding."),

@@ -45,12 +45,23 @@ def _cases(t: Targets) -> list[dict]:
         return s("rankguard_supervisor_incident_open",
                  {**SUP, "kind": kind, "training_job": "llm", "node": "node-1", "rank": rank}, values)  # fmt: skip
 
+    def detected(kind: str, rank: str, values: str) -> dict:
+        return s("rankguard_supervisor_incident_detected_timestamp_seconds",
+                 {**SUP, "kind": kind, "training_job": "llm", "node": "node-1", "rank": rank}, values)  # fmt: skip
+
     return [
         {"name": "a dead rank, named by the supervisor's open incident",
          "series": [incident("rank_dead", "1", "_ _ 1 1 1"), incident("straggler", "0", "1x4")],
          "expect": {"RankDead": [("1m", []), ("3m", [alert(
              "critical", "Rank 1 of job llm died on node node-1",
              training_job="llm", node="node-1", rank="1")])]}},
+        {"name": "a death whose incident closed between two scrapes, then grew old",
+         # detected at 120 s, never scraped open (a warm restart resolved it first); the
+         # alert holds for Targets.incident_recent_seconds after the detection
+         "series": [detected("rank_dead", "1", "_ _ 120x8"), detected("rank_hung", "0", "_ _ 120x8")],
+         "expect": {"RankDead": [("1m", []), ("3m", [alert(
+             "critical", "Rank 1 of job llm died on node node-1",
+             training_job="llm", node="node-1", rank="1")]), ("8m", [])]}},
         {"name": "a hung job, with its culprit rank",
          "series": [incident("rank_hung", "0", "_ _ 1 1 1"), incident("rank_dead", "1", "1x4")],
          "expect": {"RankHung": [("1m", []), ("3m", [alert(

@@ -7,8 +7,9 @@ near zero); `Targets` changes them. Pure: `rule_file()` returns the structure th
 
 Who names what: agent series name the node through `rankguard:agent_node:info` (joined on
 `instance`), and the rank through their `training_job`/`rank` labels; the supervisor's
-`rankguard_supervisor_incident_open` names the job, node and rank of each open incident,
-so alerts about dead, hung or straggling ranks follow the supervisor's detectors (adaptive,
+`rankguard_supervisor_incident_open` names the job, node and rank of each open incident
+(and `..._incident_detected_timestamp_seconds` of each recent one, for incidents a restart
+closes before a scrape sees them open), so alerts about dead, hung or straggling ranks follow the supervisor's detectors (adaptive,
 one incident per fault: torchrun tearing the other ranks down is not an alert storm).
 """
 
@@ -42,6 +43,9 @@ class Targets:
     filesystem_free_warning: float = 0.10  # the agent's degraded / unhealthy thresholds
     filesystem_free_critical: float = 0.05
     throttled_share: float = 0.5  # of the last 10 minutes
+    # a restart-resolved incident (death, hang, bad numerics) alerts this long after its
+    # detection even when it closed before any scrape saw it open
+    incident_recent_seconds: int = 300
 
 
 @dataclass(frozen=True)
@@ -128,9 +132,15 @@ def recording_rules() -> list[Record]:
     ]  # fmt: skip
 
 
-def incident(kind: str, by: str = "training_job, node, rank") -> str:
-    """An open supervisor incident of `kind`, one series per what it names."""
-    return f'max by ({by}) (rankguard_supervisor_incident_open{{kind="{kind}"}}) > 0'
+def incident(kind: str, by: str = "training_job, node, rank", recent_seconds: int = 0) -> str:
+    """An open supervisor incident of `kind`, one series per what it names; with
+    `recent_seconds`, also one detected that recently: a restart closes a death's or a
+    hang's incident within about a second, mostly between two scrapes."""
+    open_ = f'max by ({by}) (rankguard_supervisor_incident_open{{kind="{kind}"}}) > 0'
+    if not recent_seconds:
+        return open_
+    detected = f'rankguard_supervisor_incident_detected_timestamp_seconds{{kind="{kind}"}}'
+    return f"{open_} or min by ({by}) (time() - {detected}) < {recent_seconds}"
 
 
 def alerting_rules(t: Targets | None = None) -> list[Alert]:
@@ -139,13 +149,13 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
     pct = lambda x: f"{x * 100:g}%"  # noqa: E731
     return [
         Alert("RankDead",
-              incident("rank_dead"),
+              incident("rank_dead", recent_seconds=t.incident_recent_seconds),
               "critical", "Rank {{ $labels.rank }} of job {{ $labels.training_job }} died on node {{ $labels.node }}",
               "A training rank's process exited. torchrun restarts the worker group from the "
               "newest validated checkpoint; the incident closes at the first step after the "
               "restart. Details: `rankguard incidents`."),
         Alert("RankHung",
-              incident("rank_hung"),
+              incident("rank_hung", recent_seconds=t.incident_recent_seconds),
               "critical", "Job {{ $labels.training_job }} hung; culprit rank {{ $labels.rank }} on node {{ $labels.node }}",
               "Every live rank is past its phase budget. The supervisor captures the culprit's "
               "stacks and ends it so the job restarts; see `rankguard incidents` for the stacks."),
@@ -195,7 +205,7 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               "for batches (a slow filesystem, a starved DataLoader worker pool). The incident "
               "names the phase and the wait; see `rankguard incidents`."),
         Alert("BadNumerics",
-              incident("bad_numerics"),
+              incident("bad_numerics", recent_seconds=t.incident_recent_seconds),
               "critical", "Job {{ $labels.training_job }}: non-finite or spiking loss on rank {{ $labels.rank }}",
               "A NaN, an infinity or a loss spike. The supervisor restarts the job from the newest "
               "checkpoint validated before the anomaly; `rankguard incidents` names the step, the "

@@ -21,6 +21,9 @@ from .stacks import SKIPS as STACK_SKIPS
 
 VERDICTS = ("healthy", "degraded", "unhealthy")
 TIME_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300)
+# Incidents detected this recently keep a detection-time series: longer than any alert
+# rule's window on it (dashboards/rules.py), short enough that old jobs' series go away.
+RECENT_INCIDENT_SECONDS = 900.0
 
 
 def _worst(a: str, b: str) -> str:
@@ -224,6 +227,7 @@ class SupervisorCollector:
         for key, n in sorted(counts.items()):
             named.add_metric(list(key), n)
         yield named
+        yield _recently_detected(incidents, sup.clock() - RECENT_INCIDENT_SECONDS)
         for name, attr, help_ in (
             (
                 "rankguard_supervisor_time_to_detect_seconds",
@@ -300,4 +304,24 @@ def _by_reason(name: str, help_text: str, reasons, counts) -> CounterMetricFamil
     family = CounterMetricFamily(name, help_text, labels=["reason"])
     for reason in reasons:
         family.add_metric([reason], counts.get(reason, 0))
+    return family
+
+
+def _recently_detected(incidents, since: float) -> GaugeMetricFamily:
+    """When the newest incident of each kind and target was detected, for those detected
+    after `since`: a warm restart closes a death's incident within about a second, often
+    between two scrapes, so the open gauge alone would never show it to an alert."""
+    family = GaugeMetricFamily(
+        "rankguard_supervisor_incident_detected_timestamp_seconds",
+        "Unix time of the newest incident detected recently (the last "
+        f"{RECENT_INCIDENT_SECONDS:.0f} s), by kind and the job, node and rank it names.",
+        labels=["kind", JOB_LABEL, "node", "rank"],
+    )
+    newest: dict[tuple[str, str, str, str], float] = {}
+    for i in incidents:
+        if i.detected_at >= since:
+            key = (i.kind, i.job or "", i.node or "", "" if i.rank is None else str(i.rank))
+            newest[key] = max(newest.get(key, 0.0), i.detected_at)
+    for key, t in sorted(newest.items()):
+        family.add_metric(list(key), t)
     return family

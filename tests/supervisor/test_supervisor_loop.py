@@ -16,7 +16,7 @@ from rankguard.agent.daemon import Agent
 from rankguard.agent.nvml_double import NvmlDouble, make_double
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.store import IncidentStore
-from rankguard.supervisor.views import cluster_view, make_registry
+from rankguard.supervisor.views import RECENT_INCIDENT_SECONDS, cluster_view, make_registry
 
 RANK = """
 import os, sys, time
@@ -198,3 +198,13 @@ def test_a_killed_hung_rank_is_one_incident_with_its_timeline(node, tmp_path):
         0.5, 0.5, 0.5, 0.5, 0.5]  # fmt: skip
     wait_until(lambda: (sup.reconcile_once(), cluster_view(sup)["jobs"]["j"]["state"])[1] == "running",
                10, "the job running again")  # fmt: skip
+    # resolved: no longer open, but its detection stays visible to the alert rules for a
+    # while (a restart this quick would otherwise fall between two scrapes)
+    families = {m.name: m for m in make_registry(sup).collect()}
+    assert families["rankguard_supervisor_incident_open"].samples == []
+    (seen,) = families["rankguard_supervisor_incident_detected_timestamp_seconds"].samples
+    assert seen.labels == {"kind": "rank_hung", "training_job": "j", "node": inc.node, "rank": "1"}
+    assert seen.value == inc.detected_at
+    sup.clock = lambda: inc.detected_at + RECENT_INCIDENT_SECONDS + 1  # and then it grows old
+    families = {m.name: m for m in make_registry(sup).collect()}
+    assert families["rankguard_supervisor_incident_detected_timestamp_seconds"].samples == []
