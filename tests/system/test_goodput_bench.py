@@ -44,6 +44,22 @@ def test_history_keeps_each_step_once_and_counts_rollbacks_as_lost():
     assert h["useful_steps"] == 60 and h["poisoned_at"] is None
 
 
+def test_the_runs_own_step_time_leaves_out_the_steps_near_a_fault_and_restarts():
+    g, ev = _bench(), []
+    t = _process(ev, 1, 0, 100, 0.0)  # 1 s a step
+    for e in ev:  # ... but 5 s a step within 30 s after the fault at t=50
+        if e["event"] == "step" and 50 < e["step"] <= 55:
+            e["t"] = 50 + (e["step"] - 50) * 5.0
+        elif e["event"] == "step" and e["step"] > 55:
+            e["t"] += 20
+    _process(ev, 2, 90, 120, t + 20 + 10)  # a restart: its gap to the old process is no step
+    run = g.Run("rankguard", launched=0.0, events=ev)
+    run.injected = [g.Injected(g.Fault(1, "slow", 1, 50.0), 50.0, {})]
+    assert g.quiet_step_time(run) == 1.0
+    run.injected = []
+    assert g.quiet_step_time(run) > 1.0  # the slow steps count when no fault explains them
+
+
 def test_steps_on_a_nan_model_are_not_useful():
     g, ev = _bench(), []
     _process(ev, 1, 0, 50, 0.0, nan_from=31)
