@@ -9,8 +9,9 @@ Who names what: agent series name the node through `rankguard:agent_node:info` (
 `instance`), and the rank through their `training_job`/`rank` labels; the supervisor's
 `rankguard_supervisor_incident_open` names the job, node and rank of each open incident
 (and `..._incident_detected_timestamp_seconds` of each recent one, for incidents a restart
-closes before a scrape sees them open), so alerts about dead, hung or straggling ranks follow the supervisor's detectors (adaptive,
-one incident per fault: torchrun tearing the other ranks down is not an alert storm).
+closes before a scrape sees them open), so alerts about dead, hung or straggling ranks
+follow the supervisor's detectors (adaptive, one incident per fault: torchrun tearing the
+other ranks down is not an alert storm).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class Targets:
     filesystem_free_critical: float = 0.05
     throttled_share: float = 0.5  # of the last 10 minutes
     # a restart-resolved incident (death, hang, bad numerics) alerts this long after its
-    # detection even when it closed before any scrape saw it open
+    # detection even when it closed before any scrape saw it open (at most the 900 s for
+    # which the supervisor exports detection times: supervisor/views.py)
     incident_recent_seconds: int = 300
 
 
