@@ -222,7 +222,7 @@ class SupervisorCollector:
         )
         counts: dict[tuple[str, str, str, str], int] = {}
         for i in sup.store.open_incidents():
-            key = (i.kind, i.job or "", i.node or "", "" if i.rank is None else str(i.rank))
+            key = _named(i)
             counts[key] = counts.get(key, 0) + 1
         for key, n in sorted(counts.items()):
             named.add_metric(list(key), n)
@@ -307,6 +307,11 @@ def _by_reason(name: str, help_text: str, reasons, counts) -> CounterMetricFamil
     return family
 
 
+def _named(i) -> tuple[str, str, str, str]:
+    """An incident's labels: its kind and the job, node and rank it names ('' when none)."""
+    return (i.kind, i.job or "", i.node or "", "" if i.rank is None else str(i.rank))
+
+
 def _recently_detected(incidents, since: float) -> GaugeMetricFamily:
     """When the newest incident of each kind and target was detected, for those detected
     after `since`: a warm restart closes a death's incident within about a second, often
@@ -320,7 +325,7 @@ def _recently_detected(incidents, since: float) -> GaugeMetricFamily:
     newest: dict[tuple[str, str, str, str], float] = {}
     for i in incidents:
         if i.detected_at >= since:
-            key = (i.kind, i.job or "", i.node or "", "" if i.rank is None else str(i.rank))
+            key = _named(i)
             newest[key] = max(newest.get(key, 0.0), i.detected_at)
     for key, t in sorted(newest.items()):
         family.add_metric(list(key), t)
