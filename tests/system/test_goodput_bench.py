@@ -84,9 +84,14 @@ def test_spacing_keeps_kinds_and_order_and_sizes_the_job_to_span_them():
     first = params["first_at_seconds"]
     assert [f.at for f in spaced] == [first + 120 * i for i in range(len(plain))]
     # the job: first fault + 7 spacings of fault-free training at the calibrated step time
-    assert g.steps_for(params, 7, 120, 0.05) == math.ceil((first + 7 * 120) / 0.05)
-    assert g.steps_for(params, 7, None, 0.05) == params["steps"]  # the file's, unspaced
-    assert g.steps_for(params, 7, 120, math.nan) == params["steps"]  # no calibration
+    assert g.steps_for(params, spaced, 120, 0.05) == math.ceil((first + 7 * 120) / 0.05)
+    assert g.steps_for(params, spaced, 120, math.nan) == params["steps"]  # no calibration
+    # unspaced, the full schedule is fitted too: its last fault + one mean gap
+    span = plain[-1].at + params["mean_gap_seconds"]
+    assert g.steps_for(params, plain, None, 0.02) == math.ceil(span / 0.02) > params["steps"]
+    assert g.steps_for(params, plain, None, 0.2) == params["steps"]  # already long enough
+    quick_params, quick_faults = g.load_schedule(toml, quick=True)
+    assert g.steps_for(quick_params, quick_faults, None, 0.02) == quick_params["steps"]
     assert spaced_params["run_limit_seconds"] >= 1.5 * (first + 7 * 120)
 
 
