@@ -600,12 +600,14 @@ def f1(v, unit="") -> str:
 
 
 def steps_text(results: list[dict], params: dict) -> str:
-    if not params.get("spacing"):
+    spacing, fit = params.get("spacing"), params.get("fit_steps")
+    if not spacing and not fit:
         return f"{params['steps']} steps"
     each = ", ".join(f"{r['stack']} {r['steps']}" for r in results)
+    rule = "first fault + faults x spacing" if spacing else "last fault + one mean gap"
     return (
         "steps sized per stack to span the schedule at its calibrated step time "
-        f"(first fault + faults x spacing: {each})"
+        f"({rule}, at least {params['steps']}: {each})"
     )
 
 
