@@ -115,6 +115,7 @@ class RankEventLog:
             self._events.append(RankEventAnswer(
                 self._seq, event.job, event.rank, event.pid, event.restart, event.previous,
                 event.state, self._to_unix(event.at), event.detail, event.step,
+                event.checkpoint_step,
             ))  # fmt: skip
             self._cond.notify_all()
 

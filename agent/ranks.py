@@ -349,6 +349,7 @@ class RankEvent:
     detail: str | None = None
     restart: int | None = None  # the incarnation its records named (state changes only)
     step: int | None = None  # its last step reported (telemetry ranks, state changes only)
+    checkpoint_step: int | None = None  # its newest validated checkpoint reported (the same)
 
 
 def _process_record(job: str, w: Any) -> TelemetryRecord:
@@ -486,11 +487,21 @@ class _Rank:
         if state == previous:
             return None
         self.state_since = now
-        # the last step rides along: a supervisor applying a death to an older view of the
-        # node would otherwise count the steps lost from a stale step (supervisor/events.py)
-        step = self.record.step if self.source == "telemetry" else None
+        # the last step and checkpoint ride along: a supervisor applying a death to an older
+        # view of the node would otherwise count the steps lost from a stale step, and give
+        # the crash-loop guard a stale checkpoint (supervisor/events.py)
+        rec = self.record if self.source == "telemetry" else None
         return RankEvent(
-            self.job, self.rank, self.pid, previous, state, now, detail, self.record.restart, step
+            self.job,
+            self.rank,
+            self.pid,
+            previous,
+            state,
+            now,
+            detail,
+            self.record.restart,
+            rec.step if rec else None,
+            rec.checkpoint_step if rec else None,
         )
 
     def apply_stat(self, stat: ProcStat | None, now: float, cpu_window: float) -> RankEvent | None:

@@ -658,7 +658,8 @@ class RankEventAnswer:
     """One change of a rank's process state, as the agent saw it (its pidfd watcher for an
     exit, at once). ``restart`` is the incarnation the rank's records named when known;
     ``previous`` is None on first sight; ``seq`` numbers the agent's events; ``step`` is
-    the rank's last reported step (None for a rank without telemetry)."""
+    the rank's last reported step and ``checkpoint_step`` the newest validated checkpoint
+    it last reported (None for a rank without telemetry, or none reported)."""
 
     seq: int
     job: str
@@ -670,11 +671,13 @@ class RankEventAnswer:
     at: float
     detail: str | None = None
     step: int | None = None
+    checkpoint_step: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"seq": self.seq, "job": self.job, "rank": self.rank, "pid": self.pid,
                 "restart": self.restart, "previous": self.previous, "state": self.state,
-                "at": self.at, "detail": self.detail, "step": self.step}  # fmt: skip
+                "at": self.at, "detail": self.detail, "step": self.step,
+                "checkpoint_step": self.checkpoint_step}  # fmt: skip
 
     @classmethod
     def from_json(cls, obj: Any) -> RankEventAnswer:
@@ -690,6 +693,9 @@ class RankEventAnswer:
             at=_float(o, "at"),
             detail=_str(o, "detail", optional=True),
             step=_int(o, "step", optional=True),
+            checkpoint_step=(  # absent from an older agent's events
+                _int(o, "checkpoint_step", optional=True) if "checkpoint_step" in o else None
+            ),
         )
 
 

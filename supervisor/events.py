@@ -40,8 +40,12 @@ def apply_deaths(node: NodeObs, events: Iterable[RankEventAnswer]) -> NodeObs:
             # the rank's last step as the agent knew it at the exit: the view may be a poll
             # old, and the incident's steps lost are counted from the newest step seen
             step = r.step if e.step is None or (r.step or 0) > e.step else e.step
+            # and its newest checkpoint, for the crash-loop guard: an incarnation that lived
+            # less than a poll was seen with none (supervisor/policy.py)
+            ckpt = r.checkpoint_step if e.checkpoint_step is None else e.checkpoint_step
             r = replace(r, state=e.state, pid=e.pid, restart=restart, exited_at=e.at,
-                        state_since=e.at, cpu_utilization=0.0, step=step)  # fmt: skip
+                        state_since=e.at, cpu_utilization=0.0, step=step,
+                        checkpoint_step=ckpt)  # fmt: skip
             changed = True
         ranks.append(r)
     return replace(node, ranks=tuple(ranks)) if changed else node

@@ -262,7 +262,7 @@ def test_socket_file_rules(tmp_path, table):
 def test_sigkill_is_known_within_100ms(table, receiver, sock_path, children):
     events = []
     table.subscribe(events.append)
-    child = spawn_rank(sock_path)
+    child = spawn_rank(sock_path, checkpoint_step=8)
     children.append(child)
     wait_for(lambda: rank_of(table) and events)  # its "alive" event too (see below)
     assert table.verified_pid("llama", 0) == child.pid
@@ -288,6 +288,8 @@ def test_sigkill_is_known_within_100ms(table, receiver, sock_path, children):
         ("alive", "zombie"),
         ("zombie", "exited"),
     ]
+    # its last step and newest checkpoint ride along (supervisor/events.py)
+    assert [(e.step, e.checkpoint_step) for e in events[1:]] == [(10, 8), (10, 8)]
 
 
 def test_stop_and_continue(table, receiver, sock_path, children):

@@ -95,15 +95,15 @@ def test_up_warm_start_crash_loop_is_stopped_through_the_launcher(tmp_path):
     # stopped after three restarts without progress, each one a recorded death
     stuck = json.loads(rows[stop][2])["restarts"]
     assert len(stuck) == 3 and set(stuck) <= {key for _, key, _ in rows[:stop]}, rows
-    # every death before the stop is a rank_dead. How many: three, or four when the first
-    # incarnation's death, after it wrote the checkpoint, is seen too (warm incarnations
-    # die 0.4 s apart, the supervisor looks every 0.5 s); five when the second incarnation
-    # also died before any report of step 20 reached the supervisor, so its restart was
-    # counted as progress (the guard is then one restart late). An incarnation torchrun
-    # had started just before the stop landed dies of the stop itself and may be
-    # recorded after it.
-    assert before == ["rank_dead"] * len(before) and 3 <= len(before) <= 5, kinds
+    # every death before the stop is a rank_dead: three (each restart from step 20 counts),
+    # or four when the first incarnation died before its report of step 20 reached the
+    # agent, so its restart counts as progress. A later incarnation's death carries the
+    # checkpoint it reported on /v1/rank-events (agent/ranks.py): warm incarnations die
+    # 0.4 s apart, within one 0.5 s poll, and were recorded with none (a fifth death,
+    # seen in CI before). An incarnation torchrun had started just before the stop landed
+    # dies of the stop itself and may be recorded after it.
+    assert before == ["rank_dead"] * len(before) and len(before) in (3, 4), kinds
     log = (run / "trainer.log").read_text()
     resumed = re.findall(r"resumed from step (\d+)", log)
-    assert len(resumed) >= 3 and set(resumed) == {"20"}, resumed  # the loop: no progress
+    assert len(resumed) >= 2 and set(resumed) == {"20"}, resumed  # the loop: no progress
     assert "starting cold" not in log  # really warm

@@ -27,6 +27,7 @@ events = st.builds(
     at=st.floats(0, 2e9),
     detail=st.none() | st.text(max_size=30),
     step=st.none() | st.integers(0, 2**40),
+    checkpoint_step=st.none() | st.integers(0, 2**40),
 )
 
 
@@ -50,7 +51,7 @@ def test_round_trip(answer):
 
 def _good() -> dict:
     # every optional field set: the property test below breaks each by a change of type
-    e = RankEventAnswer(3, "j", 1, 42, 0, "alive", "exited", 1700000000.5, "exit code 1", 57)
+    e = RankEventAnswer(3, "j", 1, 42, 0, "alive", "exited", 1700000000.5, "exit code 1", 57, 50)
     return RankEventsAnswer("n", 1.0, "ab-3", events=(e,)).to_json()
 
 
@@ -61,6 +62,8 @@ def _good() -> dict:
         (("events", 0, "previous"), 7, "bad_type", "events[0].previous"),
         (("events", 0, "rank"), -1, "out_of_range", "events[0].rank"),
         (("events", 0, "pid"), True, "bad_type", "events[0].pid"),
+        (("events", 0, "checkpoint_step"), -1, "out_of_range", "events[0].checkpoint_step"),
+        (("events", 0, "checkpoint_step"), "20", "bad_type", "events[0].checkpoint_step"),
         (("events", 0, "seq"), 0, "out_of_range", "events[0].seq"),
         (("events", 0, "at"), "NaN", "bad_type", "events[0].at"),  # only losses may be NaN
         (("events", 0, "job"), "x" * 10_000, "out_of_range", "events[0].job"),
@@ -79,6 +82,12 @@ def test_a_malformed_answer_names_its_field(path, value, reason, field):
     with pytest.raises(ContractError) as err:
         RankEventsAnswer.from_json(answer)
     assert (err.value.reason, err.value.field) == (reason, field), str(err.value)
+
+
+def test_an_older_agents_event_without_a_checkpoint_step_is_read():
+    answer = _good()
+    del answer["events"][0]["checkpoint_step"]
+    assert RankEventsAnswer.from_json(answer).events[0].checkpoint_step is None
 
 
 def test_events_out_of_order_are_refused():

@@ -11,8 +11,8 @@ from rankguard.supervisor.events import apply_deaths
 from rankguard.supervisor.model import History
 
 
-def event(r, *, pid, restart=0, state="exited", at=T0 + 1.0, seq=1, step=None):
-    return RankEventAnswer(seq, "j", r, pid, restart, "alive", state, at, None, step)
+def event(r, *, pid, restart=0, state="exited", at=T0 + 1.0, seq=1, step=None, ckpt=None):
+    return RankEventAnswer(seq, "j", r, pid, restart, "alive", state, at, None, step, ckpt)
 
 
 def test_a_death_of_the_process_in_view_is_applied():
@@ -54,6 +54,17 @@ def test_the_last_step_the_event_carries_replaces_a_stale_one():
     assert [r.step for r in out.ranks] == [53, 56]
     older = apply_deaths(node, [event(1, pid=1001, step=50)])  # never goes back
     assert [r.step for r in older.ranks] == [53, 53]
+
+
+def test_the_checkpoint_the_event_carries_replaces_the_views():
+    """Incarnation 1 resumed from step 20 and died within one poll of the node, last seen
+    at incarnation 0 before its checkpoint of step 20 was validated: the death is recorded
+    with step 20, so the crash-loop guard does not count the restart as progress."""
+    node = nodeobs(rank(0), rank(1))
+    out = apply_deaths(node, [event(1, pid=7777, restart=1, ckpt=20)])
+    assert [r.checkpoint_step for r in out.ranks] == [None, 20]
+    unknown = apply_deaths(nodeobs(rank(0), rank(1, ckpt=10)), [event(1, pid=7777, restart=1)])
+    assert [r.checkpoint_step for r in unknown.ranks] == [None, 10]  # an older agent: kept
 
 
 def test_an_event_death_and_the_replaced_incarnation_path_give_one_key():
