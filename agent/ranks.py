@@ -492,17 +492,9 @@ class _Rank:
         # the crash-loop guard a stale checkpoint (supervisor/events.py)
         rec = self.record if self.source == "telemetry" else None
         return RankEvent(
-            self.job,
-            self.rank,
-            self.pid,
-            previous,
-            state,
-            now,
-            detail,
-            self.record.restart,
-            rec.step if rec else None,
-            rec.checkpoint_step if rec else None,
-        )
+            self.job, self.rank, self.pid, previous, state, now, detail, self.record.restart,
+            step=rec.step if rec else None, checkpoint_step=rec.checkpoint_step if rec else None,
+        )  # fmt: skip
 
     def apply_stat(self, stat: ProcStat | None, now: float, cpu_window: float) -> RankEvent | None:
         """Fold a fresh /proc reading into the state (refresh)."""
