@@ -61,6 +61,9 @@ def main() -> None:
         if args.save_every and step % args.save_every == 0 and dist.get_rank() == 0:
             with rg.phase("checkpoint_save"):  # rankguard
                 save(model.module, args.ckpt)
+    # wait for rank 0's last save: a rank that tears gloo down alone while its peer is
+    # still connected can abort at exit (std::terminate, seen in 5 of 18 resumed runs)
+    dist.barrier()
     dist.destroy_process_group()
 
 
