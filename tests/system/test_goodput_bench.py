@@ -95,6 +95,20 @@ def test_spacing_keeps_kinds_and_order_and_sizes_the_job_to_span_them():
     assert spaced_params["run_limit_seconds"] >= 1.5 * (first + 7 * 120)
 
 
+def test_the_report_names_each_stacks_fitted_steps():
+    g = _bench()
+    toml = ROOT / "bench" / "goodput_schedule.toml"
+    params, _ = g.load_schedule(toml, quick=False)
+    params["spacing"] = None  # as main() sets it
+    text = g.steps_text(
+        [{"stack": "plain", "steps": 3418}, {"stack": "nvrx", "steps": 3356}], params
+    )
+    assert f"last fault + one mean gap, at least {params['steps']}: plain 3418, nvrx 3356" in text
+    quick_params, _ = g.load_schedule(toml, quick=True)
+    quick_params["spacing"] = None
+    assert g.steps_text([], quick_params) == f"{quick_params['steps']} steps"  # not fitted
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("goodput")
