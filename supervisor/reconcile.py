@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from .agent_io import EventWatch
@@ -131,6 +132,10 @@ class SupervisorConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     startup_trace: str = ""  # the workers' startup milestones ([supervisor] startup_trace)
+    # how long a pass waits for the stacks it asked for: the rest come to a later pass. A
+    # stacks request to an agent behind a cut link waits out its 30 s timeout, and the
+    # loop once stood still that long, on the partitioned node it was meant to notice
+    stacks_wait: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,10 @@ class Supervisor:
         self.clock = time.time
         self.monotonic = time.monotonic  # paces stack captures (a test may drive it)
         self.stack_budget = StackBudget()  # py-spy dumps: bounded per pass, per rank backoff
+        # captures in flight, answered off the loop's thread (stacks_wait)
+        self._stack_pool = ThreadPoolExecutor(16, thread_name_prefix="rankguard-stacks")
+        self._stack_requests: dict[tuple[str, int, int], Future] = {}
+        self._stacks_deadline = 0.0
         self.service = None  # its HTTP service once serving (supervisor/daemon.py)
         self.scheduler = Scheduler(cfg.scheduler, store.path)  # drains, resumes nodes
         self._phase_watch: dict[int, _PhaseWatch] = {}  # incident id -> restart awaited
@@ -324,6 +333,7 @@ class Supervisor:
 
     def _detect(self, obs: ClusterObs, state_only: bool = False) -> list[Finding]:
         self.stack_budget.new_pass(self.monotonic())
+        self._collect_stacks()  # answers to earlier passes, late ones too
         cfg = self.cfg.detectors
         restarts = obs.newest_restarts()
         # an announced death waiting is served first (the pass ends sooner without the
@@ -354,6 +364,7 @@ class Supervisor:
             self._window_next = self._pass_started + spacing if spacing > self.cfg.interval else 0.0
             self._window_restarts = restarts
             self._credit_cap = max(self._credit_cap, 1.5 * cost)
+        self._stacks_deadline = time.monotonic() + self.cfg.stacks_wait
         refined = [self._refine(f, obs) for f in found]
         return [f for f in refined if not _unnamed_process_hang(f)]
 
@@ -378,21 +389,23 @@ class Supervisor:
             return dataclasses.replace(
                 finding, rank=existing.rank, node=existing.node, evidence=evidence
             )
-        stacks, nodes = {}, {}
         budget, ranks = self.stack_budget, obs.current_ranks(finding.job)
-        for r in ranks:
-            key = (r.job, r.rank, r.pid)
-            if budget.may_capture(key, self.monotonic()):
-                dump = None
-                try:
-                    dump = self.client_for(self._url_of(obs, r)).stacks(r.job, r.rank)["stacks"]
-                except AgentError as exc:
-                    log.warning("stacks of rank %s: %s", r.rank, exc)
-                budget.record(key, self.monotonic(), dump)
+        keys = {(r.job, r.rank, r.pid): r for r in ranks}
+        for key, r in keys.items():
+            if key not in self._stack_requests and budget.may_capture(key, self.monotonic()):
+                budget.start(key, self.monotonic())
+                client = self.client_for(self._url_of(obs, r))
+                self._stack_requests[key] = self._stack_pool.submit(client.stacks, *key[:2])
+        asked = [f for k, f in self._stack_requests.items() if k in keys]
+        wait(asked, timeout=max(0.0, self._stacks_deadline - time.monotonic()))
+        self._collect_stacks()
+        stacks, nodes = {}, {}
+        for key, r in keys.items():
             if (dump := budget.dump(key)) is not None:
                 stacks[r.rank], nodes[r.rank] = dump, r.node
-        if not all(budget.tried((r.job, r.rank, r.pid)) for r in ranks):
-            # some ranks wait for a later pass's budget: blame no rank on part of the picture
+        if any(k in self._stack_requests or not budget.tried(k) for k in keys):
+            # some ranks wait for a later pass's budget or answer: blame no rank on part of
+            # the picture
             return dataclasses.replace(finding, evidence={**finding.evidence, "stacks": stacks})
         culprit = pick_culprit_from_stacks(stacks)
         evidence = {**finding.evidence, "stacks": stacks}
@@ -400,6 +413,19 @@ class Supervisor:
             return dataclasses.replace(finding, evidence=evidence)
         evidence["culprit_reason"] = "its stack is the only one not waiting in a collective"
         return dataclasses.replace(finding, rank=culprit, node=nodes[culprit], evidence=evidence)
+
+    def _collect_stacks(self) -> None:
+        """The captures answered since the last look, into the budget's dumps."""
+        for key, future in list(self._stack_requests.items()):
+            if not future.done():
+                continue
+            del self._stack_requests[key]
+            try:
+                dump = future.result()["stacks"]
+            except Exception as exc:  # refused, timed out, garbled: a later pass asks again
+                log.warning("stacks of rank %s: %s", key[1], exc)
+                dump = None
+            self.stack_budget.finish(key, self.monotonic(), dump)
 
     @staticmethod
     def _url_of(obs: ClusterObs, rank: RankObs) -> str:
@@ -529,10 +555,15 @@ class Supervisor:
             client = self.client_for(self._url_of(obs, rank))
             result: dict = {}
             if f.kind == RANK_HUNG and "stacks" not in f.evidence:
-                try:  # the culprit's stacks, before it is gone
-                    result["stacks"] = {rank.rank: client.stacks(rank.job, rank.rank)["stacks"]}
+                # the culprit's stacks, before it is gone; an agent slow to answer does
+                # not hold the kill back
+                capture = self._stack_pool.submit(client.stacks, rank.job, rank.rank)
+                try:
+                    result["stacks"] = {rank.rank: capture.result(self.cfg.stacks_wait)["stacks"]}
                 except AgentError as exc:
                     result["stacks_error"] = str(exc)
+                except TimeoutError:
+                    result["stacks_error"] = f"no answer within {self.cfg.stacks_wait:g} s"
             result["signal"] = client.signal(rank.job, rank.rank, "SIGKILL")
             return result
         # stop_job: every node of the job; exclude_node: that node, every job on it
@@ -665,6 +696,7 @@ class Supervisor:
         self.heap.close()
         self.events.close()
         self.poller.close()
+        self._stack_pool.shutdown(wait=False, cancel_futures=True)
         self.scheduler.close()
 
 

@@ -4,7 +4,9 @@ A dump costs the node ~0.1 s of CPU and the pass an HTTP round trip. Reading eve
 of a hung job on every retry cost 833 dumps a minute with 30 silent ranks and slowed
 passes from 4/s to 1.3/s. Here captures are bounded per pass, and each rank process backs
 off (2 s, 4 s, ... up to 60 s) while its hang persists; dumps taken on earlier passes are
-kept, so a job's stacks are completed over a few passes instead of all in one. Pure: the
+kept, so a job's stacks are completed over a few passes instead of all in one. A capture
+is started on one pass and may finish on a later one (an agent behind a cut link answers
+only after its timeout; reconcile.py waits for it no longer than a moment). Pure: the
 clock is passed in.
 """
 
@@ -48,14 +50,18 @@ class StackBudget:
             return False
         return True
 
-    def record(self, key: Key, now: float, dump: str | None) -> None:
-        """A capture made (`dump` None when it failed): spend the pass's budget and back off."""
+    def start(self, key: Key, now: float) -> None:
+        """A capture asked for: spend the pass's budget and back off."""
         self._left -= 1
         self.captured += 1
         previous = self._due.get(key)
         delay = self.first_delay if previous is None else min(previous[1] * 2, self.max_delay)
         self._due[key] = (now + delay, delay)
-        if dump is not None:
+
+    def finish(self, key: Key, now: float, dump: str | None) -> None:
+        """Its answer, on this pass or a later one (`dump` None when it failed: the last
+        good one stays). A rank forgotten meanwhile is not brought back."""
+        if dump is not None and key in self._due:
             self._dumps[key] = (now, dump)
 
     def tried(self, key: Key) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from rankguard.contract.answers import NodeAnswer, RankAnswer, RanksAnswer
@@ -29,6 +30,7 @@ class FakeAgent(ThreadingHTTPServer):
         self.headers_override: dict[str, dict[str, str]] = {}  # path -> extra headers
         self.stream: dict[str, int] = {}  # path -> bytes to stream chunked, unannounced
         self.controls: list[tuple[str, dict, str]] = []  # (path, body, Authorization)
+        self.control_delay: dict[str, float] = {}  # path -> seconds before its answer
         self.lock = threading.Lock()
         super().__init__((host, 0), _Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -96,6 +98,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         with server.lock:
             server.controls.append((self.path, body, self.headers.get("Authorization", "")))
+        time.sleep(server.control_delay.get(self.path, 0.0))  # an agent behind a cut link
         result = {"result": {**body, "sent": True, "stacks": "Thread 1\n  wait (x.py:1)\n"}}
         data = json.dumps(result).encode()
         self.send_response(200)

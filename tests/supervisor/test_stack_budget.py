@@ -4,6 +4,7 @@ each rank process backs off while its hang persists; the skips are counted on /m
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -21,7 +22,7 @@ def test_a_pass_spends_at_most_its_budget():
     budget = StackBudget(per_pass=3)
     budget.new_pass(0.0)
     allowed = [k for k in range(10) if budget.may_capture(("j", k, k), 0.0)
-               and budget.record(("j", k, k), 0.0, "dump") is None]  # fmt: skip
+               and budget.start(("j", k, k), 0.0) is None]  # fmt: skip
     assert allowed == [0, 1, 2] and budget.skipped["pass_budget"] == 7
     budget.new_pass(0.1)
     assert budget.may_capture(("j", 3, 3), 0.1) and not budget.may_capture(("j", 0, 0), 0.1)
@@ -33,7 +34,8 @@ def test_a_rank_backs_off_doubling_to_the_ceiling_and_a_new_process_starts_afres
     while t < 100:
         budget.new_pass(t)
         if budget.may_capture(("j", 0, 7), t):
-            budget.record(("j", 0, 7), t, None if t else "dump")
+            budget.start(("j", 0, 7), t)
+            budget.finish(("j", 0, 7), t, None if t else "dump")
             taken.append(t)
         t += 0.5
     assert taken[:5] == [0, 2, 6, 14, 30] and taken[5] - taken[4] == 16
@@ -72,3 +74,61 @@ def test_thirty_silent_ranks_cost_a_bounded_number_of_dumps_a_minute(hung_job):
     print(f"{sum(dumps.values())} dumps in a minute, at most {max(per_pass)} a pass")
     assert metric(sup, 'rankguard_supervisor_stack_captures_skipped_total{reason="backoff"}') > 0
     assert metric(sup, "rankguard_supervisor_stack_captures_total") == sum(dumps.values())
+
+
+@pytest.fixture
+def one_agent_slow_with_stacks(tmp_path):
+    """Rank 0's agent answers at once; rank 1's answers stacks after 5 s (a cut link's
+    agent answers only after the request's timeout)."""
+    fast, slow = FakeAgent("a"), FakeAgent("b")
+    slow.control_delay["/v1/control/stacks"] = 5.0
+    store = IncidentStore(tmp_path / "db.sqlite")
+    urls = [fast.url, slow.url]
+    sup = Supervisor(store, lambda: urls, "t" * 16, SupervisorConfig(stacks_wait=0.5))
+    yield sup, fast, slow
+    sup.close()
+    store.close()
+    fast.close()
+    slow.close()
+
+
+def _timed_pass(sup) -> float:
+    started = time.monotonic()
+    sup.reconcile_once()
+    return time.monotonic() - started
+
+
+def test_a_slow_stacks_answer_holds_no_pass_back_and_completes_the_picture_later(
+    one_agent_slow_with_stacks,
+):
+    sup, fast, slow = one_agent_slow_with_stacks
+    fast.ranks = [rank("j", 0, 2, heartbeat_age_seconds=100.0)]
+    slow.ranks = [rank("j", 1, 2, heartbeat_age_seconds=100.0)]
+    took = _timed_pass(sup)
+    assert took < 3.0, f"the pass waited {took:.1f}s for the slow agent"
+    (hang,) = sup.store.list_incidents()
+    assert hang.kind == "rank_hung" and hang.rank is None
+    assert set(hang.evidence["stacks"]) == {"0"}  # the fast rank's, and no blame on half
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(hang.evidence["stacks"]) < 2:
+        assert _timed_pass(sup) < 3.0
+        (hang,) = sup.store.list_incidents()
+        time.sleep(0.2)
+    assert set(hang.evidence["stacks"]) == {"0", "1"}, hang.evidence
+    asked = [body["rank"] for path, body, _ in slow.controls if path.endswith("stacks")]
+    assert asked == [1]  # asked once: a capture in flight is not asked again
+
+
+def test_a_slow_stacks_answer_does_not_hold_the_kill_of_the_culprit_back(
+    one_agent_slow_with_stacks,
+):
+    sup, fast, slow = one_agent_slow_with_stacks
+    fast.ranks = [rank("j", 0, 2, step=10, heartbeat_age_seconds=100.0)]
+    slow.ranks = [rank("j", 1, 2, step=5, heartbeat_age_seconds=100.0)]  # behind: named
+    took = _timed_pass(sup)
+    assert took < 3.0, f"the pass waited {took:.1f}s for the slow agent"
+    (hang,) = sup.store.list_incidents()
+    (act,) = sup.store.actions(hang.id)
+    assert (act.kind, act.target["rank"], act.ok) == ("kill_rank", 1, True), act
+    assert act.result["stacks_error"] == "no answer within 0.5 s", act.result
+    assert [p for p, _, _ in slow.controls] == ["/v1/control/stacks", "/v1/control/signal"]
