@@ -72,6 +72,9 @@ class PolicyConfig:
     backoff_base_seconds: float = 1.0  # wait after the n-th action: base * 2**(n-1) ...
     backoff_max_seconds: float = 60.0  # ... capped here
     crash_loop_restarts: int = 3  # restarts in a row without checkpoint progress -> stop
+    # a job that reports no checkpoint (a zero-code script): an incarnation that lived this
+    # long before its death is progress, or every third restart, however rare, stopped it
+    crash_loop_progress_seconds: float = 600.0
     exclude_stragglers: bool = False
     stop_on_budget_exhausted: bool = True  # else defer (ACT_NONE) until the window frees up
 
@@ -87,6 +90,10 @@ class PolicyConfig:
             )
         if self.crash_loop_restarts < 1:
             raise ValueError(f"crash_loop_restarts must be >= 1, got {self.crash_loop_restarts}")
+        if not self.crash_loop_progress_seconds > 0:
+            raise ValueError(
+                f"crash_loop_progress_seconds must be > 0, got {self.crash_loop_progress_seconds}"
+            )
 
 
 @dataclass(frozen=True)
@@ -283,7 +290,7 @@ class _Pass:
         """Count this restart (done or about to be) on top of the recorded ones; stop the
         job when the last `crash_loop_restarts` of them saw no checkpoint progress."""
         records = _carry_checkpoints_forward(self._history(job, f))
-        stuck = _restarts_without_progress(records)
+        stuck = _restarts_without_progress(records, self.cfg.crash_loop_progress_seconds)
         if len(stuck) < self.cfg.crash_loop_restarts:
             return False
         step = stuck[-1].checkpoint_step
@@ -343,10 +350,14 @@ def _carry_checkpoints_forward(records: list[RestartRecord]) -> list[RestartReco
     return out
 
 
-def _restarts_without_progress(records: list[RestartRecord]) -> list[RestartRecord]:
+def _restarts_without_progress(
+    records: list[RestartRecord], progress_seconds: float
+) -> list[RestartRecord]:
     """The trailing run of distinct restarts at which the checkpoint had not advanced past
     the newest one's step. Incidents seen in the same torchrun incarnation (a killed rank
-    and its dead record, or several ranks dying together) are one restart."""
+    and its dead record, or several ranks dying together) are one restart. Where no
+    checkpoint is known on either side (a script that reports none), an incarnation that
+    lived `progress_seconds` between two restarts is the progress instead."""
     if not records:
         return []
     newest = _step(records[-1].checkpoint_step)
@@ -359,8 +370,17 @@ def _restarts_without_progress(records: list[RestartRecord]) -> list[RestartReco
             if r.restart in seen:
                 continue
             seen.add(r.restart)
+        if run and _lived_long(r, run[-1], progress_seconds):
+            break  # the incarnation between this restart and the next trained long
         run.append(r)
     return run[::-1]
+
+
+def _lived_long(earlier: RestartRecord, later: RestartRecord, progress_seconds: float) -> bool:
+    """Whether the incarnation between two restarts counts as progress by its life alone:
+    only where neither knows a checkpoint (a known one is the better measure)."""
+    unknown = earlier.checkpoint_step is None and later.checkpoint_step is None
+    return unknown and later.at - earlier.at >= progress_seconds
 
 
 # --------------------------------------------------------------------------- helpers

@@ -231,7 +231,7 @@ def test_crash_loop_not_tripped_when_checkpoints_advance():
 
 def test_crash_loop_stops_instead_of_the_third_kill():
     view = jobs(j=JobView(restarts=restarts(None, None), checkpoint_step=None))
-    hung, loop = decide([finding(RANK_HUNG, rank=3, restart=2)], view, CFG, 1000.0)
+    hung, loop = decide([finding(RANK_HUNG, rank=3, restart=2)], view, CFG, 300.0)
     assert hung.action == ACT_NONE and loop.action == ACT_STOP_JOB
     assert loop.finding.key == "crash_loop:j:none"
     assert "(no validated checkpoint)" in loop.reason
@@ -252,6 +252,24 @@ def test_crash_loop_verdict_names_the_checkpoint_known_before_unreported_restart
     # An unreported restart after progress does not hide the progress either.
     advanced = jobs(j=JobView(restarts=restarts(10, 10, 60), checkpoint_step=None))
     assert len(decide([finding(RANK_DEAD, key="dead:j:9", restart=9)], advanced, CFG, 1e3)) == 1
+
+
+def test_a_job_without_checkpoints_loops_only_through_short_lived_incarnations():
+    """A script that reports no checkpoint (zero-code): the life of each incarnation
+    between two restarts is the measure of progress, `crash_loop_progress_seconds`."""
+    cfg = PolicyConfig(crash_loop_progress_seconds=250.0)  # restarts() are 100 s apart
+    view = jobs(j=JobView(restarts=restarts(None, None)))
+    third = finding(RANK_DEAD, key="dead:j:2", restart=2)
+    assert len(decide([third], view, cfg, 300.0)) == 2  # 100 s each: a loop
+    # the incarnation before this death trained 700 s: progress, not a loop
+    assert len(decide([third], view, cfg, 900.0)) == 1
+    # a long life earlier ends the run before it: 2 quick restarts after it, not 3
+    spread = jobs(j=JobView(restarts=(*restarts(None), *restarts(None, start=5))))
+    assert [r.at for r in spread.jobs["j"].restarts] == [100.0, 600.0]
+    assert len(decide([finding(RANK_DEAD, key="d", restart=6)], spread, cfg, 700.0)) == 1
+    # a checkpoint known on either side is the measure, however long the life
+    known = jobs(j=JobView(restarts=restarts(10, 10), checkpoint_step=10))
+    assert len(decide([third], known, cfg, 5000.0)) == 2
 
 
 def test_incidents_of_one_incarnation_are_one_restart():
@@ -283,6 +301,7 @@ def test_crash_loop_is_decided_once():
         {"backoff_base_seconds": -1},
         {"backoff_base_seconds": 10, "backoff_max_seconds": 5},
         {"crash_loop_restarts": 0},
+        {"crash_loop_progress_seconds": 0},
     ],
 )
 def test_config_is_validated(kwargs):
