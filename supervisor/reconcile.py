@@ -391,12 +391,13 @@ class Supervisor:
             )
         budget, ranks = self.stack_budget, obs.current_ranks(finding.job)
         keys = {(r.job, r.rank, r.pid): r for r in ranks}
+        asked = []  # this pass's captures: one still out from an earlier pass is not waited for
         for key, r in keys.items():
             if key not in self._stack_requests and budget.may_capture(key, self.monotonic()):
                 budget.start(key, self.monotonic())
                 client = self.client_for(self._url_of(obs, r))
-                self._stack_requests[key] = self._stack_pool.submit(client.stacks, *key[:2])
-        asked = [f for k, f in self._stack_requests.items() if k in keys]
+                asked.append(self._stack_pool.submit(client.stacks, *key[:2]))
+                self._stack_requests[key] = asked[-1]
         wait(asked, timeout=max(0.0, self._stacks_deadline - time.monotonic()))
         self._collect_stacks()
         stacks, nodes = {}, {}

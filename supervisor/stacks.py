@@ -60,8 +60,14 @@ class StackBudget:
 
     def finish(self, key: Key, now: float, dump: str | None) -> None:
         """Its answer, on this pass or a later one (`dump` None when it failed: the last
-        good one stays). A rank forgotten meanwhile is not brought back."""
-        if dump is not None and key in self._due:
+        good one stays). The backoff counts from the answer: a capture that took longer
+        than it is not asked for again at once. A rank forgotten meanwhile is not brought
+        back."""
+        if key not in self._due:
+            return
+        due, delay = self._due[key]
+        self._due[key] = (max(due, now + delay), delay)
+        if dump is not None:
             self._dumps[key] = (now, dump)
 
     def tried(self, key: Key) -> bool:
