@@ -33,6 +33,7 @@ p.add_argument("--steps", type=int, default=60)
 p.add_argument("--ckpt", required=True)
 p.add_argument("--ckpt-every", type=int, default=5)
 p.add_argument("--stall-at", type=int, default=-1)
+p.add_argument("--crash-at", type=int, default=-1)  # rank 1, in every incarnation
 args = p.parse_args()
 
 
@@ -67,6 +68,8 @@ for step in range(start, args.steps):
     time.sleep(0.05)
     if step == args.stall_at and rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         stuck_in_user_code()
+    if step == args.crash_at and rank == 1:
+        os._exit(1)
     if rank == 0 and (step + 1) % args.ckpt_every == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1},
                    args.ckpt + ".tmp")
@@ -150,6 +153,28 @@ def test_ranks_without_cpu_progress_the_stacks_name_the_culprit(tmp_path):
     assert "stuck_in_user_code" in hung[0]["evidence"] + (result or ""), hung[0]
     log = (up.run / "trainer.log").read_text()
     assert "resumed from step 15" in log and "step 60 " in log
+    assert left_running(up.run) == []
+
+
+def test_a_script_that_dies_soon_after_every_start_is_stopped_as_a_crash_loop(tmp_path):
+    """A zero-code script reports no checkpoint: incarnations that each die within
+    `crash_loop_progress_seconds` of the restart before are the loop (here every one
+    resumes from step 15 and dies at step 18)."""
+    script, ckpt = _script(tmp_path), tmp_path / "ckpt.pt"
+    up = Up(tmp_path, "--", str(script), "--ckpt", str(ckpt), "--crash-at", "17")
+    try:
+        code = up.wait(timeout=400)
+    finally:
+        up.close()
+    err = "".join(up.err)
+    assert code == 3, up.output()[-4000:]
+    assert "crash loop: 3 restarts without checkpoint progress (no validated checkpoint)" in err
+    incidents = read_incidents(up.run)
+    kinds = [i["kind"] for i in incidents]
+    stop = kinds.index("crash_loop")
+    assert kinds[:stop] == ["rank_dead"] * 3, kinds
+    log = (up.run / "trainer.log").read_text()
+    assert re.findall(r"resumed from step (\d+)", log) == ["15", "15"], log[-3000:]
     assert left_running(up.run) == []
 
 
