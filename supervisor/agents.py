@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import logging
+import queue
 import ssl
 import threading
 import time
@@ -136,6 +137,44 @@ def decode_answer(raw: bytes) -> dict:
         raise ContractError("not_json", "answer nested too deeply") from None
     except ValueError:
         raise ContractError("not_json", "answer is not JSON") from None
+
+
+class BackgroundCalls:
+    """Blocking calls (control requests) run off the caller's thread, at most `workers` at
+    once, on daemon threads started at the first call. Not a ThreadPoolExecutor: its
+    threads are joined at exit, and a stacks request to a cut-off agent, which waits out
+    its 30 s timeout, held the supervisor's exit that long."""
+
+    def __init__(self, workers: int = 16, name: str = "rankguard-calls"):
+        self.workers, self.name = workers, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fn: Callable, *args) -> Future:
+        if not self._threads:
+            for i in range(self.workers):
+                t = threading.Thread(target=self._work, name=f"{self.name}-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # the caller reads it from the future
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        """Stop the threads once the calls in hand end (calls not started yet still run)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        self._threads = []
 
 
 class AgentClient:

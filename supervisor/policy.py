@@ -301,6 +301,9 @@ class _Pass:
             return False  # already stopped for this loop
         past = "(no validated checkpoint)" if step is None else f"past step {step}"
         verdict = f"crash loop: {len(stuck)} restarts without checkpoint progress {past}"
+        if step is None:  # progress was judged by the incarnations' life
+            limit = self.cfg.crash_loop_progress_seconds
+            verdict += f", the incarnations between them each under {limit:g} s"
         loop = Finding(
             kind=CRASH_LOOP,
             key=key,

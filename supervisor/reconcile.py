@@ -15,11 +15,11 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from .agent_io import EventWatch
-from .agents import AgentClient, AgentError, Poller
+from .agents import AgentClient, AgentError, BackgroundCalls, Poller
 from .detectors import DETECTORS, DetectorConfig, pick_culprit_from_stacks, run_all
 from .events import apply_deaths
 from .heap import HeapPacer
@@ -177,7 +177,7 @@ class Supervisor:
         self.monotonic = time.monotonic  # paces stack captures (a test may drive it)
         self.stack_budget = StackBudget()  # py-spy dumps: bounded per pass, per rank backoff
         # captures in flight, answered off the loop's thread (stacks_wait)
-        self._stack_pool = ThreadPoolExecutor(16, thread_name_prefix="rankguard-stacks")
+        self._stack_pool = BackgroundCalls(16, "rankguard-stacks")
         self._stack_requests: dict[tuple[str, int, int], Future] = {}
         self._stacks_deadline = 0.0
         self.service = None  # its HTTP service once serving (supervisor/daemon.py)
@@ -697,7 +697,7 @@ class Supervisor:
         self.heap.close()
         self.events.close()
         self.poller.close()
-        self._stack_pool.shutdown(wait=False, cancel_futures=True)
+        self._stack_pool.close()
         self.scheduler.close()
 
 

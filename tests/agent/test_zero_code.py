@@ -168,7 +168,8 @@ def test_a_script_that_dies_soon_after_every_start_is_stopped_as_a_crash_loop(tm
         up.close()
     err = "".join(up.err)
     assert code == 3, up.output()[-4000:]
-    assert "crash loop: 3 restarts without checkpoint progress (no validated checkpoint)" in err
+    verdict = "crash loop: 3 restarts without checkpoint progress (no validated checkpoint)"
+    assert f"{verdict}, the incarnations between them each under 600 s" in err, err[-2000:]
     incidents = read_incidents(up.run)
     kinds = [i["kind"] for i in incidents]
     stop = kinds.index("crash_loop")

@@ -4,8 +4,11 @@ each rank process backs off while its hang persists; the skips are counted on /m
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from builders import sup_metric as metric
@@ -144,3 +147,36 @@ def test_a_slow_stacks_answer_does_not_hold_the_kill_of_the_culprit_back(
     assert (act.kind, act.target["rank"], act.ok) == ("kill_rank", 1, True), act
     assert act.result["stacks_error"] == "no answer within 2 s", act.result
     assert [p for p, _, _ in slow.controls] == ["/v1/control/stacks", "/v1/control/signal"]
+
+
+EXIT_WITH_A_CAPTURE_OUT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from fake_agents import FakeAgent, rank
+from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+from rankguard.supervisor.store import IncidentStore
+fast, slow = FakeAgent("a"), FakeAgent("b")
+slow.control_delay["/v1/control/stacks"] = 60.0
+fast.ranks = [rank("j", 0, 2, heartbeat_age_seconds=100.0)]
+slow.ranks = [rank("j", 1, 2, heartbeat_age_seconds=100.0)]
+store = IncidentStore(sys.argv[2])
+sup = Supervisor(store, lambda: [fast.url, slow.url], "t" * 16, SupervisorConfig(stacks_wait=0.2))
+sup.reconcile_once()
+sup.close()
+store.close()
+print("closed", flush=True)
+"""
+
+
+def test_a_capture_still_out_does_not_hold_the_supervisors_exit(tmp_path):
+    """A ThreadPoolExecutor's threads are joined at exit: the supervisor's exit once waited
+    for a cut-off agent's stacks request to time out."""
+    tests = Path(__file__).resolve().parents[1]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_CAPTURE_OUT, str(tests), str(tmp_path / "db")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-2000:]
+    assert took < 30, f"the exit waited {took:.0f} s for the capture (60 s)"
