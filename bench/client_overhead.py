@@ -138,6 +138,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(args.json).write_text(json.dumps(gathered))
+    # a rank tearing gloo down alone, its peer still connected, can abort at exit (std::terminate)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -116,6 +116,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
+    # a rank tearing gloo down alone, its peer still connected, can abort at exit (std::terminate)
+    dist.barrier()
     dist.destroy_process_group()
 
 

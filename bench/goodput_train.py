@@ -235,6 +235,8 @@ def main() -> None:
     rg.close()
     if ft is not None:
         ft.shutdown_workload_monitoring()
+    # a rank tearing gloo down alone, its peer still connected, can abort at exit (std::terminate)
+    dist.barrier()
     dist.destroy_process_group()
 
 
