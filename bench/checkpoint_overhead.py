@@ -226,6 +226,30 @@ def render(results: dict[str, list[dict]], modes: list[str], args, repeats: int)
             f"| {mode} | {algo} | {part(mode, 'stage'):.1f} | {part(mode, 'write'):.1f} | "
             f"{part(mode, 'hash'):.1f} | {part(mode, 'commit'):.1f} |"
         )
+    tier0 = [m for m in modes if any(r["snapshot_saves"] for r in results[m])]
+    if tier0:
+        lines += [
+            "",
+            "Where a snapshot's blocking goes (rank 0, ms per snapshot, median over the repeats):"
+            " the copy into a new buffer (the first save), the copy into a spare buffer (the"
+            " later saves' median), and the wait for the previous snapshot's send:",
+            "",
+            "| configuration | staging | first copy | copy | wait for the previous send |",
+            "|---|---|---|---|---|",
+        ]
+        for mode in tier0:
+            runs = [r for r in results[mode] if r["snapshot_saves"]]
+
+            def ms(key, runs=runs):
+                values = [r.get(key) for r in runs]
+                return "-" if None in values else f"{1e3 * statistics.median(values):.1f}"
+
+            wait = statistics.median(r["snapshot_wait_seconds"] / r["snapshot_saves"] for r in runs)
+            lines.append(
+                f"| {mode} | {runs[0].get('snapshot_staging')} | "
+                f"{ms('snapshot_first_serialize_seconds')} | "
+                f"{ms('snapshot_steady_serialize_seconds')} | {1e3 * wait:.1f} |"
+            )
     return "\n".join(lines)
 
 

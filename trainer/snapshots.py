@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import statistics
 import time
 
 import torch
@@ -146,9 +147,14 @@ class TierZero:
                                      info.local_world_size, cfg.keep, token=token)  # fmt: skip
         self.saves = 0
         self.serialize_seconds = 0.0
+        self.wait_seconds = 0.0  # for the previous send to end (one send in flight)
+        # serialize seconds: of the first two saves (each fills a new buffer), and of the
+        # last saves since (into the spare one)
+        self._fresh: list[float] = []
+        self._steady: collections.deque[float] = collections.deque(maxlen=1000)
         # two buffers in turn: one in the send in flight, the other (its send done) refilled
-        self._sending: bytearray | None = None
-        self._spare: bytearray | None = None
+        self._sending: bytearray | memoryview | None = None
+        self._spare: bytearray | memoryview | None = None
 
     def due(self, step: int) -> bool:
         return bool(self.cfg.every) and step % self.cfg.every == 0
@@ -165,11 +171,35 @@ class TierZero:
             )
             state["part"] = {"index": index, "of": parts}
         data = serialize(state, reuse=self._spare)
-        self.serialize_seconds += time.perf_counter() - start
-        self.client.save(step, data)  # waits for the send of `_sending` to end first
+        took = time.perf_counter() - start
+        self.serialize_seconds += took
+        (self._fresh if len(self._fresh) < 2 else self._steady).append(took)
+        self.wait_seconds += self.client.save(step, data)  # the send of `_sending` ends first
         self._spare, self._sending = self._sending, data
         self.saves += 1
         return time.perf_counter() - start
+
+    def stats(self) -> dict:
+        """Where the blocking went, for the summary: the copy (the first save's into a new
+        buffer, and the median of the later ones into a spare) and the wait for the previous
+        send."""
+        return {
+            "snapshot_saves": self.saves,
+            "snapshot_serialize_seconds": self.serialize_seconds,
+            "snapshot_wait_seconds": self.wait_seconds,
+            "snapshot_first_serialize_seconds": self._fresh[0] if self._fresh else None,
+            "snapshot_steady_serialize_seconds": (
+                statistics.median(self._steady) if self._steady else None
+            ),
+            "snapshot_staging": (
+                None
+                if self._sending is None
+                else "pinned"
+                if isinstance(self._sending, memoryview)
+                else "pageable"
+            ),
+            "snapshot_send_failures": self.client.failures,
+        }
 
     def close(self) -> None:
         self.client.close()

@@ -457,9 +457,7 @@ class Trainer:
             "resume_source": self.resume_source,
             "resume_sources": self.resume_sources,
             "data_skips": self.data_skips,
-            "snapshot_saves": self.snap.saves if self.snap else 0,
-            "snapshot_serialize_seconds": self.snap.serialize_seconds if self.snap else 0.0,
-            "snapshot_send_failures": self.snap.client.failures if self.snap else 0,
+            **(self.snap.stats() if self.snap else {"snapshot_saves": 0}),
             "steps_trained": self.steps_trained,
             "train_seconds": self.train_seconds,
             "tokens_per_second": self.steps_trained

@@ -162,6 +162,59 @@ def test_a_spare_buffer_of_the_same_size_is_refilled_in_place():
     assert torch.equal(deserialize(spare)["w"], second["w"])
 
 
+def test_the_gpu_paths_host_buffer_is_filled_sent_and_refilled_in_place(tmp_path, monkeypatch):
+    """A GPU state is staged in a page-locked `host_buffer` (a memoryview over a torch
+    tensor). No CUDA here: the same path, with the buffer's pinning left out, round-trips,
+    is refilled in place, checksums and is held by a real holder as the bytes it was."""
+    import functools
+
+    import torch
+
+    from rankguard.client import snapshots
+
+    monkeypatch.setattr(snapshots, "_pinned_staging", lambda devices: True)
+    monkeypatch.setattr(snapshots, "host_buffer",
+                        functools.partial(snapshots.host_buffer, pinned=False))  # fmt: skip
+    state = {"w": torch.randn(300, 7), "b": torch.arange(9), "step": 1}
+    out = snapshots.serialize(state)
+    assert isinstance(out, memoryview) and snapshots._staging_of(out) is not None
+    assert bytes(out) == bytes(snapshots.serialize(state, reuse=bytearray(len(out))))
+    back = snapshots.deserialize(out)
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+    again = snapshots.serialize({**state, "w": state["w"] * 2, "step": 2}, reuse=out)
+    assert again is out and torch.equal(snapshots.deserialize(out)["w"], state["w"] * 2)
+    assert snapshots.serialize({"w": torch.zeros(5)}, reuse=out) is not out  # another size
+    holder, addr = _serve(tmp_path, "a")
+    try:
+        client = SnapshotClient(addr, (), "j", 0, 1, 1, keep=2)
+        client.save(2, out)
+        client.wait()
+        data, _ = client.fetch(2, client.candidates()[2])
+        client.close()
+    finally:
+        holder.shutdown()
+    assert data == bytes(out) and client.failures == 0
+
+
+@pytest.mark.gpu
+def test_a_gpu_state_is_staged_in_pinned_memory_and_round_trips():
+    import torch
+
+    from rankguard.client.snapshots import _staging_of, deserialize, serialize
+
+    dev = torch.device("cuda", 0)
+    state = {"w": torch.randn(1024, 1024, device=dev), "h": torch.randn(64, device=dev).half(),
+             "cpu": torch.arange(4), "step": 3}  # fmt: skip
+    out = serialize(state)
+    assert _staging_of(out).is_pinned()
+    back = deserialize(out)
+    assert torch.equal(back["w"], state["w"].cpu()) and torch.equal(back["h"], state["h"].cpu())
+    assert torch.equal(back["cpu"], state["cpu"]) and back["step"] == 3
+    state["w"].mul_(2)  # the next step's state, into the same buffer
+    assert serialize(state, reuse=out) is out
+    assert torch.equal(deserialize(out)["w"], state["w"].cpu())
+
+
 def test_restored_model_and_optimizer_continue_bit_identically():
     """A GPT and its AdamW restored from a snapshot take the next step exactly as the
     originals do (what exact resume from tier 0 rests on)."""
