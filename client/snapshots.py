@@ -117,8 +117,10 @@ def serialize(state, reuse: bytearray | memoryview | None = None) -> bytearray |
     start = len(MAGIC) + _HEAD.size + len(structure)
     size = start + pickler.offset
     devices = {t.device for t, _, _ in pickler.tensors if t.is_cuda}
+    out = None
     if _pinned_staging(devices):
-        out = reuse if _staging_of(reuse) is not None and len(reuse) == size else host_buffer(size)
+        out = reuse if _staging_of(reuse) is not None and len(reuse) == size else _pinned(size)
+    if out is not None:
         staging = _staging_of(out)
     else:
         out = reuse if isinstance(reuse, bytearray) and len(reuse) == size else bytearray(size)
@@ -152,6 +154,24 @@ def host_buffer(size: int, pinned: bool = True) -> memoryview:
     array = (ctypes.c_ubyte * size).from_address(staging.data_ptr())
     array.staging = staging
     return memoryview(array).cast("B")
+
+
+_pinning_failed = False
+
+
+def _pinned(size: int) -> memoryview | None:
+    """A new page-locked buffer, or None where the allocation fails (locked memory is
+    scarcer than memory: a snapshot then takes the slower pageable copy, never the run);
+    after one failure, not tried again in this process."""
+    global _pinning_failed
+    if _pinning_failed:
+        return None
+    try:
+        return host_buffer(size)
+    except RuntimeError as exc:
+        _pinning_failed = True
+        log.warning("snapshots staged in pageable memory (slower copies): %s", exc)
+        return None
 
 
 def _staging_of(buf):

@@ -173,6 +173,7 @@ def test_the_gpu_paths_host_buffer_is_filled_sent_and_refilled_in_place(tmp_path
     from rankguard.client import snapshots
 
     monkeypatch.setattr(snapshots, "_pinned_staging", lambda devices: True)
+    monkeypatch.setattr(snapshots, "_pinning_failed", False)
     monkeypatch.setattr(snapshots, "host_buffer",
                         functools.partial(snapshots.host_buffer, pinned=False))  # fmt: skip
     state = {"w": torch.randn(300, 7), "b": torch.arange(9), "step": 1}
@@ -194,6 +195,29 @@ def test_the_gpu_paths_host_buffer_is_filled_sent_and_refilled_in_place(tmp_path
     finally:
         holder.shutdown()
     assert data == bytes(out) and client.failures == 0
+
+
+def test_a_failed_pinned_allocation_falls_back_to_pageable_memory(monkeypatch, caplog):
+    import torch
+
+    from rankguard.client import snapshots
+
+    monkeypatch.setattr(snapshots, "_pinned_staging", lambda devices: True)
+    monkeypatch.setattr(snapshots, "_pinning_failed", False)
+    calls = []
+
+    def no_locked_memory(size, pinned=True):
+        calls.append(size)
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(snapshots, "host_buffer", no_locked_memory)
+    state = {"w": torch.randn(50)}
+    for _ in range(2):
+        out = snapshots.serialize(state)
+        assert isinstance(out, bytearray)
+        assert torch.equal(snapshots.deserialize(out)["w"], state["w"])
+    assert len(calls) == 1  # not tried again
+    assert "pageable memory" in caplog.text and "out of memory" in caplog.text
 
 
 @pytest.mark.gpu
