@@ -2,7 +2,9 @@
 
     python bench/snapshot_serialize.py [--preset tiny] [--repeats 50] [--model-args '...']
 
-One rank's state (model + AdamW after one step + RNG), one thread; milliseconds per call.
+One rank's state (model + AdamW after one step + RNG), one torch thread; milliseconds per
+call. The checksum's rows: zlib's CRC-32 on one core, and as a snapshot is sent (on
+several cores from 64 MiB, contract/crc.py).
 The second flat row refills a buffer of the same size, as the trainer does in turn with two
 (a new buffer is zero-filled and faulted in page by page first).
 """
@@ -16,6 +18,7 @@ import time
 import torch
 
 from rankguard.client.snapshots import deserialize, serialize
+from rankguard.contract import crc
 from rankguard.contract.snapshots import checksum
 from rankguard.trainer.config import config_from_args
 from rankguard.trainer.model import GPT
@@ -68,7 +71,16 @@ def main() -> None:
             len(new),
         ),  # fmt: skip
         ("flat deserialize", per_call_ms(lambda: deserialize(new), args.repeats), len(new)),
-        ("checksum (crc32)", per_call_ms(lambda: checksum(new), args.repeats), len(new)),
+        (
+            "checksum (crc32, one core)",
+            per_call_ms(lambda: crc.crc32(new, threads=1), args.repeats),
+            len(new),
+        ),  # fmt: skip
+        (
+            f"checksum (crc32, as sent: {crc._threads()} threads from {crc.PARALLEL_MIN >> 20} MiB)",
+            per_call_ms(lambda: checksum(new), args.repeats),
+            len(new),
+        ),  # fmt: skip
     ]
     print(f"| {args.preset} | ms per call | bytes |\n|---|---|---|")
     for name, ms, size in rows:

@@ -92,12 +92,13 @@ import secrets
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from ..contract import crc
 
 log = logging.getLogger(__name__)
 
@@ -554,13 +555,16 @@ def _write_durably_at(dir_fd: int, name: str, data: bytes) -> None:
 
 
 class _Crc32:
-    """hashlib's update/hexdigest over zlib.crc32 (which releases the GIL above 5 KiB)."""
+    """hashlib's update/hexdigest over zlib.crc32 (which releases the GIL above 5 KiB); a
+    block of at least crc.PARALLEL_MIN bytes is checksummed on several cores."""
+
+    block = crc.PARALLEL_MIN  # what a file's reader should read at a time
 
     def __init__(self) -> None:
         self.value = 0
 
     def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
+        self.value = crc.crc32(data, self.value)
 
     def hexdigest(self) -> str:
         return f"{self.value:08x}"
@@ -582,6 +586,7 @@ def _sha256_fd(
 ) -> tuple[int, str]:
     h = _hasher(algorithm)
     size = 0
+    chunk = max(chunk, getattr(h, "block", 0))  # CRC-32: blocks large enough for its cores
     # no 8 MiB buffer for a 100-byte file; +1 so the first read can already see EOF
     buf = bytearray(max(1, min(chunk, os.fstat(fd).st_size + 1)))
     mv = memoryview(buf)

@@ -70,6 +70,25 @@ def test_hash_file_nested_path_and_roundtrip(tmp_path):
             FileEntry.from_dict(bad)
 
 
+def test_a_large_file_is_crc32d_in_blocks_on_several_cores_to_zlibs_value(tmp_path):
+    import zlib
+
+    from rankguard.contract import crc
+
+    f = tmp_path / "big.distcp"
+    data = os.urandom(1 << 20) * (crc.PARALLEL_MIN >> 20) + os.urandom(12345)  # > one block
+    f.write_bytes(data)
+    seen = []
+    e = cs.hash_file(f, algorithm="crc32", fsync=False)
+    assert e.crc32 == f"{zlib.crc32(data):08x}" and e.size == len(data)
+    assert (
+        cs._sha256_file(f, cs.DEFAULT_CHUNK, on_bytes=seen.append, algorithm="crc32")[1] == e.crc32
+    )
+    assert seen == [crc.PARALLEL_MIN, 12345]  # whole blocks for the cores, not 8 MiB chunks
+    flip_byte(f)
+    assert cs.hash_file(f, algorithm="crc32", fsync=False).crc32 != e.crc32
+
+
 def test_truncated_file_is_corrupt_with_reason(tmp_path):
     final = make_ckpt(tmp_path, 20, size=4096)
     with open(final / "__1_0.distcp", "r+b") as f:
