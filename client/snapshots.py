@@ -36,12 +36,15 @@ _HEAD = struct.Struct(">Q")
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles the structure; every tensor becomes a reference into the flat payload."""
+    """Pickles the structure; every tensor becomes a reference into the flat payload. Tensors
+    that are views of the same memory (tied weights: an embedding and the output layer) are
+    stored once, and each name refers to that copy (GPT-2's 124M model: 154 MB less)."""
 
     def __init__(self, file):
         super().__init__(file, protocol=5)
         self.tensors: list = []
         self.offset = 0
+        self._refs: dict[tuple, tuple] = {}
 
     def persistent_id(self, obj):
         import torch
@@ -51,11 +54,20 @@ class _Pickler(pickle.Pickler):
         t = obj.detach()
         if _is_dtensor(t):  # FSDP2: this rank's shard (rebuilt against the model at load)
             t = t.to_local()
+        key = alias_key(t)
+        if key in self._refs:
+            return self._refs[key]
         nbytes = t.numel() * t.element_size()
         self.tensors.append((t, self.offset, nbytes))
         ref = ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), self.offset)
+        self._refs[key] = ref
         self.offset += nbytes
         return ref
+
+
+def alias_key(t) -> tuple:
+    """Equal for two tensors exactly when they are the same view of the same memory."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
 def _is_dtensor(t) -> bool:

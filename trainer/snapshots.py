@@ -35,7 +35,14 @@ import torch
 import torch.distributed as dist
 
 from ..client import checkpoint_store as store
-from ..client.snapshots import SnapshotClient, deserialize, serialize, source_rank, usable_steps
+from ..client.snapshots import (
+    SnapshotClient,
+    alias_key,
+    deserialize,
+    serialize,
+    source_rank,
+    usable_steps,
+)
 from ..contract.snapshots import read_token
 from .config import SnapshotConfig
 from .distributed import DistInfo, unwrap
@@ -104,18 +111,20 @@ def _nbytes(value) -> int:
 def split_replicated(model_sd, optim_sd: dict, index: int, parts: int) -> tuple[dict, dict]:
     """Part `index` of `parts` of a model and optimizer state that every rank of the node
     holds alike (DDP): each weight and each parameter's optimizer state goes to one part,
-    balanced by bytes. The optimizer's param groups (small) are in every part."""
-    keys, params = list(model_sd), list(optim_sd["state"])
-    sizes = [_nbytes(model_sd[k]) for k in keys] + [_nbytes(optim_sd["state"][p]) for p in params]
+    balanced by bytes. Tied weights (views of the same memory) go to the same part, where
+    the snapshot stores them once. The optimizer's param groups (small) are in every part."""
+    tied: dict[tuple, list[str]] = {}  # the weights' names, by the memory they view
+    for k, v in model_sd.items():
+        tied.setdefault(alias_key(v) if isinstance(v, torch.Tensor) else ("name", k), []).append(k)
+    groups, params = list(tied.values()), list(optim_sd["state"])
+    sizes = [_nbytes(model_sd[g[0]]) for g in groups]
+    sizes += [_nbytes(optim_sd["state"][p]) for p in params]
     owners = part_owners(sizes, parts)
-    model = collections.OrderedDict(
-        (k, model_sd[k])
-        for k, owner in zip(keys, owners[: len(keys)], strict=True)
-        if owner == index
-    )
+    owned = {k for g, o in zip(groups, owners[: len(groups)], strict=True) if o == index for k in g}
+    model = collections.OrderedDict((k, v) for k, v in model_sd.items() if k in owned)
     if hasattr(model_sd, "_metadata"):  # module versions, which load_state_dict reads
         model._metadata = model_sd._metadata
-    mine = owners[len(keys) :]
+    mine = owners[len(groups) :]
     state = {
         p: optim_sd["state"][p] for p, owner in zip(params, mine, strict=True) if owner == index
     }

@@ -264,7 +264,14 @@ def test_restored_model_and_optimizer_continue_bit_identically():
     m, opt = build()
     for seed in range(3):
         step(m, opt, seed)
-    snap = deserialize(serialize({"model": m.state_dict(), "optim": opt.state_dict()}))
+    data = serialize({"model": m.state_dict(), "optim": opt.state_dict()})
+    snap = deserialize(data)
+    # the tied embedding and output weights are stored once, and both names load from it
+    tied, untied = m.tok_emb.weight, m.state_dict()
+    untied["head.weight"] = tied.detach().clone()  # the same values, in memory of its own
+    grown = len(serialize({"model": untied, "optim": opt.state_dict()})) - len(data)
+    assert 0 <= grown - tied.numel() * tied.element_size() < 100  # and a reference's bytes
+    assert torch.equal(snap["model"]["head.weight"], snap["model"]["tok_emb.weight"])
     m2, opt2 = build()
     m2.load_state_dict(snap["model"])
     opt2.load_state_dict(snap["optim"])
@@ -298,6 +305,7 @@ def test_a_state_split_in_parts_restores_whole_and_bit_identically():
     parts = []
     for index in range(3):
         model, optim = split_replicated(m.state_dict(), opt.state_dict(), index, 3)
+        assert ("tok_emb.weight" in model) == ("head.weight" in model)  # tied: one part
         data = serialize({"model": model, "optim": optim, "trainer": {"rank": index}})
         assert len(data) < len(whole) / 2  # a third of the tensors' bytes, and the structure
         parts.append(deserialize(data))
