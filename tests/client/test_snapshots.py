@@ -544,12 +544,12 @@ def test_tier0_exact_resume_after_sigkill(tmp_path, holders, clean_40):
     assert [e["step"] for e in st["snapshots"]] == [35, 40]  # bounded by --snapshot-keep 2
     assert st["bytes"] == sum(e["bytes"] for e in st["snapshots"]) > 0
     # the two ranks (DDP: the same model and optimizer state) each held a part: a step is
-    # about one state (weights and AdamW's two moments), not two
+    # about one state (weights, tied ones once, and AdamW's two moments), not two
     from rankguard.trainer.model import GPT
 
     model = GPT(config_from_args(["--preset", "tiny"], environ={}).model)
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    state_bytes = weights + 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
+    state_bytes = 3 * params + sum(b.numel() * b.element_size() for b in model.buffers())
     assert state_bytes < st["snapshots"][0]["bytes"] < 1.3 * state_bytes, (st, state_bytes)
 
 
