@@ -226,9 +226,14 @@ def part_checkpoint(_: argparse.Namespace) -> str:
            "small", "--model-args", "--global-batch 32 --micro-batch 32", "--steps", "40",
            "--every", "10", "--repeats", "1", "--snapshot-every", "10"]  # fmt: skip
     table = must(sh(cmd, cwd=ROOT, timeout=1200)).stdout.strip()
+    ser = [PY, str(ROOT / "bench" / "snapshot_serialize.py"), "--preset", "small", "--device",
+           "cuda", "--repeats", "5"]  # fmt: skip
+    serialize = must(sh(ser, cwd=ROOT, timeout=600)).stdout.strip()
     floor = d2h_floor()
     return "\n".join([
         f"Command: `{shown(cmd)}`", "", table, "",
+        "A tier-0 snapshot's copy of the same state, alone (pinned staging, and the pageable"
+        f" copy of before session 17 in the last row): `{shown(ser)}`", "", serialize, "",
         "The floor of async blocking: copying the same state (parameters and AdamW moments,"
         f" {floor['bytes'] / 2**20:,.0f} MiB) from the GPU to host memory, measured by"
         " `scripts/gpu-check --part checkpoint` in the same run:", "",

@@ -3,7 +3,8 @@
     python bench/snapshot_serialize.py [--preset tiny] [--repeats 50] [--model-args '...']
 
 One rank's state (model + AdamW after one step + RNG), one torch thread; milliseconds per
-call. The checksum's rows: zlib's CRC-32 on one core, and as a snapshot is sent (on
+call. `--device cuda`: the state on the GPU, copied into page-locked memory (and, in a last
+row, into pageable memory as before session 17). The checksum's rows: zlib's CRC-32 on one core, and as a snapshot is sent (on
 several cores from 64 MiB, contract/crc.py).
 The second flat row refills a buffer of the same size, as the trainer does in turn with two
 (a new buffer is zero-filled and faulted in page by page first).
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from rankguard.client import snapshots
 from rankguard.client.snapshots import deserialize, serialize
 from rankguard.contract import crc
 from rankguard.contract.snapshots import checksum
@@ -39,12 +41,14 @@ def main() -> None:
     p.add_argument(
         "--model-args", default="", help="trainer model flags, e.g. '--d-model 384 --n-layer 6'"
     )
+    p.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
     args = p.parse_args()
     torch.set_num_threads(1)
     cfg = config_from_args(["--preset", args.preset, *args.model_args.split()], environ={})
-    model = GPT(cfg.model)
+    device = torch.device(args.device)
+    model = GPT(cfg.model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.zeros((1, cfg.model.seq_len), dtype=torch.long)
+    x = torch.zeros((1, cfg.model.seq_len), dtype=torch.long, device=device)
     model(x, x).backward()
     opt.step()
     state = {"model": model.state_dict(), "optim": opt.state_dict(),
@@ -82,7 +86,17 @@ def main() -> None:
             len(new),
         ),  # fmt: skip
     ]
-    print(f"| {args.preset} | ms per call | bytes |\n|---|---|---|")
+    if device.type == "cuda":  # the same copy into pageable memory, as before pinned staging
+        pinned = snapshots._pinned_staging
+        snapshots._pinned_staging = lambda devices: False
+        pageable = serialize(state)
+        rows.append((
+            "flat serialize into a spare buffer, pageable (not pinned)",
+            per_call_ms(lambda: serialize(state, reuse=pageable), args.repeats),
+            len(pageable),
+        ))  # fmt: skip
+        snapshots._pinned_staging = pinned
+    print(f"| {args.preset} on {device.type} | ms per call | bytes |\n|---|---|---|")
     for name, ms, size in rows:
         print(f"| {name} | {ms:.2f} | {size} |")
 
