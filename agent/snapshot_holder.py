@@ -202,12 +202,10 @@ class Replicator(threading.Thread):
     next nodes of the ring), a peer that fails is left for the next one: a lost node's
     successor keeps getting replicas."""
 
-    def __init__(self, peers: list[str], depth: int = 16, token: str | None = None,
-                 nice: int = 0):  # fmt: skip
+    def __init__(self, peers: list[str], depth: int = 16, token: str | None = None):
         super().__init__(name="rankguard-replicator", daemon=True)
         self.peers = list(peers)
         self.token = token
-        self.nice = nice
         self._current = 0
         self._q: collections.deque = collections.deque()
         self._cv = threading.Condition()
@@ -235,7 +233,6 @@ class Replicator(threading.Thread):
             return len(self._q)
 
     def run(self) -> None:
-        renice_this_thread(self.nice)
         while True:
             with self._cv:
                 while not self._q:
@@ -273,17 +270,6 @@ class Replicator(threading.Thread):
 
 
 DEFAULT_MAX_SNAPSHOT_BYTES = 16 * 1024**3
-# Replication is background work nobody waits for (the ranks wait for their local put
-# only): its threads, the sender's and the peer's receiver, yield the CPU to training.
-DEFAULT_REPLICATION_NICE = 10
-
-
-def renice_this_thread(nice: int) -> None:
-    """Lower this thread's CPU priority to `nice` (Linux applies it per thread id); 0 leaves
-    it as it is."""
-    if nice:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 class HolderServer:
@@ -293,18 +279,14 @@ class HolderServer:
     def __init__(self, socket_path: str | None, bind: tuple[str, int] | None = None,
                  peer: str | list[str] | None = None, max_keep: int = 8,
                  token: str | None = None,
-                 max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES,
-                 replication_nice: int = DEFAULT_REPLICATION_NICE):  # fmt: skip
+                 max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES):  # fmt: skip
         if bind and not token:
             raise ValueError("a holder on TCP needs a token (--token-file)")
-        if not 0 <= replication_nice <= 19:
-            raise ValueError(f"replication nice {replication_nice}: expected 0 to 19")
         peers = [peer] if isinstance(peer, str) else list(peer or [])
         self.store = SnapshotStore(max_keep)
         self.token = token
         self.max_snapshot_bytes = max_snapshot_bytes
-        self.replication_nice = replication_nice
-        self.replicator = Replicator(peers, token=token, nice=replication_nice) if peers else None
+        self.replicator = Replicator(peers, token=token) if peers else None
         self.started = time.time()
         self.requests = collections.Counter()
         self.refused = collections.Counter()
@@ -338,7 +320,6 @@ class HolderServer:
                 sock.settimeout(300)
                 # a TCP peer proves the token before anything else (no payload until then)
                 shake = wire.ServerHandshake(server.token) if tcp else None
-                reniced = False
                 while True:
                     unread = 0  # payload bytes still on the socket
                     try:
@@ -350,9 +331,6 @@ class HolderServer:
                             answer, payload, data = shake.answer(header), b"", None
                         else:
                             req = wire.parse_request(header, server.max_snapshot_bytes)
-                            if req.op == "put" and req.replica and not reniced:
-                                renice_this_thread(server.replication_nice)  # a peer's stream
-                                reniced = True
                             # size checked above; a put fills a dropped snapshot's buffer
                             spare = server.store.spare(req.size) if req.op == "put" else None
                             data = wire.recv_payload(sock, header, into=spare)

@@ -16,8 +16,7 @@ over the repeats, so a difference inside that spread is noise.
 
 Rows: "async" and "sync" disk checkpoints every --every steps; "async + tier 0 every N"
 adds in-memory snapshots every N steps (two `rankguard snapshot-holder` processes, A
-replicating to B, as two nodes' holders; ``--replication-nice 0`` adds each such row with
-the replication at the ranks' priority, against the holders' default of 10). ``--keyed`` adds async saves with a manifest key
+replicating to B, as two nodes' holders). ``--keyed`` adds async saves with a manifest key
 (SHA-256 instead of CRC-32); ``--backup`` async saves with the backup tier on;
 ``--process`` async saves through DCP's writer process. A second table splits a disk
 save's time (rank 0, ms per save) into staging wait, DCP write, fsync + checksum and the
@@ -54,7 +53,6 @@ def run(mode: str, args, workdir: Path) -> dict:
         "--summary", str(summary), "--no-resume", *args.model_args,
     ]  # fmt: skip
     disk, _, tier0 = mode.partition(" + tier 0 every ")
-    tier0, _, nice = tier0.partition(", replication nice ")
     if disk != "none":
         cmd += ["--ckpt-dir", str(ckpt), "--ckpt-every", str(args.every),
                 "--ckpt-mode", disk.split("-")[0], "--keep", "1"]  # fmt: skip
@@ -69,7 +67,7 @@ def run(mode: str, args, workdir: Path) -> dict:
         cmd += ["--ckpt-backup", str(backup), "--backup-keep", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off",
            **args.entry_env}  # fmt: skip
-    holders = SnapshotHolders(workdir, int(tier0), int(nice) if nice else None) if tier0 else None
+    holders = SnapshotHolders(workdir, int(tier0)) if tier0 else None
     # its own session: a bench stopped mid-run (SIGTERM) takes torchrun's workers with it
     proc = subprocess.Popen(cmd + (holders.args if holders else []), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -112,9 +110,6 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--snapshot-every", default="2,5",
                    help="comma-separated N: rows with async saves + tier-0 snapshots every N ('' none)")  # fmt: skip
-    p.add_argument("--replication-nice", default="",
-                   help="comma-separated niceness: each tier-0 row again with the holders' "
-                   "replication at this niceness (theirs by default: 10)")  # fmt: skip
     p.add_argument("--no-sync", action="store_true", help="leave the synchronous row out")
     p.add_argument("--keyed", action="store_true", help="add async saves with a manifest key")
     p.add_argument("--backup", action="store_true", help="add async saves with a backup tier")
@@ -128,11 +123,8 @@ def main() -> None:
     args.model_args = args.model_args.split()
     try:
         tier0 = [int(n) for n in args.snapshot_every.split(",") if n.strip()]
-        nices = [int(n) for n in args.replication_nice.split(",") if n.strip()]
     except ValueError:
-        p.error("--snapshot-every, --replication-nice: comma-separated integers")
-    if any(not 0 <= n <= 19 for n in nices):
-        p.error("--replication-nice: each from 0 to 19")
+        p.error(f"--snapshot-every: comma-separated integers, not {args.snapshot_every!r}")
     if (
         args.repeats < 1
         or args.steps < 5
@@ -143,9 +135,7 @@ def main() -> None:
         p.error("--repeats, --every, --nproc, --snapshot-every must be >= 1, --steps >= 5")
 
     modes = ["none", "async"] + ([] if args.no_sync else ["sync"])
-    for n in tier0:
-        modes += [f"async + tier 0 every {n}"]
-        modes += [f"async + tier 0 every {n}, replication nice {nice}" for nice in nices]
+    modes += [f"async + tier 0 every {n}" for n in tier0]
     modes += [m for m, on in (("async-keyed", args.keyed), ("async-backup", args.backup),
                               ("async-process", args.process)) if on]  # fmt: skip
     results: dict[str, list[dict]] = {m: [] for m in modes}

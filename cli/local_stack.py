@@ -223,16 +223,15 @@ class SnapshotHolders:
     """Holder A replicating to holder B (`rankguard snapshot-holder` processes), as two
     nodes' holders would on one machine. `args` are the trainer's flags for them."""
 
-    def __init__(self, tmp: Path, every: int, replication_nice: int | None = None):
+    def __init__(self, tmp: Path, every: int):
         import time
 
         a, b = tmp / "holder-a.sock", tmp / "holder-b.sock"
-        nice = [] if replication_nice is None else ["--replication-nice", str(replication_nice)]
         self.procs: list[subprocess.Popen] = []
         try:
             for path, peer in ((b, []), (a, ["--peer", str(b)])):
                 self.procs.append(subprocess.Popen(
-                    [*RANKGUARD, "snapshot-holder", "run", "--socket", str(path), *peer, *nice],
+                    [*RANKGUARD, "snapshot-holder", "run", "--socket", str(path), *peer],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
                 deadline = time.monotonic() + 30
                 while not holder_up(path):

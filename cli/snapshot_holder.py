@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from ..agent.snapshot_holder import DEFAULT_MAX_SNAPSHOT_BYTES, DEFAULT_REPLICATION_NICE
+from ..agent.snapshot_holder import DEFAULT_MAX_SNAPSHOT_BYTES
 from ..contract import snapshots as wire
 
 Opt = typer.Option
@@ -57,16 +57,6 @@ def run(
     max_keep: Annotated[
         int, Opt(help="upper bound on the ranks' --snapshot-keep (steps held per job)", min=1)
     ] = 8,
-    replication_nice: Annotated[
-        int,
-        Opt(
-            help="CPU niceness of replication (sending replicas to the peer, receiving a "
-            "peer's): background work no rank waits for, so it yields to training; 0: the "
-            "ranks' priority",
-            min=0,
-            max=19,
-        ),  # fmt: skip
-    ] = DEFAULT_REPLICATION_NICE,
 ) -> None:
     """Hold snapshots until stopped (SIGTERM/SIGINT). Memory: per job, the newest KEEP
     steps (the ranks' --snapshot-keep) plus the newest complete one, locally and as replicas."""
@@ -90,8 +80,7 @@ def run(
         raise _fail(str(exc)) from None
     socket_path = socket_path or wire.default_address()
     try:
-        server = HolderServer(socket_path, address, peers, max_keep, token, max_snapshot_bytes,
-                              replication_nice)  # fmt: skip
+        server = HolderServer(socket_path, address, peers, max_keep, token, max_snapshot_bytes)
     except (OSError, ValueError) as exc:
         raise _fail(f"cannot listen: {exc}") from None
 

@@ -353,9 +353,9 @@ def test_config_errors_are_clear(tmp_path):
 
 
 # -- holders on real sockets (threads) ----------------------------------------------------
-def _serve(tmp: Path, name: str, peer: str | None = None, **kw) -> tuple[HolderServer, str]:
+def _serve(tmp: Path, name: str, peer: str | None = None) -> tuple[HolderServer, str]:
     path = str(tmp / f"{name}.sock")
-    server = HolderServer(path, peer=peer, **kw)
+    server = HolderServer(path, peer=peer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, path
 
@@ -399,34 +399,6 @@ def test_replication_and_verified_fetch(tmp_path):
     finally:
         a.shutdown()
         b.shutdown()
-
-
-def test_replication_yields_the_cpu_and_the_ranks_puts_do_not(tmp_path):
-    """The replicator's thread and the peer's thread receiving its stream run at the
-    replication niceness; the thread answering a rank's own put keeps the ranks' priority."""
-
-    def threads_at(nice: int) -> set[int]:
-        return {int(t) for t in os.listdir("/proc/self/task")
-                if os.getpriority(os.PRIO_PROCESS, int(t)) == nice}  # fmt: skip
-
-    assert not threads_at(7)
-    b, b_path = _serve(tmp_path, "b", replication_nice=7)
-    a, a_path = _serve(tmp_path, "a", peer=b_path, replication_nice=7)
-    try:
-        client = SnapshotClient(a_path, (), "j", 0, 1, 1, keep=2)
-        client.save(1, b"x" * 1000)
-        _wait(lambda: a.status()["replication"]["sent"] == 1)
-        reniced = threads_at(7)
-        assert a.replicator.native_id in reniced and len(reniced) == 2  # and b's receiver
-        client.save(2, b"y" * 1000)  # the rank's connection is still open: its thread...
-        client.wait()
-        assert threads_at(7) == reniced  # ...was never reniced
-        client.close()
-    finally:
-        a.shutdown()
-        b.shutdown()
-    with pytest.raises(ValueError, match="0 to 19"):
-        HolderServer(str(tmp_path / "c.sock"), replication_nice=20)
 
 
 def test_holders_receive_into_dropped_buffers_and_serve_the_new_bytes(tmp_path):
