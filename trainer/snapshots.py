@@ -200,12 +200,9 @@ class TierZero:
             "snapshot_steady_serialize_seconds": (
                 statistics.median(self._steady) if self._steady else None
             ),
-            "snapshot_staging": (
-                None
-                if self._sending is None
-                else "pinned"
-                if isinstance(self._sending, memoryview)
-                else "pageable"
+            # a host_buffer view is page-locked (GPU states), a bytearray is not
+            "snapshot_staging": {memoryview: "pinned", bytearray: "pageable"}.get(
+                type(self._sending)
             ),
             "snapshot_send_failures": self.client.failures,
         }

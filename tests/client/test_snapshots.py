@@ -538,6 +538,9 @@ def test_tier0_exact_resume_after_sigkill(tmp_path, holders, clean_40):
     s = read_json(tmp_path / "s.json")
     assert s["restart_count"] == 1 and s["resumed_from"] == 25  # not the disk's 20
     assert s["resume_source"] == "holder" and s["snapshot_send_failures"] == 0
+    # where the blocking went: CPU states are staged in a bytearray
+    assert s["snapshot_staging"] == "pageable" and s["snapshot_wait_seconds"] >= 0
+    assert s["snapshot_first_serialize_seconds"] > 0 and s["snapshot_steady_serialize_seconds"] > 0
     assert s["param_digest"] == clean_40["param_digest"]
     assert s["final_loss"] == clean_40["final_loss"]
     st = holders.status(holders.a)
