@@ -555,10 +555,7 @@ def _write_durably_at(dir_fd: int, name: str, data: bytes) -> None:
 
 
 class _Crc32:
-    """hashlib's update/hexdigest over zlib.crc32 (which releases the GIL above 5 KiB); a
-    block of at least crc.PARALLEL_MIN bytes is checksummed on several cores."""
-
-    block = crc.PARALLEL_MIN  # what a file's reader should read at a time
+    """hashlib's update/hexdigest over zlib.crc32 (which releases the GIL above 5 KiB)."""
 
     def __init__(self) -> None:
         self.value = 0
@@ -584,9 +581,11 @@ def _sha256_fd(
     on_bytes: Callable[[int], None] | None = None,
     algorithm: str = SHA256,
 ) -> tuple[int, str]:
+    if algorithm == CRC32:  # a large file's parts on several cores (contract/crc.py)
+        size, value = crc.crc32_fd(fd, chunk, on_bytes)
+        return size, f"{value:08x}"
     h = _hasher(algorithm)
     size = 0
-    chunk = max(chunk, getattr(h, "block", 0))  # CRC-32: blocks large enough for its cores
     # no 8 MiB buffer for a 100-byte file; +1 so the first read can already see EOF
     buf = bytearray(max(1, min(chunk, os.fstat(fd).st_size + 1)))
     mv = memoryview(buf)

@@ -5,7 +5,10 @@
 verified it. A buffer of at least `PARALLEL_MIN` bytes is cut into one piece per core (at
 most `MAX_THREADS`), each piece's CRC is computed on a pool thread (zlib releases the GIL),
 and the pieces' CRCs are joined into the whole buffer's with `crc32_combine`, zlib's
-algorithm written out here because Python's zlib does not expose it.
+algorithm written out here because Python's zlib does not expose it. A file (`crc32_fd`)
+is cut the same way, each thread reading its part through a buffer of its own, small
+enough to stay in the cache between the read and the checksum (one 64 MiB read, then its
+checksum, ran 2-3x slower than 8 MiB at a time).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 PARALLEL_MIN = 64 * 1024 * 1024
@@ -94,3 +98,43 @@ def crc32(data, value: int = 0, threads: int | None = None) -> int:
     for piece, crc in zip(pieces[1:], crcs[1:], strict=True):
         out = crc32_combine(out, crc, len(piece))
     return out
+
+
+def crc32_fd(
+    fd: int, chunk: int, on_bytes: Callable[[int], None] | None = None, threads: int | None = None
+) -> tuple[int, int]:
+    """(bytes read, CRC-32) of the file open as `fd`, read with pread in `chunk`-sized
+    pieces; a file of at least PARALLEL_MIN bytes in one part per thread. The last part
+    reads to the end of the file, as one pass would. `on_bytes(n)` after every read (from
+    the pool's threads, one call at a time)."""
+    size = os.fstat(fd).st_size
+    threads = _threads() if threads is None else threads
+    parts = threads if size >= PARALLEL_MIN and threads > 1 else 1
+    length = -(-size // parts) if size else 0
+    starts = [i * length for i in range(parts)]
+    lock = threading.Lock()
+
+    def part(i: int) -> tuple[int, int]:
+        start, value, done = starts[i], 0, 0
+        limit = length if i < parts - 1 else None  # the last part: to the end of the file
+        buf = memoryview(bytearray(max(1, min(chunk, length + 1))))
+        while limit is None or done < limit:
+            want = len(buf) if limit is None else min(len(buf), limit - done)
+            n = os.preadv(fd, [buf[:want]], start + done)
+            if not n:
+                break
+            value = zlib.crc32(buf[:n], value)
+            done += n
+            if on_bytes is not None:
+                with lock:
+                    on_bytes(n)
+        return done, value
+
+    if parts == 1:
+        return part(0)
+    results = list(_executor(threads).map(part, range(parts)))
+    total, value = results[0]
+    for done, crc in results[1:]:
+        value = crc32_combine(value, crc, done)
+        total += done
+    return total, value
