@@ -132,10 +132,10 @@ def serialize(state, reuse: bytearray | memoryview | None = None) -> bytearray |
     out = None
     if _pinned_staging(devices):
         out = reuse if _staging_of(reuse) is not None and len(reuse) == size else _pinned(size)
-    if out is not None:
-        staging = _staging_of(out)
-    else:
+    if out is None:  # a CPU state, or no page-locked memory to be had
         out = reuse if isinstance(reuse, bytearray) and len(reuse) == size else bytearray(size)
+    staging = _staging_of(out)
+    if staging is None:
         staging = torch.frombuffer(out, dtype=torch.uint8)
     out[:start] = MAGIC + _HEAD.pack(len(structure)) + structure
     for t, offset, nbytes in pickler.tensors:

@@ -93,11 +93,9 @@ def crc32(data, value: int = 0, threads: int | None = None) -> int:
         return zlib.crc32(view, value)
     size = -(-len(view) // threads)
     pieces = [view[i : i + size] for i in range(0, len(view), size)]
-    crcs = list(_executor(threads).map(zlib.crc32, pieces))
-    out = crc32_combine(value, crcs[0], len(pieces[0]))
-    for piece, crc in zip(pieces[1:], crcs[1:], strict=True):
-        out = crc32_combine(out, crc, len(piece))
-    return out
+    for piece, crc in zip(pieces, _executor(threads).map(zlib.crc32, pieces), strict=True):
+        value = crc32_combine(value, crc, len(piece))
+    return value
 
 
 def crc32_fd(
@@ -132,9 +130,7 @@ def crc32_fd(
 
     if parts == 1:
         return part(0)
-    results = list(_executor(threads).map(part, range(parts)))
-    total, value = results[0]
-    for done, crc in results[1:]:
-        value = crc32_combine(value, crc, done)
-        total += done
+    total, value = 0, 0
+    for done, crc in _executor(threads).map(part, range(parts)):
+        total, value = total + done, crc32_combine(value, crc, done)
     return total, value

@@ -51,26 +51,24 @@ def test_a_forked_child_gets_a_pool_of_its_own():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_a_file_in_parts_on_several_threads_is_one_pass(tmp_path):
+def test_a_file_in_parts_on_several_threads_is_one_pass(tmp_path, monkeypatch):
     data = os.urandom(1 << 20) * 3 + os.urandom(777)
     path = tmp_path / "f"
     path.write_bytes(data)
-    original = crc.PARALLEL_MIN
-    crc.PARALLEL_MIN = 1  # every size takes the parts' path
+    monkeypatch.setattr(crc, "PARALLEL_MIN", 1)  # every size takes the parts' path
+    fd = os.open(path, os.O_RDONLY)
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for threads in (1, 2, 3, 4):
-                for chunk in (1000, 1 << 20):
-                    seen = []
-                    got = crc.crc32_fd(fd, chunk, seen.append, threads=threads)
-                    assert got == (len(data), zlib.crc32(data)), (threads, chunk)
-                    assert sum(seen) == len(data) and max(seen) <= chunk
-        finally:
-            os.close(fd)
-        (tmp_path / "empty").write_bytes(b"")
-        fd = os.open(tmp_path / "empty", os.O_RDONLY)
-        assert crc.crc32_fd(fd, 1000, threads=4) == (0, 0)
-        os.close(fd)
+        for threads in (1, 2, 3, 4):
+            for chunk in (1000, 1 << 20):
+                seen = []
+                got = crc.crc32_fd(fd, chunk, seen.append, threads=threads)
+                assert got == (len(data), zlib.crc32(data)), (threads, chunk)
+                assert sum(seen) == len(data) and max(seen) <= chunk
     finally:
-        crc.PARALLEL_MIN = original
+        os.close(fd)
+    (tmp_path / "empty").write_bytes(b"")
+    fd = os.open(tmp_path / "empty", os.O_RDONLY)
+    try:
+        assert crc.crc32_fd(fd, 1000, threads=4) == (0, 0)
+    finally:
+        os.close(fd)
