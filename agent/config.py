@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import socket
-import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -136,19 +134,12 @@ def config_toml(cfg: AgentConfig) -> str:
 
 def read_token(path: Path) -> str:
     """The bearer token; the file must be readable by its owner only."""
+    from ..contract.secrets import SecretFileError, read_secret_file
+
     try:
-        st = os.stat(path)
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise AgentConfigError(
-                f"token file {path} is accessible by group or others (mode "
-                f"{stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}"
-            )
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise AgentConfigError(f"token file {path}: {exc.strerror}") from None
-    if len(token) < 16:
-        raise AgentConfigError(f"token file {path}: token shorter than 16 characters")
-    return token
+        return read_secret_file(path, "token").decode()
+    except (SecretFileError, UnicodeDecodeError) as exc:
+        raise AgentConfigError(str(exc)) from None
 
 
 def load_tls(cert: Path | None, key: Path | None):

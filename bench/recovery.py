@@ -63,17 +63,12 @@ def trainer_cmd(
     fault: str,
     warm: bool = False,
     extra: list[str] = (),
-    rendezvous: str | None = None,
+    rendezvous: list[str] | None = None,
 ) -> list[str]:
-    """`rendezvous`: HOST:PORT of `rankguard rendezvous` for torchrun's `--rdzv-backend
-    rankguard`, as `rankguard up` runs it; plain torchrun's own `--standalone` without."""
+    """`rendezvous`: torchrun's flags for `rankguard rendezvous` (`--rdzv-backend
+    rankguard`), as `rankguard up` runs it; plain torchrun's own `--standalone` without."""
     entry = ["rankguard.trainer.warm", "run"] if warm else ["rankguard.trainer"]
-    rdzv = (
-        ["--nnodes=1", "--rdzv-backend=rankguard", f"--rdzv-endpoint={rendezvous}",
-         "--rdzv-id=bench"]
-        if rendezvous
-        else ["--standalone"]
-    )  # fmt: skip
+    rdzv = ["--nnodes=1", *rendezvous] if rendezvous else ["--standalone"]
     return [
         sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node=2",
         "--max-restarts=3", "-m", *entry, "--preset", "tiny", "--steps", str(steps),
@@ -149,7 +144,7 @@ def supervised(fault: str, steps: int, warm: bool = False, snapshot_every: int =
             with (
                 warm_server(tmp, warm) as warm_socket,
                 snapshot_holders(tmp, snapshot_every) as extra,
-                rendezvous_store(tmp) as rendezvous,
+                rendezvous_store(tmp, "bench") as rendezvous,
             ):
                 env = env_for(tmp, agent.socket)
                 if warm_socket:

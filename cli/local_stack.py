@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ..contract.secrets import new_secret_file, write_secret_file
 from ..contract.telemetry import TelemetryError, TelemetryRecord, decode
 
 
@@ -98,8 +99,7 @@ def start_agent(
 ) -> Daemon:
     token = tmp / "token"
     if not token.exists():
-        token.write_text(TOKEN)
-        token.chmod(0o600)
+        write_secret_file(token, TOKEN)
     port = free_port()
     d = Daemon(
         ["agent", "--bind", f"127.0.0.1:{port}", "--interval", "1", "--token-file", str(token),
@@ -148,19 +148,22 @@ def end_launcher(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def rendezvous_store(tmp: Path):
+def rendezvous_store(tmp: Path, job: str):
     """`rankguard rendezvous` on a free loopback port, the store `rankguard up` keeps for
-    torchrun's `--rdzv-backend rankguard`: yields its HOST:PORT."""
-    from .rendezvous import reachable
+    torchrun's `--rdzv-backend rankguard`: yields torchrun's rendezvous flags for `job`
+    (the state signed with a new secret in tmp/rendezvous.key)."""
+    from .rendezvous import reachable, torchrun_args
 
     port = free_port()
+    secret = tmp / "rendezvous.key"
+    new_secret_file(secret)
     with open(tmp / "rendezvous.log", "w") as out:
-        proc = subprocess.Popen([*RANKGUARD, "rendezvous", "--port", str(port)],
+        proc = subprocess.Popen([*RANKGUARD, "rendezvous", "--port", str(port), "--bind", "127.0.0.1"],
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         wait_until(lambda: proc.poll() is None and reachable("127.0.0.1", port), 60,
                    f"the rendezvous store ({tmp / 'rendezvous.log'})")  # fmt: skip
-        yield f"127.0.0.1:{port}"
+        yield torchrun_args(f"127.0.0.1:{port}", job, secret)
     finally:
         proc.terminate()
         try:

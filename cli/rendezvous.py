@@ -6,11 +6,17 @@ store does not live on, and is not lost with, any training node. It holds only
 rendezvous state (membership, rounds, the round's rank-0 address): a restart loses it,
 and the nodes fill it in again (see docs/architecture.md, "Rendezvous off the training
 nodes").
+
+A TCPStore server given a host still listens on every address, so the socket is made
+here, bound to `--bind`, and handed to the store (`master_listen_fd`). The store itself
+has no authentication: the launchers sign what they unpickle (trainer/rendezvous.py), and
+docs/security.md says what a writer to the port can still do (disturb, not run code).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -32,16 +38,47 @@ def reachable(host: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
+def torchrun_args(endpoint: str, job: str, secret_file: str | os.PathLike[str]) -> list[str]:
+    """torchrun's flags for the job's rendezvous through `rankguard rendezvous` at
+    `endpoint`, its state signed with the secret in `secret_file` (trainer/rendezvous.py)."""
+    return ["--rdzv-backend=rankguard", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}",
+            f"--rdzv-conf=secret_file={os.fspath(secret_file)}"]  # fmt: skip
+
+
+def listening_socket(bind: str, port: int) -> socket.socket:
+    """A TCP socket listening on `bind`:`port` ("" or "*": every address, IPv6 and IPv4 where
+    the host has IPv6); OSError when the address is not usable."""
+    if bind in ("", "*"):
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            address: tuple = ("::", port)
+        except OSError:  # no IPv6 on this host
+            sock, address = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port)
+    else:
+        family, _, _, _, address = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a quick restart
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def rendezvous(
     port: Annotated[
-        int,
-        Opt(
-            help="TCP port; the store listens on every address of this host (a TCPStore "
-            "server cannot bind one), so firewall it to the training nodes",
-            min=1,
-            max=65535,
-        ),
+        int, Opt(help="TCP port (firewall it to the training nodes)", min=1, max=65535)
     ] = DEFAULT_PORT,
+    bind: Annotated[
+        str,
+        Opt(
+            help="address to listen on: 127.0.0.1 (this machine only), the control node's "
+            "address on the training network, or * (every address)"
+        ),
+    ] = "*",
     log_level: Annotated[str, Opt(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
 ) -> None:
     """Run the job's rendezvous store (a torch c10d TCPStore) until SIGTERM or SIGINT.
@@ -70,15 +107,17 @@ def rendezvous(
     # mask and this thread alone takes the signal in sigwait.
     stop = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    where = "every address" if bind in ("", "*") else bind
     try:
+        sock = listening_socket(bind, port)
         store = dist.TCPStore(
             "127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=False,
-            timeout=timedelta(seconds=30),
+            timeout=timedelta(seconds=30), master_listen_fd=sock.fileno(),
         )  # fmt: skip
-    except (RuntimeError, ValueError) as exc:  # the port is in use (or not ours to take)
-        typer.echo(f"rankguard rendezvous: cannot listen on port {port}: {exc}", err=True)
+    except (OSError, RuntimeError, ValueError) as exc:  # in use, or not an address of ours
+        typer.echo(f"rankguard rendezvous: cannot listen on {where} port {port}: {exc}", err=True)
         raise typer.Exit(2) from None
-    log.info("rendezvous store listening on port %d (every address)", store.port)
+    log.info("rendezvous store listening on port %d (%s)", store.port, where)
     notify(f"READY=1\nSTATUS=rendezvous store on port {store.port}")
     ping = watchdog_interval()
     if ping is not None:  # a check that hangs must miss the ping, not hold up a stop for 30 s

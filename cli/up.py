@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -20,10 +20,12 @@ from typing import Annotated
 
 import typer
 
+from ..client.checkpoint_store import KEY_FILE_ENV, CheckpointError, load_key
+from ..contract.secrets import new_secret_file, private_dir_problem
 from . import live_view as lv
 from .keeper import KeptDaemon
 from .local_stack import free_port, holder_up
-from .rendezvous import reachable
+from .rendezvous import reachable, torchrun_args
 
 Opt = typer.Option
 
@@ -67,7 +69,8 @@ def _local_supervisor_config(run_dir: Path) -> Path:
     The workers' startup milestones split each restart into phases in its incident."""
     path = run_dir / "supervisor.toml"
     trace = json.dumps(str((run_dir / STARTUP_TRACE).absolute()))  # a TOML basic string
-    path.write_text(f"[supervisor]\nstartup_trace = {trace}\n\n[scheduler]\ndrain = false\n")
+    with _private_file(path) as f:
+        f.write(f"[supervisor]\nstartup_trace = {trace}\n\n[scheduler]\ndrain = false\n")
     return path
 
 
@@ -82,8 +85,71 @@ def _get(url: str) -> dict | None:
         return None
 
 
+def _private_file(path: Path, append: bool = False):
+    """`path` opened for writing, created 0600, never through a symbolic link (exit 2)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | (os.O_APPEND if append else os.O_TRUNC), 0o600)
+    except OSError as exc:
+        why = "a symbolic link: not followed" if exc.errno == errno.ELOOP else exc.strerror
+        raise typer.Exit(_fail(f"{path}: {why}")) from None
+    return os.fdopen(fd, "a" if append else "w")
+
+
+def _own_dir(path: Path, what: str, private: bool) -> None:
+    """`path` made (0700) if missing; an existing one must be the user's own and writable
+    by no one else (exit 2 with the reason). `private`: an existing one is made 0700 too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise typer.Exit(_fail(f"{what} {path}: {exc.strerror}")) from None
+    problem = private_dir_problem(path)
+    if problem is not None:
+        raise typer.Exit(
+            _fail(f"{what}: {problem}; give one of your own (a new one is made for you)")
+        )
+    if private:
+        path.chmod(0o700)
+
+
+def _prepare_run_dir(run_dir: Path, ckpt_dir: Path) -> None:
+    """The run directory: the user's own, private, and without symbolic links in it (up
+    writes logs, secrets and the fault file there); the checkpoint root the user's own."""
+    _own_dir(run_dir, "--run-dir", private=True)
+    links = sorted(p.name for p in run_dir.iterdir() if p.is_symlink())
+    if links:
+        raise typer.Exit(_fail(f"--run-dir {run_dir} holds symbolic links ({', '.join(links)}): "
+                               "up follows no link in its run directory"))  # fmt: skip
+    _own_dir(ckpt_dir, "--ckpt-dir", private=False)
+
+
+def user_checkpoint_key(environ=os.environ) -> Path:
+    """The user's checkpoint key: `$RANKGUARD_CHECKPOINT_KEY_FILE` when set, else
+    `$XDG_CONFIG_HOME/rankguard/checkpoint.key` (~/.config/...), made at first use (0600 in
+    a 0700 folder). Checked like every key (exit 2 with the reason)."""
+    named = environ.get(KEY_FILE_ENV)
+    if named:
+        path = Path(named)
+    else:
+        config = Path(environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+        folder = config / "rankguard"
+        _own_dir(folder, "checkpoint key folder", private=True)
+        path = folder / "checkpoint.key"
+        if not path.exists() and not path.is_symlink():
+            new_secret_file(path)
+    try:
+        load_key(path)
+    except CheckpointError as exc:
+        raise typer.Exit(_fail(str(exc))) from None
+    return path
+
+
 def _spawn(args: list[str], log: Path, env: dict, append: bool = False) -> subprocess.Popen:
-    with open(log, "a" if append else "w") as out:
+    with _private_file(log, append) as out:
         return subprocess.Popen([sys.executable, "-m", "rankguard.cli.main", *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
@@ -132,7 +198,7 @@ def _start_warm_server(run_dir: Path, env: dict) -> _Starting:
     from rankguard.trainer.warm import spawn_server
 
     sock, log = run_dir / "warm.sock", run_dir / "warm.log"
-    with open(log, "w") as out:
+    with _private_file(log) as out:
         proc = spawn_server(sock, env, stdout=out)
     return _Starting("the warm-start server", [], proc, log, sock.exists)
 
@@ -254,6 +320,16 @@ def up(
             "torch once (warm start: the default for the bundled trainer, trainer/warm.py)"
         ),
     ] = False,
+    no_ckpt_key: Annotated[
+        bool,
+        Opt(
+            "--no-ckpt-key",
+            help="checkpoints without the key's HMAC: a checkpoint someone planted in the "
+            "root is then trusted and unpickled (default: signed with "
+            "$RANKGUARD_CHECKPOINT_KEY_FILE, else ~/.config/rankguard/checkpoint.key, made "
+            "at first use)",
+        ),
+    ] = False,
     warm_start: Annotated[
         bool,
         Opt(
@@ -317,18 +393,21 @@ def up(
         *(f"--fault={f.text()}" for f in faults if f.step is not None),
     ]
     run_dir = run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = ckpt_dir or run_dir / "ckpt"
-    token = run_dir / "token"
-    token.write_text(secrets.token_urlsafe(32))
-    token.chmod(0o600)
+    _prepare_run_dir(run_dir, ckpt_dir)
+    key_file = None if no_ckpt_key else user_checkpoint_key()
+    token, rdzv_secret = run_dir / "token", run_dir / "rendezvous.key"
+    new_secret_file(token)
+    new_secret_file(rdzv_secret)
     fault_file = run_dir / "faults"
-    fault_file.touch()
+    _private_file(fault_file).close()
     agent_port, sup_port = free_port(), free_port()
     agent_url, sup_url = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{sup_port}"
     env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str((run_dir / "telemetry.sock").absolute()),
            "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url,
            "RANKGUARD_STARTUP_TRACE": str((run_dir / STARTUP_TRACE).absolute())}  # fmt: skip
+    if key_file is not None:  # the trainer's and the client library's checkpoint key
+        env[KEY_FILE_ENV] = str(key_file)
     procs: list[subprocess.Popen] = []
     kept: list[KeptDaemon] = []
     timers: list[threading.Timer] = []
@@ -353,11 +432,11 @@ def up(
         job = run_dir.name
         if rendezvous is None:
             rdzv_port = free_port()
-            starting.append(_start("rendezvous", ["rendezvous", "--port", str(rdzv_port)], run_dir,
-                                   daemon_env, lambda: reachable("127.0.0.1", rdzv_port)))  # fmt: skip
+            starting.append(_start("rendezvous", ["rendezvous", "--port", str(rdzv_port), "--bind", "127.0.0.1"],
+                                   run_dir, daemon_env, lambda: reachable("127.0.0.1", rdzv_port)))  # fmt: skip
             procs.append(starting[-1].proc)
             rendezvous = f"127.0.0.1:{rdzv_port}"
-        rdzv = ["--rdzv-backend=rankguard", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job}"]
+        rdzv = torchrun_args(rendezvous, job, rdzv_secret.absolute())
         entry = ["rankguard.trainer"]
         helpers: list[_Starting] = []  # started with the daemons, not restarted by `up`
         # warm by default for the bundled trainer; a script opts in (docs/architecture.md:
@@ -398,8 +477,9 @@ def up(
         # a second shell: `rankguard health`, `ranks`, `incidents`, `inject` find this run
         typer.echo(f"rankguard up: in another shell: export RANKGUARD_SUPERVISOR={sup_url} "
                    f"RANKGUARD_AGENT={agent_url} RANKGUARD_TOKEN_FILE={token} "
-                   f"RANKGUARD_FAULT_FILE={fault_file} RANKGUARD_CKPT_DIR={ckpt_dir}")  # fmt: skip
-        with open(run_dir / "trainer.log", "w") as log:
+                   f"RANKGUARD_FAULT_FILE={fault_file} RANKGUARD_CKPT_DIR={ckpt_dir}"
+                   + (f" {KEY_FILE_ENV}={key_file}" if key_file else ""))  # fmt: skip
+        with _private_file(run_dir / "trainer.log") as log:
             trainer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         procs.append(trainer)
         start = time.monotonic()

@@ -20,8 +20,9 @@ the holder's limit) *before* the holder reads or allots memory for its payload
 both ends prove they hold the cluster's snapshot token without sending it, by HMAC-SHA256
 over fresh nonces (client `hello` with its nonce, the server answers its own; the client
 sends its proof in `auth`, the server checks it and answers its proof, which the client
-checks). Until then the holder
-takes no other op and no payload. The unix socket is owner-only (mode 0600): no token.
+checks). Until then the holder takes no other op and no payload, and gives it a few
+seconds (a connection from a peer address that already has a few unauthenticated ones is
+closed at once). The unix socket is owner-only (mode 0600): no token.
 
 `HolderStatus` is the holder's `status` answer as a typed model; the agent reads it to show
 snapshot memory on `/v1/node` and `/metrics`.
@@ -35,13 +36,14 @@ import json
 import os
 import secrets
 import socket
-import stat
 import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import crc
+from .secrets import read_secret_file
 
 MAX_HEADER = 64 * 1024
 MAX_PAYLOAD = 64 * 1024**3  # a sanity bound on one rank's snapshot (64 GiB)
@@ -52,7 +54,10 @@ _LEN = struct.Struct(">I")
 OPS = ("put", "list", "get", "truncate", "status", "corrupt", "hello", "auth")
 KINDS = ("local", "replica")
 #: Why the holder refused a request or a connection (a bounded set: a counter's labels).
-REFUSALS = ("malformed", "too_large", "unauthenticated", "auth_failed", "bad_request")
+#: `handshake_timeout`: a TCP peer that did not finish the handshake in time;
+#: `too_many_unauthenticated`: one more pre-handshake connection from a peer address at its cap.
+REFUSALS = ("malformed", "too_large", "unauthenticated", "auth_failed", "bad_request",
+            "handshake_timeout", "too_many_unauthenticated")  # fmt: skip
 
 
 class WireError(Exception):
@@ -94,19 +99,9 @@ def parse_address(addr: str) -> tuple[int, object]:
 def read_token(path) -> str:
     """The snapshot token from an owner-only file (like the agent's); ValueError says why."""
     try:
-        st = os.stat(path)
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ValueError(
-                f"token file {path} is accessible by group or others "
-                f"(mode {stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}"
-            )
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"token file {path}: {exc.strerror}") from None
-    if len(token) < 16:
-        raise ValueError(f"token file {path}: token shorter than 16 characters")
-    return token
+        return read_secret_file(path, "token").decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"token file {path}: not text ({exc})") from None
 
 
 def proof(token: str, role: str, first: str, second: str) -> str:
@@ -200,12 +195,21 @@ def send_frame(sock: socket.socket, header: dict, payload=b"") -> None:
         sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
-    """n bytes, into `into` when it is a buffer of exactly n bytes (a holder's spare)."""
+def _recv_exact(
+    sock: socket.socket, n: int, into: bytearray | None = None, deadline: float | None = None
+) -> bytearray:
+    """n bytes, into `into` when it is a buffer of exactly n bytes (a holder's spare).
+    `deadline` (time.monotonic()) bounds the whole read, TimeoutError after it: a socket
+    timeout alone bounds each recv, which a peer sending a byte at a time renews."""
     buf = into if into is not None and len(into) == n else bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], min(n - got, 8 * 1024 * 1024))
         if k == 0:
             raise EOFError("connection closed mid-frame" if got else "connection closed")
@@ -227,12 +231,13 @@ def decode_header(raw: bytes | bytearray) -> dict:
     return header
 
 
-def recv_header(sock: socket.socket) -> dict:
-    """The next frame's header; its payload (`size` bytes) is still on the socket."""
-    (n,) = _LEN.unpack(_recv_exact(sock, 4))
+def recv_header(sock: socket.socket, deadline: float | None = None) -> dict:
+    """The next frame's header; its payload (`size` bytes) is still on the socket.
+    TimeoutError when it is not all there by `deadline` (time.monotonic())."""
+    (n,) = _LEN.unpack(_recv_exact(sock, 4, deadline=deadline))
     if n > MAX_HEADER:
         raise WireError(f"header of {n} bytes (at most {MAX_HEADER})", "too_large")
-    return decode_header(_recv_exact(sock, n))
+    return decode_header(_recv_exact(sock, n, deadline=deadline))
 
 
 def recv_payload(

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from harness import TOKEN, http_json, wait_until
 
+from rankguard.contract.secrets import write_secret_file
+
 PREFIX_BASE = "rgmn"
 OWNERS = Path("/run/rankguard-netns-tests")
 AGENT_PORT = 9400
@@ -199,8 +201,9 @@ class Cluster:
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / f"{self.prefix}.pid").write_text(str(os.getpid()))
         self.token_file = tmp / "token"
-        self.token_file.write_text(TOKEN)
-        self.token_file.chmod(0o600)
+        write_secret_file(self.token_file, TOKEN)
+        self.rdzv_secret = tmp / "rendezvous.key"
+        write_secret_file(self.rdzv_secret, "a-rendezvous-secret-for-the-netns-tests")
         try:
             self._build()
         except BaseException:
@@ -323,6 +326,8 @@ class Cluster:
             # rounds and nodes, and a membership change does not bump the restart count.
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "LOGLEVEL": "INFO",
+            # the rankguard backend signs the rendezvous state with the job's secret
+            "RANKGUARD_RDZV_SECRET_FILE": str(self.rdzv_secret),
         }
         node.torchrun = self.spawn(node, argv, log or f"torchrun-{job}-{node.name}.log", env)
         return node.torchrun

@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 import os
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from rankguard.contract import faults as grammar
 
@@ -80,6 +80,17 @@ def parse_fault_specs(texts: list[str]) -> tuple[FaultSpec, ...]:
     return tuple(parse_fault_spec(t) for t in texts if t.strip())
 
 
+def fault_file_problem(st: os.stat_result) -> str | None:
+    """Why a fault file (its fstat) must not be obeyed, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this job's user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 class FaultInjector:
     """The faults that apply to this rank in this incarnation, asked at fixed points."""
 
@@ -95,7 +106,8 @@ class FaultInjector:
         self.incarnation = restart_count if incarnation is None else incarnation
         self.static = self._mine(specs, self.restart_count)
         self.fault_file = fault_file
-        self._file_mtime: float | None = None
+        self._file_mtime: int | None = None
+        self._refused: str | None = None  # why the fault file was last ignored
         self.specs = list(self.static)
 
     def _mine(self, specs, restart: int) -> list[FaultSpec]:
@@ -105,25 +117,39 @@ class FaultInjector:
         """Pick up faults injected at run time; a bad line is reported and skipped."""
         if not self.fault_file:
             return
-        try:
-            mtime = os.stat(self.fault_file).st_mtime_ns
-        except OSError:
+        text = self._read_fault_file()
+        if text is None:
             return
-        if mtime == self._file_mtime:
-            return
-        self._file_mtime = mtime
         specs = []
-        try:
-            lines = Path(self.fault_file).read_text().splitlines()
-        except OSError:
-            return
-        for line in lines:
+        for line in text.splitlines():
             if line.strip() and not line.startswith("#"):
                 try:
                     specs.append(parse_fault_spec(line))
                 except FaultSpecError as exc:
                     print(f"rankguard trainer: ignoring fault {line!r}: {exc}", file=sys.stderr)
         self.specs = self.static + self._mine(specs, self.incarnation)
+
+    def _read_fault_file(self) -> str | None:
+        """The fault file's text when it changed since the last read and is this user's own
+        (a regular file, not a link, writable by no one else: another user must not be
+        able to kill this job through it); None otherwise."""
+        try:
+            if os.stat(self.fault_file).st_mtime_ns == self._file_mtime:
+                return None  # the usual case: one stat() a step
+            fd = os.open(self.fault_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            self._file_mtime = st.st_mtime_ns
+            problem = fault_file_problem(st)
+            if problem:
+                if self._refused != problem:  # once per cause, not at every step
+                    self._refused = problem
+                    print(f"rankguard trainer: ignoring the fault file {self.fault_file}: "
+                          f"{problem}", file=sys.stderr)  # fmt: skip
+                return None
+            return f.read(1 << 20).decode(errors="replace")
 
     def _active(self, kind: str, step: int, *, from_step: bool) -> FaultSpec | None:
         for s in self.specs:

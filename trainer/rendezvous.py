@@ -10,16 +10,31 @@ the restarted, empty store lacks, and retries the call once. torchrun then reads
 rendezvous state: the running group does not notice (no node is waiting), the keep-alives
 fill it in again, and the next membership change forms a new round in the new store.
 
+The rendezvous state is signed (`SignedBackend`). torch's dynamic rendezvous keeps it in
+the store as a pickle that every launcher unpickles at each sync, and a store has no
+authentication: whoever can reach the port could make every launcher run code of their
+choosing. Here each state is written with an HMAC-SHA256 of the job's rendezvous secret (a
+file only the job's user can read: `--rdzv-conf secret_file=PATH` or
+`$RANKGUARD_RDZV_SECRET_FILE`), and a state whose MAC fails is refused before anything is
+unpickled, counted, and overwritten by the next honest write; the launcher goes on with the
+last state it verified, so a forged or garbage state neither runs code nor ends the job.
+
 One more difference: a restart's rendezvous skips the random 0-0.3 s wait torch puts
 before a first join (`RankguardHandler`). Everything else is torch's dynamic rendezvous.
 """
 
 from __future__ import annotations
 
+import binascii
 import contextlib
+import hashlib
+import hmac
 import logging
+import os
+import pickle
 import threading
 import time
+from base64 import b64decode, b64encode
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -29,13 +44,17 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    _RendezvousState,
     create_handler,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from rankguard.contract.secrets import SecretFileError, read_secret_file
+
 log = logging.getLogger("rankguard.rendezvous")
 
 DEFAULT_PORT = 29400
+SECRET_FILE_ENV = "RANKGUARD_RDZV_SECRET_FILE"
 CONNECT_TIMEOUT = timedelta(seconds=2)
 # errors of a lost connection (DistNetworkError is a RuntimeError); a missing key in
 # get/wait is a DistStoreError timeout and is not retried here
@@ -136,12 +155,93 @@ class ReconnectingStore(dist.Store):
         return self._call("append", key, value)
 
 
-class RankguardBackend(C10dRendezvousBackend):
-    """torch's c10d backend under the name torchrun was given (it checks the two agree)."""
+class SignedBackend(C10dRendezvousBackend):
+    """torch's c10d backend, its state signed with the job's secret, under the name torchrun
+    was given (it checks the two agree).
+
+    In the store: base64(HMAC-SHA256(secret, key NUL state) + state). The key is part of the
+    MAC, so a state signed for another job cannot be moved into this one. A value that does
+    not verify is never handed to torch's unpickling: get/set answer the last state this
+    launcher verified (an empty one before the first) with the bad value as the token, so the
+    handler's next write replaces it (compare-and-set against exactly that value)."""
+
+    _MAC_BYTES = hashlib.sha256().digest_size
+    _WARN_EVERY = 10.0  # seconds between two warnings of a store under attack
+
+    def __init__(self, store: dist.Store, run_id: str, secret: bytes):
+        super().__init__(store, run_id)
+        self._secret = secret
+        self._last_good = pickle.dumps(_RendezvousState())
+        self.refused = 0  # values that failed their MAC, read or answered to a write
+        self._warned_at = -self._WARN_EVERY
 
     @property
     def name(self) -> str:
         return "rankguard"
+
+    def _mac(self, state: bytes) -> bytes:
+        return hmac.new(self._secret, self._key.encode() + b"\0" + state, hashlib.sha256).digest()
+
+    def get_state(self) -> tuple[bytes, bytes] | None:
+        raw = self._call_store("get", self._key)
+        verified = self._verify(raw)
+        return None if verified is None else verified[:2]
+
+    def set_state(self, state: bytes, token=None) -> tuple[bytes, bytes, bool] | None:
+        if token and not isinstance(token, bytes):  # not one of ours: cannot be current
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        expected = token.decode() if token else self._NULL_SENTINEL
+        signed = b64encode(self._mac(state) + state).decode()
+        raw = self._call_store("compare_set", self._key, expected, signed)
+        verified = self._verify(raw)
+        if verified is None:
+            return None
+        new_state, new_token, ok = verified
+        return new_state, new_token, ok and new_state == state
+
+    def _verify(self, raw: bytes) -> tuple[bytes, bytes, bool] | None:
+        """(state, token, verified) for a stored value; None for the empty marker."""
+        if raw == self._NULL_SENTINEL.encode():
+            return None
+        try:
+            blob = b64decode(raw, validate=True)
+        except (binascii.Error, ValueError):
+            blob = b""
+        mac, state = blob[: self._MAC_BYTES], blob[self._MAC_BYTES :]
+        if len(mac) == self._MAC_BYTES and hmac.compare_digest(mac, self._mac(state)):
+            self._last_good = state
+            return state, raw, True
+        self._refuse(len(raw))
+        return self._last_good, raw, False
+
+    def _refuse(self, size: int) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._warned_at >= self._WARN_EVERY:
+            self._warned_at = now
+            log.warning(
+                "rendezvous state %s (%d bytes) failed its signature: refused without "
+                "unpickling it (%d refused so far); someone without the job's secret wrote "
+                "to the store, or a launcher runs with another secret",
+                self._key, size, self.refused,
+            )  # fmt: skip
+
+
+def job_secret(params: RendezvousParameters, environ=os.environ) -> bytes:
+    """The rendezvous secret from `--rdzv-conf secret_file=PATH`, else the file named by
+    `$RANKGUARD_RDZV_SECRET_FILE`; ValueError (torchrun shows it) when there is none."""
+    path = params.get("secret_file") or environ.get(SECRET_FILE_ENV)
+    if not path:
+        raise ValueError(
+            "--rdzv-backend rankguard needs the job's rendezvous secret, a file only you can "
+            f"read: --rdzv-conf secret_file=PATH or ${SECRET_FILE_ENV} (make one with: "
+            "(umask 077; head -c 32 /dev/urandom | base64 > PATH))"
+        )
+    try:
+        return read_secret_file(path, "rendezvous secret")
+    except SecretFileError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _seed(key: str, sentinel: str) -> Callable[[dist.Store], None]:
@@ -197,8 +297,9 @@ def create_rankguard_handler(params: RendezvousParameters):
     read_timeout = params.get_as_int("read_timeout", 60)
     if read_timeout <= 0:
         raise ValueError("The read timeout must be a positive integer.")
+    secret = job_secret(params)
     store = ReconnectingStore(host, port, timedelta(seconds=read_timeout))
-    backend = RankguardBackend(store, params.run_id)
+    backend = SignedBackend(store, params.run_id, secret)
     store.on_reconnect.append(_seed(backend._key, backend._NULL_SENTINEL))
     handler = create_handler(store, backend, params)
     handler.__class__ = RankguardHandler  # torch's settings parsing, our restart path

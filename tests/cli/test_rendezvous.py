@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from harness import check_sd_notify_lifecycle, free_port, read_json, wait_until
 
+from rankguard.contract.secrets import write_secret_file
+
 pytestmark = pytest.mark.slow
 
 RANKGUARD = [sys.executable, "-m", "rankguard.cli.main"]
@@ -70,6 +72,18 @@ def store(tmp_path):
     r.stop()
 
 
+SECRET = "a-rendezvous-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def secret_file(tmp_path, monkeypatch) -> Path:
+    """The job's rendezvous secret, named by the variable torchrun's launchers read."""
+    path = tmp_path / "rendezvous.key"
+    write_secret_file(path, SECRET)
+    monkeypatch.setenv("RANKGUARD_RDZV_SECRET_FILE", str(path))
+    return path
+
+
 def client(port: int):
     import torch.distributed as dist
 
@@ -98,7 +112,7 @@ def test_port_in_use_is_a_clear_error(store):
     out = subprocess.run([*RANKGUARD, "rendezvous", "--port", str(store.port)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2, out
-    assert f"cannot listen on port {store.port}" in out.stderr, out.stderr
+    assert f"cannot listen on every address port {store.port}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -164,7 +178,7 @@ def test_backend_refuses_is_host():
         create_rankguard_handler(params)
 
 
-def test_a_restart_joins_without_torchs_random_first_round_wait(store, monkeypatch):
+def test_a_restart_joins_without_torchs_random_first_round_wait(store, secret_file, monkeypatch):
     """torch waits a random 0-0.3 s before a join while the round is 0, which includes a
     job's first restart; our handler's restarts join at once (the fixed poll delay stays)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
@@ -199,12 +213,15 @@ def _workers(torchrun_pid: int) -> list[int]:
     return sorted(int(p) for t in tasks for p in t.read_text().split())
 
 
-def test_job_survives_a_store_restart_and_reforms_through_the_new_store(store, tmp_path):
+def test_job_survives_a_store_restart_and_reforms_through_the_new_store(
+    store, secret_file, tmp_path
+):
     """The store is SIGKILLed mid-run and started again on its port: training goes on, and
     a later rank failure re-forms the group through the new (empty) store, from the newest
     checkpoint, to the last step."""
     steps = 1500  # about 25 ms a step here: the store's restart falls mid-run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off",
+           "RANKGUARD_RDZV_SECRET_FILE": str(secret_file),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}  # fmt: skip
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
@@ -252,3 +269,94 @@ def test_job_survives_a_store_restart_and_reforms_through_the_new_store(store, t
     s = read_json(tmp_path / "summary.json")
     assert (s["final_step"], s["world_size"]) == (steps, 2), s
     assert s["resumed_from"] is not None and s["resumed_from"] >= 100, s
+
+
+# ------------------------------------------------------------ what the store is trusted with
+
+
+def test_store_bound_to_loopback_listens_there_only(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([*RANKGUARD, "rendezvous", "--port", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_until(lambda: _listeners(port), 60, "the store to listen")
+        assert _listeners(port) == {"127.0.0.1"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses listening on TCP `port` (ss, as an operator would look)."""
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True)
+    return {line.split()[3].rsplit(":", 1)[0].strip("[]") for line in out.stdout.splitlines()}
+
+
+def signed_backend(port: int, job: str = "j", secret: bytes = SECRET.encode()):
+    from rankguard.trainer.rendezvous import ReconnectingStore, SignedBackend
+
+    return SignedBackend(ReconnectingStore("127.0.0.1", port, timedelta(seconds=10)), job, secret)
+
+
+class Touch:
+    """Unpickling this creates a file: proof that a forged state was deserialized."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_signed_state_round_trips_and_a_forgery_is_refused_unread(store, tmp_path):
+    import base64
+    import pickle
+
+    backend = signed_backend(store.port)
+    assert backend.get_state() is None  # the empty marker
+    state, token, ok = backend.set_state(b"first state")
+    assert (state, ok) == (b"first state", True)
+    assert backend.get_state() == (b"first state", token)
+    assert b"first state" in base64.b64decode(client(store.port).get("torch.rendezvous.j"))
+
+    marker = tmp_path / "unpickled"
+    forged = base64.b64encode(pickle.dumps(Touch(marker)))
+    for bad in (forged, b"not base64 at all!", base64.b64encode(b"x" * 40)):
+        client(store.port).set("torch.rendezvous.j", bad)
+        # the last verified state, with the bad value as the token to replace it
+        assert backend.get_state() == (b"first state", bad)
+    assert backend.refused == 3
+    assert not marker.exists()
+    # the next honest write, against the bad value, replaces it
+    state, token, ok = backend.set_state(b"second state", bad)
+    assert (state, ok) == (b"second state", True)
+    assert signed_backend(store.port).get_state() == (b"second state", token)
+
+
+def test_a_state_signed_for_another_job_or_with_another_secret_is_refused(store):
+    signed_backend(store.port, job="other").set_state(b"other job's state")
+    other = client(store.port).get("torch.rendezvous.other")
+    client(store.port).set("torch.rendezvous.j", other)
+    mine = signed_backend(store.port)
+    assert mine.get_state()[0] != b"other job's state" and mine.refused == 1
+    signed_backend(store.port, secret=b"another secret 0123456789").set_state(b"x", other)
+    assert mine.get_state()[0] != b"x" and mine.refused == 2
+
+
+def test_the_backend_needs_a_secret_only_its_user_can_read(store, tmp_path, monkeypatch):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rankguard.trainer.rendezvous import create_rankguard_handler
+
+    monkeypatch.delenv("RANKGUARD_RDZV_SECRET_FILE", raising=False)
+    params = RendezvousParameters("rankguard", f"127.0.0.1:{store.port}", "j", 1, 1)
+    with pytest.raises(ValueError, match="needs the job's rendezvous secret"):
+        create_rankguard_handler(params)
+    loose = tmp_path / "loose.key"
+    loose.write_text(SECRET)
+    loose.chmod(0o644)
+    params = RendezvousParameters(
+        "rankguard", f"127.0.0.1:{store.port}", "j", 1, 1, secret_file=str(loose)
+    )
+    with pytest.raises(ValueError, match="accessible by group or others"):
+        create_rankguard_handler(params)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -187,6 +188,11 @@ def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
         assert f"supervisor on http://0.0.0.0:{sup_port}" in log
         assert "agents file" in log and "1 agents" in log
         assert (job / "rankguard.db").exists()
+        # the job's folder and its rendezvous secret are the user's alone, and torchrun signs
+        # the rendezvous state with that secret
+        assert stat.S_IMODE(job.stat().st_mode) == 0o700
+        assert stat.S_IMODE((job / "rendezvous.key").stat().st_mode) == 0o600
+        assert f"--rdzv-conf secret_file={job / 'rendezvous.key'}" in proc.stdout
         # the rendezvous store ran as its own step, and was stopped with the job
         assert "rendezvous store listening on port" in (job / "rendezvous.log").read_text()
         assert "rendezvous store on localhost:" in proc.stdout
