@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 from rankguard.cli.local_stack import SnapshotHolders, end_launcher
+from rankguard.contract.secrets import new_secret_file
 from rankguard.trainer.warm import start_server
 
 
@@ -58,8 +59,7 @@ def run(mode: str, args, workdir: Path) -> dict:
                 "--ckpt-mode", disk.split("-")[0], "--keep", "1"]  # fmt: skip
     if disk == "async-keyed":
         key = workdir / "key"
-        key.write_bytes(os.urandom(32))
-        key.chmod(0o600)
+        new_secret_file(key)
         cmd += ["--ckpt-key-file", str(key)]
     if disk == "async-process":
         cmd += ["--ckpt-writer", "process"]

@@ -43,6 +43,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rankguard.contract.secrets import write_secret_file
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token-0123456789abcdef"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -138,8 +140,7 @@ def profile(args, work: Path, pids: dict[str, int], nodes: int) -> list[subproce
 def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     token = work / "token"
-    token.write_text(TOKEN)
-    token.chmod(0o600)
+    write_secret_file(token, TOKEN)
     agents, faults, ready = work / "agents", work / "faults.jsonl", work / "ready.json"
     sim = spawn(
         [str(ROOT / "bench/agent_sim.py"), "--nodes", str(nodes),
