@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..contract.answers import RankAnswer, RanksAnswer, Sample, TelemetryStats
+from ..contract.answers import RankAnswer, RankGpuAnswer, RanksAnswer, Sample, TelemetryStats
 from ..contract.cursor import Since, answer_fields, new_incarnation, since
 from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
 from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
@@ -525,7 +525,12 @@ class _Rank:
                 self.cpu_active_at = now
 
     def answer(
-        self, now: float, to_unix: float, recent: int, after: int | None = None
+        self,
+        now: float,
+        to_unix: float,
+        recent: int,
+        after: int | None = None,
+        gpu: RankGpuAnswer | None = None,
     ) -> RankAnswer:
         """The rank as ``/v1/ranks`` shows it. ``after``: an incremental answer, whose
         ``recent`` holds only the samples numbered above it, and ``recent_from`` the number
@@ -576,6 +581,7 @@ class _Rank:
             recent=samples,
             recent_from=first,
             stand_in=self.stand_in.answer(to_unix) if self.stand_in else None,
+            gpu=gpu,
         )
 
     def _window(self, n: int) -> list[HistoryEntry]:
@@ -671,6 +677,10 @@ class RankTable:
         # Set by the telemetry receiver: judges the datagrams waiting on its socket. Called
         # before an exit is applied, as the receiver lets records gather (receiver.py).
         self.flush_telemetry: Callable[[], object] | None = None
+        # From the GPU collector's last reading: the GPU (UUID) each process computes on,
+        # as NVML lists them, and each GPU's faults by UUID (note_gpus).
+        self._pid_gpus: dict[int, str] = {}
+        self._gpu_faults: dict[str, dict[str, Any]] = {}
         self._watcher = ProcessWatcher(
             self._on_exit, clock=clock, use_pidfd=use_pidfd, proc_root=proc_root
         )
@@ -1095,7 +1105,37 @@ class RankTable:
     def _answers(self, now: float, n: int, s: Since | None) -> list[RankAnswer]:
         to_unix = self._unix_offset()
         after = None if s is None else s.seq
-        return [self._ranks[key].answer(now, to_unix, n, after) for key in sorted(self._ranks)]
+        return [
+            self._ranks[key].answer(now, to_unix, n, after, self._gpu(self._ranks[key]))
+            for key in sorted(self._ranks)
+        ]
+
+    def note_gpus(self, pid_gpus: dict[int, str], faults: dict[str, dict[str, Any]]) -> None:
+        """The GPU collector's reading: pid -> GPU UUID (NVML's process lists) and each
+        GPU's faults by UUID (RankGpuAnswer's fields less uuid and source)."""
+        with self._lock:
+            self._pid_gpus, self._gpu_faults = dict(pid_gpus), dict(faults)
+
+    def _gpu(self, rank: _Rank) -> RankGpuAnswer | None:
+        """The rank's GPU: the one its records name, else the one NVML lists its pid on
+        (a zero-code rank; needs the host's pid namespace), with that GPU's faults."""
+        uuid = rank.record.gpu_uuid if rank.source == "telemetry" else None
+        source = "reported"
+        if uuid is None:
+            uuid, source = self._pid_gpus.get(rank.pid), "nvml"
+        if uuid is None:
+            return None
+        return RankGpuAnswer(uuid, source, **self._gpu_faults.get(uuid, {}))
+
+    def rank_gpus(self) -> list[tuple[str, int, str]]:
+        """(job, rank, GPU UUID) of every live rank whose GPU is known."""
+        with self._lock:
+            out = []
+            for (job, rank), r in sorted(self._ranks.items()):
+                gpu = self._gpu(r) if r.state in LIVE_STATES else None
+                if gpu is not None:
+                    out.append((job, rank, gpu.uuid))
+            return out
 
     def _unix_offset(self) -> float:
         """Table clock -> Unix time. Re-based only when the wall clock was stepped, so a

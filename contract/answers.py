@@ -32,16 +32,19 @@ from .telemetry import (
     MAX_REASON_CHARS,
     PHASES,
     check_skip_ranges,
+    is_gpu_uuid,
 )
 
 __all__ = [
     "API_VERSION",
+    "GPU_SOURCES",
     "NODE_STATUSES",
     "CollectorStatus",
     "HealthReason",
     "NodeAnswer",
     "NodeWarning",
     "RankAnswer",
+    "RankGpuAnswer",
     "RankEventAnswer",
     "RankEventsAnswer",
     "RanksAnswer",
@@ -267,6 +270,71 @@ class StandInAnswer:
         )
 
 
+#: How the agent knows a rank's GPU: its own records name it, or NVML lists its pid.
+GPU_SOURCES = ("reported", "nvml")
+#: How far back a GPU's XIDs count as news for the ranks on it.
+XID_RECENT_SECONDS = 600.0
+_MAX_THROTTLE = 16
+
+
+@dataclass(frozen=True)
+class RankGpuAnswer:
+    """The GPU a rank computes on, and that GPU's faults as its node's agent sees them:
+    the NVML UUID, how it is known (``GPU_SOURCES``), its index on the node (None when
+    NVML does not list that UUID: a lost GPU, or no NVML), the XIDs of the last
+    ``XID_RECENT_SECONDS`` by code, its volatile uncorrected ECC count, and the clock
+    events that slow it down (thermal, power brake, hardware slowdown)."""
+
+    uuid: str
+    source: str
+    index: int | None = None
+    lost: bool = False  # NVML says the GPU is gone (fallen off the bus, needs a reset)
+    xid_recent: Mapping[str, int] = field(default_factory=dict)
+    ecc_uncorrected: int | None = None
+    throttle: tuple[str, ...] = ()
+
+    def faults(self) -> list[str]:
+        """The GPU's faults in words, for an incident's summary; empty when healthy."""
+        out = ["lost"] if self.lost else []
+        out += [f"XID {code} x{n} in the last {XID_RECENT_SECONDS / 60:.0f} min"
+                for code, n in sorted(self.xid_recent.items(), key=lambda kv: int(kv[0]))]  # fmt: skip
+        if self.ecc_uncorrected:
+            out.append(f"{self.ecc_uncorrected} uncorrected ECC errors")
+        if self.throttle:
+            out.append(f"throttled ({', '.join(self.throttle)})")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uuid": self.uuid, "source": self.source, "index": self.index, "lost": self.lost,
+                "xid_recent": dict(self.xid_recent), "ecc_uncorrected": self.ecc_uncorrected,
+                "throttle": list(self.throttle)}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RankGpuAnswer:
+        o = _object(obj)
+        uuid = _str(o, "uuid")
+        if not is_gpu_uuid(uuid):
+            raise ContractError("out_of_range", f"uuid: {uuid[:40]!r} is no GPU UUID", "uuid")
+        xids = _counts(o, "xid_recent", MAX_CLIENT_ERRORS)
+        if not all(code.isdigit() for code in xids):
+            raise ContractError("out_of_range", "xid_recent: codes are numbers", "xid_recent")
+        return cls(
+            uuid=uuid,
+            source=_str(o, "source", choices=GPU_SOURCES),
+            index=_int(o, "index", optional=True),
+            lost=_bool(o, "lost"),
+            xid_recent=xids,
+            ecc_uncorrected=_int(o, "ecc_uncorrected", optional=True),
+            throttle=_list(o, "throttle", _reason_name, _MAX_THROTTLE),
+        )
+
+
+def _reason_name(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_REASON_CHARS:
+        raise ContractError("out_of_range", f"{str(value)[:40]!r} is no reason name")
+    return value
+
+
 #: RankAnswer's float fields that may be null (each finite when set), in answer order.
 _RANK_FLOATS = (
     "step_seconds",
@@ -329,6 +397,7 @@ class RankAnswer:
     # data steps the rank's resume skipped (a loss spike's window), from its newest record
     resume_skips: tuple[tuple[int, int], ...] = ()
     stand_in: StandInAnswer | None = None  # warm start: the shim torchrun watches
+    gpu: RankGpuAnswer | None = None  # the GPU it computes on, when known
     recent: tuple[Sample, ...] = ()
     recent_from: int | None = None  # incremental answers: the window's oldest seq
 
@@ -374,6 +443,8 @@ class RankAnswer:
         )
         if self.resume_skips:  # left out when none: most ranks never skip (answer size)
             out["resume_skips"] = [list(r) for r in self.resume_skips]
+        if self.gpu is not None:  # left out when unknown (a CPU rank, an older agent)
+            out["gpu"] = self.gpu.to_json()
         if incremental:
             out["recent_from"] = self.recent_from
         out["recent"] = [s.to_json() for s in self.recent]
@@ -431,6 +502,7 @@ class RankAnswer:
             stand_in=None
             if o.get("stand_in") is None
             else _nested(o, "stand_in", StandInAnswer.from_json),
+            gpu=None if o.get("gpu") is None else _nested(o, "gpu", RankGpuAnswer.from_json),
             recent=_list(o, "recent", lambda s: Sample.from_json(s, incremental), _MAX_SAMPLES),
             recent_from=_int(o, "recent_from", optional=True) if incremental else None,
         )
@@ -543,6 +615,12 @@ def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
         and (recent_from is None or _nat(recent_from))
     ):
         return None
+    gpu = o.get("gpu")
+    if gpu is not None:  # every rank of a GPU job: checked here, not a reason to go slow
+        try:
+            gpu = RankGpuAnswer.from_json(gpu)
+        except ContractError:
+            return None
     samples = []
     for item in recent:
         sample = _sample_fast(item, incremental)
@@ -564,7 +642,7 @@ def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
         loss=loss, peak_memory_bytes=peak_memory_bytes, checkpoint_step=checkpoint_step,
         cpu_seconds=cpu_seconds, cpu_utilization=cpu_utilization,
         cpu_active_at=cpu_active_at, records_received=records_received, client_errors={},
-        stand_in=None, recent=tuple(samples), recent_from=recent_from,
+        stand_in=None, gpu=gpu, recent=tuple(samples), recent_from=recent_from,
     )  # fmt: skip
 
 

@@ -32,6 +32,10 @@ Rules:
   thread spent runnable but waiting for a CPU (Linux schedstat's run-queue wait), finite
   and ``>= 0``; absent means unknown (an older client, not Linux): the supervisor's
   straggler detector tells a preempted rank from a slow one by it;
+* ``gpu_uuid`` (optional) is the GPU the rank computes on, as NVML names it
+  (``GPU-<uuid>``, or ``MIG-<uuid>`` for a MIG instance; at most
+  :data:`MAX_GPU_UUID_CHARS` characters of letters, digits, ``-`` and ``/``): the agent ties
+  the rank to that GPU's faults by it;
 * ``resume_skips`` (optional) is the data steps the rank's resume skipped (a loss spike's
   window, issue 20), as at most :data:`MAX_SKIP_RANGES` ``[first, last]`` ranges of whole
   numbers ``>= 1``, ascending and apart; the supervisor puts them in the incident that
@@ -74,6 +78,7 @@ __all__ = [
     "decode",
     "encode",
     "fast_record",
+    "is_gpu_uuid",
     "is_reason_name",
     "skip_ranges",
     "socket_path_from_env",
@@ -97,6 +102,18 @@ MAX_REASON_CHARS = 48
 _REASON_NAME = re.compile(r"[a-z][a-z0-9_]*")
 #: Ranges of skipped data steps a record may carry (one spike gives one range).
 MAX_SKIP_RANGES = 16
+#: A GPU's NVML UUID: GPU-<uuid>, MIG-<uuid>, or the older MIG-GPU-<uuid>/<gi>/<ci>.
+MAX_GPU_UUID_CHARS = 96
+_GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*")
+
+
+def is_gpu_uuid(value: Any) -> bool:
+    """Whether ``value`` reads as an NVML GPU or MIG UUID (bounded, label-safe)."""
+    return (
+        isinstance(value, str)
+        and len(value) <= MAX_GPU_UUID_CHARS
+        and bool(_GPU_UUID.fullmatch(value))
+    )
 
 
 def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
@@ -297,6 +314,7 @@ class TelemetryRecord:
     peak_flops: float | None = None
     resume_skips: tuple[tuple[int, int], ...] | None = None
     compute_wait_seconds: float | None = None
+    gpu_uuid: str | None = None
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
@@ -355,6 +373,11 @@ class TelemetryRecord:
         out["resume_skips"] = (
             None if skips is None else check_skip_ranges("resume_skips", skips) or None
         )
+        uuid = self.gpu_uuid
+        if uuid is not None and not is_gpu_uuid(uuid):
+            if not isinstance(uuid, str):
+                raise _bad_type("gpu_uuid", "str", uuid)
+            raise _out_of_range("gpu_uuid", f"{uuid[:40]!r} is not a GPU or MIG UUID")
         return out
 
     @property
@@ -396,7 +419,12 @@ class TelemetryRecord:
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TelemetryRecord))
 #: Fields a record may leave out (added within schema version 1).
 OPTIONAL_FLOAT_FIELDS: tuple[str, ...] = ("flops", "peak_flops", "compute_wait_seconds")
-OPTIONAL_FIELDS: tuple[str, ...] = ("client_errors", *OPTIONAL_FLOAT_FIELDS, "resume_skips")
+OPTIONAL_FIELDS: tuple[str, ...] = (
+    "client_errors",
+    *OPTIONAL_FLOAT_FIELDS,
+    "resume_skips",
+    "gpu_uuid",
+)
 #: Every field but the optional ones.
 REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if n not in OPTIONAL_FIELDS)
 
@@ -503,10 +531,13 @@ def fast_record(obj: dict) -> TelemetryRecord | None:
             if x is not None and (type(x) is not float or not 0.0 <= x < math.inf):
                 return None
             values[name] = x
+        uuid = obj.get("gpu_uuid")
+        if uuid is not None and not is_gpu_uuid(uuid):
+            return None
     except KeyError:
         return None
     values.update(job=job, phase=phase, loss=loss, checkpoint_step=cs, client_errors=errors,
-                  resume_skips=None)  # fmt: skip
+                  resume_skips=None, gpu_uuid=uuid)  # fmt: skip
     record = object.__new__(TelemetryRecord)
     record.__dict__.update(values)  # frozen: no __setattr__, but a plain instance dict
     return record

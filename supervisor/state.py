@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from ..contract.answers import NodeAnswer, RankAnswer, RanksAnswer, Sample
+from ..contract.answers import NodeAnswer, RankAnswer, RankGpuAnswer, RanksAnswer, Sample
 from ..contract.states import DEAD_STATES, LIVE_STATES
 
 __all__ = ["DEAD_STATES", "LIVE_STATES", "ClusterObs", "NodeObs", "RankObs", "StepSample"]
@@ -70,6 +70,8 @@ class RankObs:
     stand_in_since: float | None = None
     # data steps this incarnation's resume skipped (a loss spike's window), as ranges
     resume_skips: tuple[tuple[int, int], ...] = ()
+    # the GPU it computes on and that GPU's faults, as its agent saw them (None: unknown)
+    gpu: RankGpuAnswer | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -97,6 +99,7 @@ class RankObs:
             cpu_active_at=a.cpu_active_at, stand_in_pid=shim.pid if shim else None,
             stand_in_state=shim.state if shim else None,
             stand_in_since=shim.state_since if shim else None, resume_skips=a.resume_skips,
+            gpu=a.gpu,
         )  # fmt: skip
 
 

@@ -55,7 +55,44 @@ def _attempt_store(environ, rank: int, world_size: int, restart_count: int) -> d
     return dist.PrefixStore(f"rankguard/attempt-{restart_count}", store)
 
 
-def init_distributed(environ=os.environ) -> DistInfo:
+NCCL_BACKEND = "cpu:gloo,cuda:nccl"  # NCCL for CUDA tensors, gloo for async checkpointing
+GPU_KEY = "rankguard/gpu-uuid"
+
+
+def backend_for(uuids: list[str | None]) -> tuple[str, str | None]:
+    """The process group's backend from every rank's GPU UUID (index = rank), and why
+    gloo when it is gloo. NCCL refuses two ranks on one physical GPU, and only the UUID
+    says whether two ranks share one: `CUDA_VISIBLE_DEVICES` set per rank (Slurm's
+    --gpus-per-task) leaves each rank seeing one device, `cuda:0`, yet each its own GPU."""
+    if any(u is None for u in uuids):
+        missing = [r for r, u in enumerate(uuids) if u is None]
+        return "gloo", f"rank(s) {missing[:8]} have no GPU"
+    first: dict[str, int] = {}
+    for rank, uuid in enumerate(uuids):
+        if uuid in first:
+            return "gloo", f"ranks {first[uuid]} and {rank} share GPU {uuid}"
+        first[uuid] = rank
+    return NCCL_BACKEND, None
+
+
+def agree_backend(
+    store: dist.Store, rank: int, world_size: int, uuid: str | None
+) -> tuple[str, str | None]:
+    """Every rank's GPU UUID through the store, one backend for all: each rank writes its
+    own key, rank 0 reads them all and decides, the others read the decision (O(ranks) in
+    all, not a read of every key by every rank)."""
+    store.set(f"{GPU_KEY}/{rank}", uuid or "")
+    if rank == 0:
+        keys = [f"{GPU_KEY}/{r}" for r in range(world_size)]
+        store.wait(keys)
+        uuids = [v.decode() or None for v in store.multi_get(keys)]
+        backend, why = backend_for(uuids)
+        store.set(f"{GPU_KEY}/backend", f"{backend}\n{why or ''}")
+    backend, _, why = store.get(f"{GPU_KEY}/backend").decode().partition("\n")
+    return backend, why or None
+
+
+def init_distributed(environ=os.environ, device_uuid=None) -> DistInfo:
     """Join torchrun's process group; without torchrun, become a group of one."""
     if "RANK" not in environ:  # plain `python -m rankguard.trainer`
         environ.update(
@@ -67,15 +104,18 @@ def init_distributed(environ=os.environ) -> DistInfo:
     local_world = int(environ.get("LOCAL_WORLD_SIZE", world_size))
     restart_count = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
+    store = _attempt_store(environ, rank, world_size, restart_count)
     if torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
-        device = torch.device("cuda", local_rank % gpus)
+        from ..client.gpu_identity import device_uuid as uuid_of
+
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        # Async checkpointing needs a CPU backend too. NCCL refuses two ranks on one GPU,
-        # so ranks that share GPUs (more local ranks than GPUs) all-reduce through gloo.
-        backend = "cpu:gloo,cuda:nccl" if local_world <= gpus else "gloo"
-        if backend == "gloo" and local_rank == 0:
-            log.warning("%d local ranks share %d GPU(s): gloo instead of NCCL", local_world, gpus)
+        # Async checkpointing needs a CPU backend too; ranks that share a physical GPU
+        # (by UUID) all-reduce through gloo, as NCCL refuses two ranks on one GPU.
+        uuid = (device_uuid or uuid_of)(device)
+        backend, why = agree_backend(store, rank, world_size, uuid)
+        if why and rank == 0:
+            log.warning("%s: gloo instead of NCCL for every rank", why)
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -83,7 +123,7 @@ def init_distributed(environ=os.environ) -> DistInfo:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(
         backend=backend,
-        store=_attempt_store(environ, rank, world_size, restart_count),
+        store=store,
         rank=rank,
         world_size=world_size,
         device_id=device if backend != "gloo" and device.type == "cuda" else None,

@@ -33,11 +33,15 @@ import contextlib
 import ctypes
 import logging
 import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
 
+from ...contract.answers import XID_RECENT_SECONDS
 from ..nvml_double import load_nvml
 from . import (
     JOB_LABEL,
@@ -208,19 +212,29 @@ class _GpuLost(Exception):
 
 
 class XidCounts:
-    """Thread-safe XID counts by (gpu index, code); they outlive NVML re-inits."""
+    """Thread-safe XID counts by (gpu index, code); they outlive NVML re-inits. The newest
+    events are kept with their time too, for what happened recently (`recent`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, keep: int = 4096) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[int, int], int] = {}
+        self._clock = clock
+        self._events: deque[tuple[float, int, int]] = deque(maxlen=keep)
 
     def add(self, gpu: int, xid: int) -> None:
         with self._lock:
             self._counts[(gpu, xid)] = self._counts.get((gpu, xid), 0) + 1
+            self._events.append((self._clock(), gpu, xid))
 
     def snapshot(self) -> dict[tuple[int, int], int]:
         with self._lock:
             return dict(self._counts)
+
+    def recent(self, seconds: float) -> dict[tuple[int, int], int]:
+        """Counts by (gpu index, code) of the events of the last `seconds`."""
+        since = self._clock() - seconds
+        with self._lock:
+            return dict(Counter((g, x) for t, g, x in self._events if t >= since))
 
 
 class XidWatcher:
@@ -574,8 +588,20 @@ class GpuCollector(Collector):
         ranks = self._rank_pids()
         readings = [self._read(gpu, do_gpm, do_pcie, bool(ranks)) for gpu in self.gpus]
         xids = self.xids.snapshot()
-        metrics = build_metrics(readings, self.driver, count, self.ctx.expected_gpus, xids, ranks)
+        rank_gpus = self._tie_ranks(readings)
+        metrics = build_metrics(readings, self.driver, count, self.ctx.expected_gpus, xids, ranks,
+                                rank_gpus)  # fmt: skip
         return CollectorResult(metrics, self._facts(readings, count, xids))
+
+    def _tie_ranks(self, readings: list[GpuReading]) -> list[tuple[str, int, str]]:
+        """Tell the rank table which GPU each process is on and each GPU's faults; the
+        (job, rank, GPU UUID) of its ranks back."""
+        table = self.ctx.rank_table
+        if table is None:
+            return []
+        recent = self.xids.recent(XID_RECENT_SECONDS)
+        table.note_gpus(pid_gpus(readings), rank_gpu_faults(readings, recent))
+        return table.rank_gpus()
 
     def _rank_pids(self) -> dict[int, tuple[str, int]]:
         try:
@@ -638,6 +664,38 @@ class GpuCollector(Collector):
         }
 
 
+# --- ranks and their GPUs (pure) ----------------------------------------------------------
+
+# Clock events that slow a GPU down for a fault's reason, not for the work it is given
+# (a power cap, idling or application clocks are the usual state of a busy GPU).
+ADVERSE_CLOCK_EVENTS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                        "hw_power_brake")  # fmt: skip
+
+
+def pid_gpus(readings: list[GpuReading]) -> dict[int, str]:
+    """pid -> the UUID of the GPU NVML lists it on (a process on several: its last)."""
+    return {pid: r.uuid for r in readings if r.uuid for pid in r.processes}
+
+
+def rank_gpu_faults(
+    readings: list[GpuReading], recent_xids: dict[tuple[int, int], int]
+) -> dict[str, dict[str, Any]]:
+    """Each GPU's faults by UUID, as a rank on it carries them (RankGpuAnswer's fields)."""
+    out = {}
+    for r in readings:
+        if not r.uuid:
+            continue
+        events = clock_event_names(r.clock_event_mask or 0)
+        out[r.uuid] = {
+            "index": r.index,
+            "lost": r.lost,
+            "xid_recent": {str(x): n for (g, x), n in sorted(recent_xids.items()) if g == r.index},
+            "ecc_uncorrected": (r.ecc or {}).get("uncorrected"),
+            "throttle": tuple(e for e in events if e in ADVERSE_CLOCK_EVENTS),
+        }
+    return out
+
+
 # --- metrics from readings (pure) -----------------------------------------------------------
 
 
@@ -652,8 +710,11 @@ def build_metrics(
     expected: int | None,
     xids: dict[tuple[int, int], int],
     ranks: dict[int, tuple[str, int]],
+    rank_gpus: list[tuple[str, int, str]] = (),
 ) -> list[Metric]:
-    """Metric families for one collection. Lost GPUs keep info, lost and XID series."""
+    """Metric families for one collection. Lost GPUs keep info, lost and XID series.
+    `rank_gpus`: (job, rank, UUID) of the ranks whose GPU is known, joined on
+    `rankguard_rank_gpu_info` (a rank's series join a GPU's through it)."""
     g = ("gpu", "uuid")
     up = gauge("rankguard_gpu_nvml_up", "1 if NVML answers on this node").add((), 1)
     count_m = gauge("rankguard_gpus", "GPUs NVML reports").add((), count)
@@ -697,6 +758,11 @@ def build_metrics(
     )
 
     uuids = {r.index: r.uuid for r in readings}
+    index_of = {r.uuid: r.index for r in readings}
+    rank_gpu = info("rankguard_rank_gpu_info", "The GPU a training rank computes on",
+                    (JOB_LABEL, "rank", *g))  # fmt: skip
+    for job, rank, uuid in rank_gpus:
+        rank_gpu.add((job, rank, index_of.get(uuid, "unknown"), uuid))
     for r in readings:
         labels = (r.index, r.uuid)
         info_m.add((*labels, r.name, driver))
@@ -744,7 +810,7 @@ def build_metrics(
         families.append(_expected(expected))
     families += [info_m, lost, util, mem_used, mem_total, temp, power, energy, clock, events]
     families += [ecc, retired, retired_pending, rows, rows_pending, rows_failure]
-    families += [*gpm.values(), pcie_tx, pcie_rx, xid, rank_mem]
+    families += [*gpm.values(), pcie_tx, pcie_rx, xid, rank_mem, rank_gpu]
     return families
 
 

@@ -24,6 +24,18 @@ def incarnation(obs: ClusterObs, job: str) -> tuple[int, list[RankObs]]:
     return restart, [r for r in ranks if r.restart == restart]
 
 
+def gpu_note(rank: RankObs | None) -> tuple[dict, str]:
+    """A rank's GPU as evidence (``{"gpu": ...}``, or nothing when unknown) and, when that
+    GPU has faults, a clause for the finding's summary that names them: a dead, hung or
+    slow rank on a GPU that reported an XID is explained by it."""
+    gpu = rank.gpu if rank is not None else None
+    if gpu is None:
+        return {}, ""
+    faults = gpu.faults()
+    clause = f"; its GPU {gpu.uuid} (index {gpu.index}): {', '.join(faults)}" if faults else ""
+    return {"gpu": gpu.to_json()}, clause
+
+
 def node_url(obs: ClusterObs, node: str) -> str | None:
     """The agent URL of a node, so a finding can say where to act."""
     return next((n.url for n in obs.nodes if n.node == node), None)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..model import RANK_DEAD, Finding, History
 from ..state import DEAD_STATES, ClusterObs, RankObs
-from .common import incarnation, node_url
+from .common import gpu_note, incarnation, node_url
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -57,12 +57,13 @@ def _first(dead: list[RankObs], now: float) -> RankObs:
 
 
 def _finding(r: RankObs, url: str | None, dead: list[RankObs]) -> Finding:
+    gpu, gpu_clause = gpu_note(r)
     return Finding(
         kind=RANK_DEAD,
         key=f"rank_dead:{r.job}:{r.restart}",
         severity="critical",
         summary=f"job {r.job} rank {r.rank} on {r.node} is {r.state} (pid {r.pid}, "
-        f"step {r.step}, phase {r.phase}, restart {r.restart})",
+        f"step {r.step}, phase {r.phase}, restart {r.restart}){gpu_clause}",
         job=r.job,
         node=r.node,
         rank=r.rank,
@@ -75,5 +76,6 @@ def _finding(r: RankObs, url: str | None, dead: list[RankObs]) -> Finding:
             "restart": r.restart,
             "node_url": url,
             "dead_ranks": {str(d.rank): {"state": d.state, "exited_at": d.exited_at} for d in dead},
+            **gpu,
         },
     )

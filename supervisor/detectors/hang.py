@@ -40,6 +40,7 @@ from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
 from .common import (
     at_least,
     check_settings,
+    gpu_note,
     incarnation,
     node_url,
     positive,
@@ -202,6 +203,7 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
         why = f"every rank silent past its budget, {deciding.describe(cfg.hang.phases)}"
     else:
         why = f"{decided_by} for over {cfg.hang.phases.confirm_seconds:g}s (no budget needed)"
+    gpu, gpu_clause = gpu_note(culprit)
     occurred = obs.time - quiet
     if decided_by == "stopped" and culprit is not None and culprit.state_since is not None:
         occurred = culprit.state_since
@@ -210,7 +212,7 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
         key=f"rank_hung:{job}:{restart}:{min_step}",
         severity="critical",
         summary=f"job {job} hung at step {min_step} in phase {hung_phase}: {why}; "
-        f"no progress for {quiet:.1f}s; {blame}",
+        f"no progress for {quiet:.1f}s; {blame}{gpu_clause}",
         job=job,
         node=culprit.node if culprit else None,
         rank=culprit.rank if culprit else None,
@@ -237,6 +239,7 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
             "stacks_needed": culprit is None and not behind,
             **_culprit_process(obs, culprit),
             **behind,
+            **gpu,
         },
     )
 

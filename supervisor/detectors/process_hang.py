@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..model import RANK_HUNG, Finding, History
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
-from .common import check_settings, incarnation, node_url
+from .common import check_settings, gpu_note, incarnation, node_url
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -148,12 +148,14 @@ def _finding(
     }
     if culprit is not None:
         evidence.update(pid=culprit.pid, node_url=node_url(obs, culprit.node))
+    gpu, gpu_clause = gpu_note(culprit)
+    evidence.update(gpu)
     return Finding(
         kind=RANK_HUNG,
         key=f"rank_hung:{job}:{restart}:process",
         severity="critical",
         summary=f"job {job} hung (no telemetry; judged by process): no progress for "
-        f"{quiet:.1f}s; {blame}",
+        f"{quiet:.1f}s; {blame}{gpu_clause}",
         job=job,
         node=culprit.node if culprit else None,
         rank=culprit.rank if culprit else None,

@@ -55,6 +55,7 @@ from ..state import LIVE_STATES, ClusterObs, RankObs, StepSample
 from .common import (
     at_least,
     check_settings,
+    gpu_note,
     incarnation,
     median,
     median_without,
@@ -460,6 +461,8 @@ def _finding(
             median_compute_wait_seconds=wait,
             peers_median_compute_wait_seconds=_median_without(peers.wait, wait),
         )
+    gpu, gpu_clause = gpu_note(r)
+    evidence.update(gpu)
     accumulated = ""
     if _accumulated(evidence, cfg.straggler):
         accumulated = f", excess {judged.excess:.1f} over {judged.excess_seconds:.1f}s"
@@ -469,7 +472,7 @@ def _finding(
         severity="warning",
         summary=f"job {job} rank {r.rank} on {r.node} is a straggler: {what} "
         f"{judged.mine:.3f}s vs peers' {judged.peers:.3f}s ({judged.ratio:.2f}x{accumulated}); peers "
-        f"wait {peers_comm:.3f}s in communication vs its {suspect.comm:.3f}s",
+        f"wait {peers_comm:.3f}s in communication vs its {suspect.comm:.3f}s{gpu_clause}",
         job=job,
         node=r.node,
         rank=r.rank,

@@ -17,6 +17,7 @@ from rankguard.agent.collectors import CollectorContext, CollectorResult
 from rankguard.agent.collectors.gpu import (
     GpuCollector,
     GpuConfig,
+    XidCounts,
     clock_event_names,
     kbps_to_bytes_per_second,
     mhz_to_hertz,
@@ -25,6 +26,8 @@ from rankguard.agent.collectors.gpu import (
     percent_to_ratio,
 )
 from rankguard.agent.nvml_double import ENV_VAR, NvmlDouble, load_nvml, make_double, write_state
+from rankguard.agent.ranks import RankTable
+from rankguard.contract.telemetry import TelemetryRecord
 
 GIB = 2**30
 
@@ -42,10 +45,11 @@ def make():
     """make(state | NvmlDouble, ranks=..., expected=..., **GpuConfig) -> (collector, double, clock)."""
     made = []
 
-    def _make(state=None, *, ranks=list, expected=None, **config):
+    def _make(state=None, *, ranks=list, expected=None, table=None, **config):
         nvml = state if isinstance(state, NvmlDouble) else NvmlDouble(state or make_double(2))
         clock = FakeClock()
-        ctx = CollectorContext(nvml=nvml, clock=clock, rank_processes=ranks, expected_gpus=expected)
+        ctx = CollectorContext(nvml=nvml, clock=clock, rank_processes=ranks, expected_gpus=expected,
+                               rank_table=table)  # fmt: skip
         collector = GpuCollector(ctx, GpuConfig(event_timeout_ms=50, **config))
         made.append(collector)
         return collector, nvml, clock
@@ -436,10 +440,24 @@ ALLOWED_LABELS = {
 }
 
 
+def a_rank(table: RankTable, rank: int = 0, **fields) -> None:
+    """This process, registered as a rank of job j (the table checks the pid is live)."""
+    record = dict(
+        v=1, job="j", rank=rank, local_rank=rank, world_size=8, pid=os.getpid(), restart=0,
+        step=3, phase="train", time=time.time(), step_seconds=1.0, data_wait_seconds=0.0,
+        compute_seconds=1.0, comm_seconds=0.0, comm_exposed_seconds=0.0,
+        optimizer_seconds=0.0, checkpoint_block_seconds=0.0, tokens_per_second=1.0,
+        mfu=0.1, peak_memory_bytes=0, loss=1.0, checkpoint_step=None,
+    )  # fmt: skip
+    table.update(TelemetryRecord(**{**record, **fields}), os.getpid())
+
+
 def test_metric_names_follow_the_conventions(make):
     state = make_double(2, retired_pages={"single_bit": 1, "double_bit": 0})
-    state["gpus"][0]["processes"] = [{"pid": 7, "used_memory": GIB}]
-    collector, _, clock = make(state, ranks=lambda: [("j", 0, 7)], expected=2)
+    state["gpus"][0]["processes"] = [{"pid": os.getpid(), "used_memory": GIB}]
+    table = RankTable()
+    a_rank(table)
+    collector, _, clock = make(state, ranks=table.processes, expected=2, table=table)
     collector.collect()
     clock.t += 1
     r = collector.collect()
@@ -664,3 +682,58 @@ class TestRealNvml:
             assert collector.collect().facts["gpus"][0]["lost"] is False
         finally:
             collector.close()
+
+
+# --- a rank tied to its GPU ---------------------------------------------------------------
+
+
+def rank_gpu(table: RankTable) -> dict | None:
+    [row] = table.snapshot()
+    return row.get("gpu")
+
+
+def test_a_zero_code_rank_is_tied_to_its_gpu_by_nvmls_process_list(make):
+    state = make_double(2)
+    uuid = state["gpus"][1]["uuid"]
+    state["gpus"][1]["processes"] = [{"pid": os.getpid(), "used_memory": GIB}]
+    table = RankTable()
+    a_rank(table)  # its records name no GPU (an older client), so NVML's list decides
+    collector, nvml, _ = make(state, ranks=table.processes, table=table)
+    r = collector.collect()
+    assert samples(r, "rankguard_rank_gpu_info") == {("j", "0", "1", uuid): 1.0}
+    gpu = rank_gpu(table)
+    assert (gpu["uuid"], gpu["source"], gpu["index"], gpu["lost"]) == (uuid, "nvml", 1, False)
+    assert gpu["xid_recent"] == {} and gpu["throttle"] == []
+    # a new XID on that GPU, and only that GPU, is the rank's
+    nvml.inject_xid(1, 79)
+    nvml.inject_xid(0, 13)
+    wait_for(lambda: (collector.collect(), rank_gpu(table)["xid_recent"])[1] == {"79": 1})
+
+
+def test_a_gpu_the_rank_reports_wins_and_carries_that_gpus_faults(make):
+    state = make_double(2)
+    reported = state["gpus"][0]["uuid"]
+    state["gpus"][1]["processes"] = [{"pid": os.getpid(), "used_memory": GIB}]
+    state["gpus"][0]["clock_event_reasons"] = int(pynvml.nvmlClocksEventReasonHwThermalSlowdown)
+    table = RankTable()
+    a_rank(table, gpu_uuid=reported)
+    collector, nvml, _ = make(state, ranks=table.processes, table=table)
+    collector.collect()
+    gpu = rank_gpu(table)
+    assert (gpu["uuid"], gpu["source"], gpu["index"]) == (reported, "reported", 0)
+    assert gpu["throttle"] == ["hw_thermal_slowdown"]
+    nvml.set_lost(0)
+    collector.collect()
+    assert rank_gpu(table)["lost"] is True
+
+
+def test_recent_xids_age_out():
+    clock = FakeClock()
+    counts = XidCounts(clock=clock)
+    counts.add(0, 79)
+    clock.t += 500
+    counts.add(0, 48)
+    assert counts.recent(600) == {(0, 79): 1, (0, 48): 1}
+    clock.t += 200
+    assert counts.recent(600) == {(0, 48): 1}
+    assert counts.snapshot() == {(0, 79): 1, (0, 48): 1}  # the lifetime counters stay

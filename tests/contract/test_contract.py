@@ -33,7 +33,7 @@ from rankguard.contract import (
     encode_float,
     json_safe,
 )
-from rankguard.contract.answers import NODE_STATUSES, StandInAnswer
+from rankguard.contract.answers import GPU_SOURCES, NODE_STATUSES, RankGpuAnswer, StandInAnswer
 from rankguard.contract.errors import REASONS
 from rankguard.contract.states import STAND_IN_STATES
 from rankguard.contract.telemetry import PHASES
@@ -124,8 +124,22 @@ def rank_answers(draw, incremental: bool) -> RankAnswer:
                 )
             )
         ),
+        gpu=draw(optional(gpus())),
         recent=tuple(draw(st.lists(samples(incremental), max_size=4))),
         recent_from=draw(optional(counts)) if incremental else None,
+    )
+
+
+def gpus():
+    return st.builds(
+        RankGpuAnswer,
+        uuid=st.from_regex(r"(GPU|MIG)-[0-9a-f]{8}-[0-9a-f]{4}(/[0-9])?", fullmatch=True),
+        source=st.sampled_from(GPU_SOURCES),
+        index=optional(st.integers(0, 64)),
+        lost=st.booleans(),
+        xid_recent=st.dictionaries(st.sampled_from(("13", "48", "79")), counts, max_size=3),
+        ecc_uncorrected=optional(counts),
+        throttle=st.lists(st.sampled_from(("hw_slowdown", "sw_thermal")), max_size=2).map(tuple),
     )
 
 

@@ -10,6 +10,7 @@ import random
 import pytest
 from builders import CFG, T0, cluster, hung, nodeobs, rank, sample, samples, trained
 
+from rankguard.contract.answers import RankGpuAnswer
 from rankguard.supervisor import model
 from rankguard.supervisor.detectors import (
     DETECTORS,
@@ -101,6 +102,21 @@ def test_dead_rank_reported_with_exit_time_and_evidence():
     }
     [z] = dead.detect(cluster(rank(0, state="zombie", exited_at=T0)), History(), CFG)
     assert z.evidence["state"] == "zombie"
+
+
+def test_a_dead_rank_names_its_gpus_fault():
+    """The rank's GPU, tied by UUID: a new XID there explains the death; a healthy GPU is
+    in the evidence and not in the summary."""
+    bad = RankGpuAnswer("GPU-0000aaaa-1111", "reported", index=3, xid_recent={"79": 1})
+    dying = dataclasses.replace(rank(1, state="exited", exited_at=T0 - 2), gpu=bad)
+    [f] = dead.detect(cluster(rank(0), dying), History(), CFG)
+    assert f.summary.endswith(
+        "; its GPU GPU-0000aaaa-1111 (index 3): XID 79 x1 in the last 10 min"
+    ), f.summary
+    assert f.evidence["gpu"]["xid_recent"] == {"79": 1}
+    healthy = dataclasses.replace(dying, gpu=RankGpuAnswer("GPU-0000aaaa-1111", "nvml", index=3))
+    [g] = dead.detect(cluster(rank(0), healthy), History(), CFG)
+    assert "its GPU" not in g.summary and g.evidence["gpu"]["source"] == "nvml"
 
 
 def test_finished_ranks_and_earlier_incarnations_are_not_dead():

@@ -60,3 +60,25 @@ def test_two_ranks_sharing_one_gpu_train_through_gloo(tmp_path):
     if "share" not in proc.stderr:
         pytest.skip("more than one GPU: each rank has its own")
     assert s["resumed_from"] == 10 and s["final_step"] == 30 and s["world_size"] == 2
+
+
+def test_the_ranks_gpu_uuid_is_nvmls_and_a_gpu_per_process_is_nccl():
+    """The UUID a rank computes on is one NVML lists (the agent ties faults by it), and a
+    rank that sees only its own GPU (per-process CUDA_VISIBLE_DEVICES) gets NCCL."""
+    import pynvml
+    import torch
+
+    from rankguard.client.gpu_identity import device_uuid
+    from rankguard.trainer.distributed import NCCL_BACKEND, backend_for
+
+    pynvml.nvmlInit()
+    try:
+        nvml = {
+            str(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+            for i in range(pynvml.nvmlDeviceGetCount())
+        }
+    finally:
+        pynvml.nvmlShutdown()
+    uuid = device_uuid(torch.device("cuda", 0))
+    assert uuid in nvml, (uuid, nvml)
+    assert backend_for([uuid]) == (NCCL_BACKEND, None)
