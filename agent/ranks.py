@@ -420,6 +420,7 @@ class _Rank:
         self.records_received = 0
         self.process_changes = 0
         self.counters = RankCounters()  # for rates: steps, tokens, step time, FLOPs
+        self.nvml_gpu: tuple[int, str] | None = None  # (pid, UUID) NVML last listed it on
         self.history: deque[HistoryEntry] = deque(maxlen=history)
         self.start_process(record.pid, stat, now)
         # Ownership (docs/security.md): the kernel-verified uid and the launcher (pid,
@@ -677,9 +678,7 @@ class RankTable:
         # Set by the telemetry receiver: judges the datagrams waiting on its socket. Called
         # before an exit is applied, as the receiver lets records gather (receiver.py).
         self.flush_telemetry: Callable[[], object] | None = None
-        # From the GPU collector's last reading: the GPU (UUID) each process computes on,
-        # as NVML lists them, and each GPU's faults by UUID (note_gpus).
-        self._pid_gpus: dict[int, str] = {}
+        # From the GPU collector's last reading: each GPU's faults by UUID (note_gpus).
         self._gpu_faults: dict[str, dict[str, Any]] = {}
         self._watcher = ProcessWatcher(
             self._on_exit, clock=clock, use_pidfd=use_pidfd, proc_root=proc_root
@@ -1112,17 +1111,23 @@ class RankTable:
 
     def note_gpus(self, pid_gpus: dict[int, str], faults: dict[str, dict[str, Any]]) -> None:
         """The GPU collector's reading: pid -> GPU UUID (NVML's process lists) and each
-        GPU's faults by UUID (RankGpuAnswer's fields less uuid and source)."""
+        GPU's faults by UUID (RankGpuAnswer's fields less uuid and source). A rank keeps
+        the GPU NVML last listed its process on: a dead process leaves the list, and its
+        death is when its GPU matters most."""
         with self._lock:
-            self._pid_gpus, self._gpu_faults = dict(pid_gpus), dict(faults)
+            self._gpu_faults = dict(faults)
+            for r in self._ranks.values():
+                uuid = pid_gpus.get(r.pid)
+                if uuid is not None:
+                    r.nvml_gpu = (r.pid, uuid)
 
     def _gpu(self, rank: _Rank) -> RankGpuAnswer | None:
-        """The rank's GPU: the one its records name, else the one NVML lists its pid on
-        (a zero-code rank; needs the host's pid namespace), with that GPU's faults."""
+        """The rank's GPU: the one its records name, else the one NVML listed its process
+        on (a zero-code rank; needs the host's pid namespace), with that GPU's faults."""
         uuid = rank.record.gpu_uuid if rank.source == "telemetry" else None
         source = "reported"
-        if uuid is None:
-            uuid, source = self._pid_gpus.get(rank.pid), "nvml"
+        if uuid is None and rank.nvml_gpu is not None and rank.nvml_gpu[0] == rank.pid:
+            uuid, source = rank.nvml_gpu[1], "nvml"  # this process's, not a predecessor's
         if uuid is None:
             return None
         return RankGpuAnswer(uuid, source, **self._gpu_faults.get(uuid, {}))

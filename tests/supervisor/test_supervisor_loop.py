@@ -14,6 +14,7 @@ from harness import wait_until
 from rankguard.agent.config import AgentConfig
 from rankguard.agent.daemon import Agent
 from rankguard.agent.nvml_double import NvmlDouble, make_double
+from rankguard.contract.secrets import write_secret_file
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.store import IncidentStore
 from rankguard.supervisor.views import RECENT_INCIDENT_SECONDS, cluster_view, make_registry
@@ -208,3 +209,50 @@ def test_a_killed_hung_rank_is_one_incident_with_its_timeline(node, tmp_path):
     sup.clock = lambda: inc.detected_at + RECENT_INCIDENT_SECONDS + 1  # and then it grows old
     families = {m.name: m for m in make_registry(sup).collect()}
     assert families["rankguard_supervisor_incident_detected_timestamp_seconds"].samples == []
+
+
+def test_a_dead_rank_is_explained_by_a_new_xid_on_its_gpu(tmp_path):
+    """Zero GPU code in the rank: its GPU is the one NVML (the double) lists its pid on;
+    an XID there while it runs is in its incident, another GPU's XID is not."""
+    token = tmp_path / "token"
+    write_secret_file(token, "a-token-for-the-loop-tests-0123")
+    cfg = AgentConfig(bind="127.0.0.1:0", interval=0.2, token_file=token,
+                      telemetry_socket=str(tmp_path / "t.sock"), node="n1")  # fmt: skip
+    nvml = NvmlDouble(make_double(n_gpus=2))
+    agent = Agent(cfg, nvml=nvml)
+    host, port = agent.start_http()
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK, cfg.telemetry_socket, str(r)]) for r in (0, 1)
+    ]
+    store = IncidentStore(tmp_path / "db.sqlite")
+    sup = Supervisor(store, lambda: [f"http://{host}:{port}"], agent.token, SupervisorConfig())
+    try:
+        for r, p in enumerate(ranks):
+            nvml.update_gpu(r, processes=[{"pid": p.pid, "used_memory": 2**30}])
+        uuid = nvml.state()["gpus"][1]["uuid"]
+
+        def gpus() -> dict:
+            agent.collect_once()
+            sup.reconcile_once()
+            return {r.rank: r.gpu for r in sup.last_obs.ranks() if r.gpu is not None}
+
+        wait_until(lambda: len(gpus()) == 2, 20, "both ranks tied to their GPUs")
+        assert gpus()[1].uuid == uuid and gpus()[1].source == "nvml"
+        nvml.inject_xid(1, 79)
+        nvml.inject_xid(0, 13)
+        wait_until(lambda: gpus()[1].xid_recent == {"79": 1}, 10, "the XID on rank 1's GPU")
+        ranks[1].kill()
+        nvml.update_gpu(1, processes=[])  # as a real GPU does: a dead process leaves its list
+        [dead] = wait_until(
+            lambda: (gpus(), [i for i in store.list_incidents() if i.kind == "rank_dead"])[1],
+            10, "the death",
+        )  # fmt: skip
+        assert f"its GPU {uuid} (index 1): XID 79 x1" in dead.summary, dead.summary
+        assert "XID 13" not in dead.summary
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+        sup.close()
+        store.close()
+        agent.close()
