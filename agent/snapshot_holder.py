@@ -270,22 +270,70 @@ class Replicator(threading.Thread):
 
 
 DEFAULT_MAX_SNAPSHOT_BYTES = 16 * 1024**3
+#: Between two requests of a local rank or an authenticated peer (a snapshot may be minutes
+#: apart).
+IDLE_SECONDS = 300
+#: From a TCP connection to the end of its handshake: two small frames each way.
+DEFAULT_HANDSHAKE_SECONDS = 5.0
+#: TCP connections not yet authenticated from one peer address at once (a holder's peer
+#: and a rank fetching a replica need one each).
+DEFAULT_MAX_UNAUTHENTICATED = 4
+
+
+class PeerSlots:
+    """Unauthenticated connections by peer address, at most `limit` each at once: one
+    takes a slot when accepted and gives it back once authenticated or closed. Anyone who
+    can reach the port can open connections; this bounds what they hold. Thread-safe."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._peer_of: dict[socket.socket, str] = {}
+        self._count: collections.Counter[str] = collections.Counter()
+
+    def take(self, conn: socket.socket, peer: str) -> bool:
+        with self._lock:
+            if self._count[peer] >= self.limit:
+                return False
+            self._count[peer] += 1
+            self._peer_of[conn] = peer
+            return True
+
+    def give_back(self, conn: socket.socket) -> None:
+        """Idempotent: a connection gives its slot back at most once."""
+        with self._lock:
+            peer = self._peer_of.pop(conn, None)
+            if peer is not None:
+                self._count[peer] -= 1
+                if not self._count[peer]:
+                    del self._count[peer]
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._peer_of)
 
 
 class HolderServer:
     """Serves the store on a unix socket (owner-only) and optionally on TCP, for peers on
-    other nodes; TCP needs the cluster's snapshot token (contract/snapshots.py)."""
+    other nodes; TCP needs the cluster's snapshot token (contract/snapshots.py). A TCP
+    connection must finish its handshake within `handshake_seconds` and one peer address
+    may hold `max_unauthenticated` connections that have not: more are closed on accept,
+    both counted in `refused`. Authenticated and unix connections may idle IDLE_SECONDS."""
 
     def __init__(self, socket_path: str | None, bind: tuple[str, int] | None = None,
                  peer: str | list[str] | None = None, max_keep: int = 8,
                  token: str | None = None,
-                 max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES):  # fmt: skip
+                 max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES,
+                 handshake_seconds: float = DEFAULT_HANDSHAKE_SECONDS,
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED):  # fmt: skip
         if bind and not token:
             raise ValueError("a holder on TCP needs a token (--token-file)")
         peers = [peer] if isinstance(peer, str) else list(peer or [])
         self.store = SnapshotStore(max_keep)
         self.token = token
         self.max_snapshot_bytes = max_snapshot_bytes
+        self.handshake_seconds = handshake_seconds
+        self.unauthenticated = PeerSlots(max_unauthenticated)
         self.replicator = Replicator(peers, token=token) if peers else None
         self.started = time.time()
         self.requests = collections.Counter()
@@ -300,7 +348,9 @@ class HolderServer:
             finally:
                 os.umask(old)
         if bind:
-            self._servers.append(_TCPServer(bind, self._handler(tcp=True)))
+            self._servers.append(
+                _TCPServer(bind, self._handler(tcp=True), self.unauthenticated, self.refused)
+            )
         if not self._servers:
             raise ValueError("a snapshot holder needs a socket path or a TCP address")
 
@@ -317,18 +367,24 @@ class HolderServer:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 sock = self.request
-                sock.settimeout(300)
-                # a TCP peer proves the token before anything else (no payload until then)
+                sock.settimeout(IDLE_SECONDS)
+                # a TCP peer proves the token before anything else (no payload until then),
+                # by a deadline: an idle or trickling peer holds a thread and a slot
                 shake = wire.ServerHandshake(server.token) if tcp else None
+                deadline = time.monotonic() + server.handshake_seconds if tcp else None
                 while True:
                     unread = 0  # payload bytes still on the socket
                     try:
-                        header = wire.recv_header(sock)
+                        header = wire.recv_header(sock, deadline)
                         unread = header.get("size", 0)
                         if shake is not None and not shake.done:
                             if header.get("size", 0):
                                 raise wire.WireError("authenticate first", "unauthenticated")
                             answer, payload, data = shake.answer(header), b"", None
+                            if shake.done:  # trusted from now on: a local rank's terms
+                                deadline = None
+                                sock.settimeout(IDLE_SECONDS)
+                                server.unauthenticated.give_back(sock)
                         else:
                             req = wire.parse_request(header, server.max_snapshot_bytes)
                             # size checked above; a put fills a dropped snapshot's buffer
@@ -336,6 +392,10 @@ class HolderServer:
                             data = wire.recv_payload(sock, header, into=spare)
                             unread = 0
                             answer, payload = server.dispatch(req, data)
+                    except TimeoutError:
+                        if deadline is not None:
+                            server.refused["handshake_timeout"] += 1
+                        return
                     except (EOFError, OSError):
                         return
                     except wire.WireError as exc:
@@ -424,3 +484,18 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def __init__(self, address, handler, slots: PeerSlots, refused: collections.Counter):
+        self.slots, self.refused = slots, refused
+        super().__init__(address, handler)
+
+    def verify_request(self, request, client_address) -> bool:
+        # in the accept loop, before a thread is started: a refused connection costs none
+        if self.slots.take(request, client_address[0]):
+            return True
+        self.refused["too_many_unauthenticated"] += 1
+        return False
+
+    def shutdown_request(self, request) -> None:
+        self.slots.give_back(request)  # every accepted connection ends here, however it ends
+        super().shutdown_request(request)

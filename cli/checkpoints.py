@@ -80,6 +80,17 @@ EXIT_OK, EXIT_DEGRADED, EXIT_UNHEALTHY = 0, 1, 2
 # --------------------------------------------------------------------------- formatting
 
 
+def printable(value: object) -> str:
+    """``value`` as text with every non-printable character escaped as ``repr`` does
+    (``\\x1b``, ``\\n``, ``\\u202e``). Names and reasons come from files that whoever can
+    write into a root named: raw, an escape sequence would drive the reader's terminal
+    and a newline could forge a line of the report. (JSON output is escaped by json.)"""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def human_bytes(n: int) -> str:
     """1536 -> '1.5 KiB'."""
     value = float(n)
@@ -105,7 +116,7 @@ NOT_VERIFIED = "committed (not verified)"
 
 def _state_label(s: CheckpointStatus, checksums: bool = True) -> str:
     if s.state == store.QUARANTINED and s.original_state:
-        return f"quarantined ({s.original_state})"
+        return f"quarantined ({printable(s.original_state)})"
     if s.state == store.VALIDATED and not checksums:
         # sizes match the manifest, but a flipped byte has the same size: only --verify
         # (every file's sha256) may call it validated
@@ -127,7 +138,7 @@ def render_table(
                 human_bytes(s.size_bytes),
                 "-" if s.world_size is None else str(s.world_size),
                 human_age(None if s.created_at is None else now - s.created_at),
-                s.reason or "-",
+                printable(s.reason or "-"),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
@@ -199,16 +210,16 @@ def _report(
         typer.echo(json.dumps(doc, indent=2, default=str))
         return code
     if disk_error:
-        typer.echo(f"disk tier {root}: {disk_error}")
+        typer.echo(f"disk tier {printable(root)}: {printable(disk_error)}")
     elif statuses:
         typer.echo(render_table(statuses, checksums=checksums))
     else:
-        typer.echo(f"no checkpoints in {root}")
+        typer.echo(f"no checkpoints in {printable(root)}")
     if backup is not None:
         broot, bstatuses, berror = backup
-        typer.echo(f"\nbackup tier {broot}:")
+        typer.echo(f"\nbackup tier {printable(broot)}:")
         if berror:
-            typer.echo(f"  {berror}")
+            typer.echo(f"  {printable(berror)}")
         elif bstatuses:
             typer.echo(render_table(bstatuses, checksums=checksums))
         else:
@@ -217,9 +228,9 @@ def _report(
             typer.echo(f"newest validated backup: step {backup_valid}")
     if backup_status is not None and backup_status.get("failing"):
         typer.echo(
-            f"BACKUP FAILING: {backup_status.get('consecutive_failures')} consecutive copy "
-            f"failures ({backup_status.get('copies_failed')} in all); last: "
-            f"{backup_status.get('last_error')}"
+            f"BACKUP FAILING: {printable(backup_status.get('consecutive_failures'))} "
+            f"consecutive copy failures ({printable(backup_status.get('copies_failed'))} in "
+            f"all); last: {printable(backup_status.get('last_error'))}"
         )
     if newest_valid is None and backup_valid is not None:
         typer.echo(
@@ -243,7 +254,7 @@ def _report(
 
 
 def _fail(root: Path, message: str, as_json: bool) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {printable(message)}", err=True)
     if as_json:
         doc = {
             "root": str(root),

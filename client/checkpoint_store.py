@@ -64,6 +64,7 @@ Public API:
 - ``identity(step_dir)``: ``(st_dev, st_ino)`` of a checkpoint the caller verified itself.
 - ``load_key(path)``, ``resolve_key(key_file)`` (else ``$RANKGUARD_CHECKPOINT_KEY_FILE``),
   ``sign_manifest``, ``check_signature``: keyed manifests (HMAC-SHA256).
+- ``DataUnpickler(file).load()``: a pickle read as data only (``weights_only=True``).
 - ``CheckpointError(Exception)``, ``UntrustedManifest(CheckpointError)``.
 
 Trust (docs/security.md, "Checkpoint roots"): nothing under a root is followed through a
@@ -78,6 +79,9 @@ total is known up front; in ``select_resume`` it grows as older checkpoints need
 
 from __future__ import annotations
 
+import _compat_pickle
+import codecs
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -87,6 +91,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import secrets
 import stat
@@ -236,6 +241,42 @@ def check_signature(doc: Mapping[str, Any], key: bytes) -> None:
     expected = hmac.new(key, _signed_bytes(doc), hashlib.sha256).hexdigest()
     if not isinstance(digest, str) or not hmac.compare_digest(digest, expected):
         raise UntrustedManifest(f"{MANIFEST_NAME}: HMAC does not match (tampered with)")
+
+
+# --------------------------------------------------------------------------- data-only pickles
+
+#: What a data-only pickle may name: the standard library's part of the allowlist of
+#: ``torch.load(weights_only=True)`` (torch/_weights_only_unpickler.py), plus frozenset
+#: (protocols < 4 name it). Each builds data whatever its arguments: no code of the file's.
+_DATA_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "Counter"): collections.Counter,
+    ("_codecs", "encode"): codecs.encode,  # bytes, in protocols < 3
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+}
+
+
+class DataUnpickler(pickle.Unpickler):
+    """Unpickles data only, as ``torch.load(weights_only=True)`` does: containers, strings,
+    bytes and numbers. Any other global (a class or function: how a pickle runs code) is
+    refused with ``pickle.UnpicklingError`` before it is called; so is a persistent id.
+    Checkpoints (``state.pkl``) and tier-0 snapshots are read with it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        # protocols < 3 write Python 2's names (__builtin__.set): read them as pickle does
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        else:
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        found = _DATA_GLOBALS.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"{_short(f'{module}.{name}', 80)} is not allowed: data only (weights_only)"
+            )
+        return found
 
 
 # --------------------------------------------------------------------------- names

@@ -20,6 +20,9 @@ A checkpoint key (``key_file=``, else the file named by ``$RANKGUARD_CHECKPOINT_
 makes every manifest carry an HMAC: a checkpoint whose manifest is unsigned or tampered
 with is corrupt, and :meth:`load` verifies the HMAC and every checksum before it
 unpickles anything. Without a key the SHA-256 sums catch corruption, not tampering.
+Either way :meth:`load` and :meth:`resume` read data only unless given
+``weights_only=False`` (as ``torch.load`` since torch 2.6; the ``pickle`` format too), so
+a planted checkpoint cannot run code in the loading process.
 
 One process writes and selects (rank 0 for replicated state); any rank may
 :meth:`load` the path it is given. Saving is synchronous (the caller decides when; the
@@ -249,13 +252,22 @@ class CheckpointStore:
     def load(
         self,
         which: CheckpointStatus | str | os.PathLike[str] | int | None = None,
+        *,
+        weights_only: bool = True,
         **torch_load: Any,
     ) -> Any:
         """The state saved in ``which``: a status from :meth:`latest`, a step dir, a step
         number, or None for :meth:`latest`. Checks the dir's manifest (sizes) first; with a
         key, its HMAC and every checksum, before anything is unpickled.
-        ``torch_load`` goes to ``torch.load`` (e.g. ``map_location``, ``weights_only``).
-        Raises ``CheckpointError`` when there is nothing valid to load."""
+
+        ``weights_only`` means what it means to ``torch.load``, and defaults to True as
+        there (torch >= 2.6), for both formats: data only (tensors, containers, numbers,
+        strings); a file naming any other class or function is refused with
+        ``CheckpointError`` before it is called. ``weights_only=False`` runs whatever the
+        file's pickle names: only for a checkpoint whose writer you trust (an unkeyed root
+        trusts everyone who can write into it). ``torch_load`` goes to ``torch.load``
+        (e.g. ``map_location``). Raises ``CheckpointError`` when there is nothing valid to
+        load."""
         if which is None:
             which = self.latest()
             if which is None:
@@ -269,12 +281,17 @@ class CheckpointStore:
         status = cs.inspect(path, verify_checksums=self.key is not None, key=self.key)
         if status.state != cs.VALIDATED:
             raise CheckpointError(f"{path} is {status.state}: {status.reason}")
-        if (path / TORCH_FILE).exists():
-            import torch
+        file = path / TORCH_FILE
+        try:
+            if file.exists():
+                import torch
 
-            return torch.load(path / TORCH_FILE, **torch_load)
-        with open(path / PICKLE_FILE, "rb") as f:
-            return pickle.load(f)
+                return torch.load(file, weights_only=weights_only, **torch_load)
+            file = path / PICKLE_FILE
+            with open(file, "rb") as f:
+                return (cs.DataUnpickler(f) if weights_only else pickle.Unpickler(f)).load()
+        except pickle.UnpicklingError as exc:  # a global weights_only refused, or no pickle
+            raise CheckpointError(f"{file} refused: {exc}") from None
 
 
 def _process_group() -> Any:

@@ -16,7 +16,6 @@ refused and the next one tried.
 
 from __future__ import annotations
 
-import collections
 import io
 import logging
 import math
@@ -27,6 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..contract import snapshots as wire
+from .checkpoint_store import DataUnpickler
 
 log = logging.getLogger("rankguard.client.snapshots")
 
@@ -78,18 +78,14 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-class _Unpickler(pickle.Unpickler):
-    """Rebuilds the structure from the payload; refuses every global but OrderedDict, so
-    a snapshot can hold data only, never code (like torch.load(weights_only=True))."""
+class _Unpickler(DataUnpickler):
+    """Rebuilds the structure from the payload. Data only, never code, as a checkpoint
+    read with weights_only=True: the tensor references below, and no global but
+    DataUnpickler's."""
 
     def __init__(self, file, payload: memoryview):
         super().__init__(file)
         self.payload = payload
-
-    def find_class(self, module, name):
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a snapshot")
 
     def persistent_load(self, pid):
         import torch

@@ -10,6 +10,7 @@ as threads, an agent with its real HTTP server.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
 import threading
@@ -122,6 +123,71 @@ def test_bad_requests_keep_the_connection_bad_frames_close_it(tcp_holder):
         answer, _ = wire.recv_frame(sock)
         assert not answer["ok"] and "header of" in answer["error"]
     assert wire.request(path, {"op": "status"})[0]["refused"]["too_large"] == 1
+
+
+def _idle(port: int, source: str = "127.0.0.1") -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def _trickle_until_hung_up(sock, every: float = 0.25, limit: float = 10.0) -> float:
+    """Send a frame that never ends, a byte every `every` s (each recv of the holder gets
+    one in time), until the holder hangs up; the seconds that took."""
+    frame = struct.pack(">I", 1000) + b"{" + b" " * 999
+    start = time.monotonic()
+    for byte in frame:
+        sock.sendall(bytes([byte]))
+        if select.select([sock], [], [], every)[0] and _hung_up(sock):
+            return time.monotonic() - start
+        assert time.monotonic() - start < limit, "the holder never hung up"
+    raise AssertionError("the whole frame was read")
+
+
+def test_unauthenticated_connections_are_few_per_peer_address():
+    h = _serve(socket_path=None, bind=("127.0.0.1", 0), token=TOKEN, handshake_seconds=60)
+    addr = f"127.0.0.1:{h.tcp_port}"
+    idle = []
+    try:
+        idle += [_idle(h.tcp_port) for _ in range(4)]
+        _wait(lambda: h.unauthenticated.held() == 4)
+        with _idle(h.tcp_port) as extra:  # one more: closed on accept, not at the deadline
+            assert _hung_up(extra)
+        for sock in idle:  # the four keep waiting
+            sock.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
+        # the cap is per address: a peer from 127.0.0.2 authenticates and is served
+        with _idle(h.tcp_port, source="127.0.0.2") as sock:
+            wire.client_handshake(sock, TOKEN)
+            wire.send_frame(sock, {"op": "status"})
+            assert wire.recv_frame(sock)[0]["refused"] == {"too_many_unauthenticated": 1}
+        idle.pop().close()  # a slot given back is free again
+        _wait(lambda: h.unauthenticated.held() == 3)
+        assert wire.request(addr, {"op": "status"}, token=TOKEN)[0]["ok"]
+    finally:
+        for sock in idle:
+            sock.close()
+        h.shutdown()
+
+
+def test_a_connection_that_does_not_authenticate_in_time_is_closed():
+    h = _serve(socket_path=None, bind=("127.0.0.1", 0), token=TOKEN, handshake_seconds=1.0)
+    addr = f"127.0.0.1:{h.tcp_port}"
+    try:
+        with wire.connect(addr, token=TOKEN) as trusted, _idle(h.tcp_port) as idle, \
+                _idle(h.tcp_port) as trickle:  # fmt: skip
+            start = time.monotonic()
+            assert 0.5 < _trickle_until_hung_up(trickle) < 5  # the deadline is for the whole
+            idle.settimeout(5)
+            assert _hung_up(idle)
+            assert 0.5 < time.monotonic() - start < 5
+            assert h.status()["refused"] == {"handshake_timeout": 2}
+            # authenticated before the deadline: it may idle past it, as before (300 s)
+            time.sleep(max(0.0, start + 1.5 - time.monotonic()))
+            assert h.unauthenticated.held() == 0
+            wire.send_frame(trusted, {"op": "status"})
+            assert wire.recv_frame(trusted)[0]["ok"]
+    finally:
+        h.shutdown()
 
 
 def test_holder_without_a_token_does_not_listen_on_tcp(tmp_path):

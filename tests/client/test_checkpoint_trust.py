@@ -7,6 +7,7 @@ older checkpoints survive a bad newest one."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import pytest
@@ -324,6 +326,55 @@ def test_signed_manifests_validate_with_their_key_only(root, tmp_path):
     make_ckpt(root, 30)  # unsigned
     [s30] = [s for s in cs.scan(root, key=key) if s.step == 30]
     assert s30.state == "corrupt" and "not signed" in s30.reason
+
+
+# --------------------------------------------------------------------------- weights_only
+
+_DATA = {"od": OrderedDict(a=1, b=[2.5, None]), "counts": Counter("abca"), "set": {1, 2},
+         "frozen": frozenset({"x"}), "raw": b"\x00\xff", "buf": bytearray(b"ab"), "z": 1 + 2j,
+         "t": (True, "\u00e9", 2**70, -0.5)}  # fmt: skip
+
+
+def test_load_refuses_a_planted_pickles_code_unless_told_to_run_it(root, tmp_path):
+    """No key: a planted, self-consistent state.pkl validates, but load() and resume() read
+    data only (weights_only, True by default) and refuse its global before calling it."""
+    marker = tmp_path / "unpickled"
+    forge(root, 20, {"state.pkl": pickle.dumps(Marker(str(marker)))})
+    store = CheckpointStore(root, key_file=None)
+    assert store.latest().step == 20
+    for kw in ({}, {"weights_only": True}):
+        with pytest.raises(CheckpointError, match=r"state.pkl refused: .*Path.touch.* not allowed"):
+            store.load(20, **kw)
+    with pytest.raises(CheckpointError, match="refused"):
+        store.resume()
+    assert not marker.exists()
+    store.load(20, weights_only=False)  # the caller's explicit choice: it runs
+    assert marker.exists()
+
+
+def test_load_refuses_a_planted_torch_files_code(root, tmp_path):
+    torch = pytest.importorskip("torch")
+    marker = tmp_path / "unpickled"
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2), "evil": Marker(str(marker))}, buf)
+    forge(root, 20, {"state.pt": buf.getvalue()})
+    with pytest.raises(CheckpointError, match="state.pt refused"):
+        CheckpointStore(root, key_file=None).load(20)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_data_pickles_of_every_protocol_load_with_weights_only(root, protocol):
+    forge(root, 10, {"state.pkl": pickle.dumps(_DATA, protocol=protocol)})
+    assert CheckpointStore(root, key_file=None).load(10) == _DATA
+
+
+def test_a_store_without_torch_saves_and_resumes_its_pickle(root, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # a process that never imported torch
+    store = CheckpointStore(root, key_file=None)
+    assert store.save(10, _DATA) is not None
+    assert (root / cs.step_dir_name(10) / "state.pkl").is_file()
+    assert store.resume() == (10, _DATA)
 
 
 _mutations = st.sampled_from(
