@@ -73,7 +73,8 @@ def holder_metrics(status: wire.HolderStatus | None, up: bool) -> list:
     refused = counter(
         "rankguard_snapshot_refused_total",
         "Requests and connections the holder refused, by reason (a wrong token, an "
-        "oversized or malformed frame).",
+        "oversized or malformed frame, a handshake past its deadline, too many "
+        "unauthenticated connections from one address).",
         ("reason",),
     )
     for reason in wire.REFUSALS:
