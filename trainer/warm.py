@@ -14,13 +14,17 @@ The shim forwards signals to the worker and exits the way the worker did (same e
 same fatal signal), so torchrun's failure handling is unchanged. A worker whose shim
 dies (torchrun SIGKILLs it) kills itself. Without a server the shim runs the trainer
 itself, cold. The server must never have touched CUDA or started a process group: it
-only imports.
+only imports. Where a fork would not be what a cold start is, the server refuses and the
+shim starts cold, saying why in one line (trainer/warm_checks.py): CUDA initialised in the
+server, or the job's environment differing in a variable torch read at import
+(TORCHINDUCTOR_*, TORCH_LOGS, ...). The worker takes the shim's CPUs (and, on cgroup v2
+where permitted, its cgroup), so torchrun's, numactl's or Slurm's binding holds.
 
 The user's own script runs warm too (`run --script PATH ARGS` or `run --module NAME
 ARGS`): the worker runs it with runpy as `python PATH ARGS` / `python -m NAME ARGS` would
 (`__main__`, sys.argv, sys.path[0]); the server pre-imports torch (through the trainer)
-and the modules the shim's RANKGUARD_WARM_PRELOAD names (comma-separated; the user vouches
-that importing them touches no CUDA and starts no process group).
+and the modules the shim's RANKGUARD_WARM_PRELOAD names (comma-separated; importing them
+must start no process group; one that initialises CUDA makes every later worker start cold).
 
 The worker's parent is the server, not torchrun; the agent finds the job's torchrun
 launcher (for stop-job) through the pidfd the worker holds on its shim
@@ -40,6 +44,9 @@ import struct
 import sys
 import threading
 import traceback
+from pathlib import Path
+
+from . import warm_checks
 
 ENV = "RANKGUARD_WARM_SOCKET"
 PRELOAD_ENV = "RANKGUARD_WARM_PRELOAD"
@@ -60,16 +67,20 @@ def run(argv: list[str]) -> int:
         conn.connect(path)
     except OSError as exc:
         conn.close()
-        print(f"rankguard warm: no server ({exc}); starting cold", file=sys.stderr)
-        return run_target(argv)
+        return _start_cold(argv, f"no server ({exc})")
     preload = [m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m]
     request = json.dumps(
-        {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "preload": preload}
-    ).encode()
+        {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "preload": preload,
+         "cpus": sorted(os.sched_getaffinity(0))}  # the worker takes them: torchrun's binding
+    ).encode()  # fmt: skip
     fds = array.array("i", [0, 1, 2])
     conn.sendmsg([_LEN.pack(len(request)) + request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
     replies = conn.makefile("r")
-    child = json.loads(replies.readline())["pid"]
+    reply = json.loads(replies.readline())
+    if "cold" in reply:  # the server would not fork a worker like a cold one (warm_checks)
+        conn.close()
+        return _start_cold(argv, reply["cold"])
+    child = reply["pid"]
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: _signal_quietly(child, s))
     line = replies.readline()
@@ -83,6 +94,11 @@ def run(argv: list[str]) -> int:
             signal.signal(sig, signal.SIG_DFL)  # SIGKILL has no handler to reset
         os.kill(os.getpid(), sig)  # die as the worker did: torchrun reads it
     return int(status.get("exit", 1))
+
+
+def _start_cold(argv: list[str], why: str) -> int:
+    print(f"rankguard warm: {why}; starting cold", file=sys.stderr, flush=True)
+    return run_target(argv)
 
 
 def _signal_quietly(pid: int, sig: int) -> None:
@@ -216,6 +232,7 @@ def start_server(path, env: dict | None = None, stdout=None, timeout: float = 60
 
 
 def serve(path: str) -> int:
+    server_env = dict(os.environ)  # what torch reads at import below: warm_checks.unhonoured
     # DDP's constructor imports torch._dynamo on first use (0.74 s of a worker's 1.0 s
     # model build on this machine, by cProfile of a resumed start): import it here once,
     # else every warm restart pays it. An import only: no CUDA, no process group.
@@ -231,6 +248,7 @@ def serve(path: str) -> int:
     listener.listen(64)
     print(f"rankguard warm: serving on {path}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    cuda_by: str | None = None  # the preloaded module that initialised CUDA, if one did
     while True:
         conn, _ = listener.accept()
         try:
@@ -239,28 +257,55 @@ def serve(path: str) -> int:
             print(f"rankguard warm: bad request refused: {exc}", file=sys.stderr, flush=True)
             conn.close()
             continue
-        _preload(request.get("preload"))
+        cuda_by = cuda_by or _preload(request.get("preload"))
+        why = _why_cold(request["env"], server_env, cuda_by)
+        if why:
+            _refuse(conn, fds, shim_pid, why)
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             listener.close()
-            _become_worker(conn, request, fds, shim_pid)  # never returns
+            _become_worker(conn, request, fds, shim_pid, server_env)  # never returns
         for fd in fds:
             os.close(fd)
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         threading.Thread(target=_report_exit, args=(conn, pid), daemon=True).start()
 
 
-def _preload(names) -> None:
-    """Import what the shim's request names as safe, once, in the server: later forks
-    have it. A module that fails to import is skipped (the worker will raise it)."""
+def _preload(names) -> str | None:
+    """Import what the shim's request names, once, in the server: later forks have it. A
+    module that fails to import is skipped (the worker will raise it). Returns the first
+    module whose import left CUDA initialised: no worker is forked from then on."""
     for name in names if isinstance(names, list) else []:
         if isinstance(name, str) and name and name not in sys.modules:
             try:
                 __import__(name)
             except Exception as exc:  # noqa: BLE001 - the user's module: report, go on
                 print(f"rankguard warm: preload {name}: {exc}", file=sys.stderr, flush=True)
+            if warm_checks.cuda_initialised():
+                return name
+    return None
+
+
+def _why_cold(job_env: dict, server_env: dict, cuda_by: str | None) -> str | None:
+    """Why a fork of this server would not be the worker a cold start gives, or None."""
+    if warm_checks.cuda_initialised():
+        by = f" by {PRELOAD_ENV} module {cuda_by}" if cuda_by else ""
+        return f"CUDA was initialised in the warm server{by}: a forked worker cannot use it"
+    names = warm_checks.unhonoured(server_env, job_env)
+    return warm_checks.env_reason(names) if names else None
+
+
+def _refuse(conn: socket.socket, fds: list[int], shim: int, why: str) -> None:
+    """Tell the shim to run its target itself; the server's log says so too."""
+    print(f"rankguard warm: shim {shim} starts cold: {why}", file=sys.stderr, flush=True)
+    for fd in fds:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # the shim is gone already
+        conn.sendall(json.dumps({"cold": why}).encode() + b"\n")
+    conn.close()
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int], int]:
@@ -285,12 +330,17 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int], int]:
             raise ValueError("request cut short")
         data += more
     request = json.loads(data[_LEN.size : _LEN.size + size])
-    if not isinstance(request.get("argv"), list) or not isinstance(request.get("env"), dict):
+    env, cpus = request.get("env"), request.get("cpus", [])
+    if not isinstance(request.get("argv"), list) or not isinstance(env, dict):
         raise ValueError("request needs argv (list) and env (object)")
+    if not all(isinstance(v, str) for kv in env.items() for v in kv):
+        raise ValueError("env must map strings to strings")
+    if not isinstance(cpus, list) or not all(isinstance(c, int) and c >= 0 for c in cpus):
+        raise ValueError("cpus must be a list of CPU numbers")
     return request, list(fds), shim_pid
 
 
-def _become_worker(conn: socket.socket, request: dict, fds: list[int], shim: int):
+def _become_worker(conn: socket.socket, request: dict, fds: list[int], shim: int, server_env: dict):
     code = 1
     try:
         conn.close()
@@ -303,11 +353,9 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int], shim: int
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = ["rankguard.trainer", *request["argv"]]  # a script's: run_target
-        threads = os.environ.get("OMP_NUM_THREADS")
-        if threads and threads.isdigit():  # libgomp read the server's value at load
-            import torch
-
-            torch.set_num_threads(int(threads))
+        # before any thread starts: threads take the CPUs of the thread that creates them
+        _take_shims_place(shim, request.get("cpus"))
+        _set_threads(server_env.get("OMP_NUM_THREADS"))
         _die_with(shim)
         code = run_target(request["argv"])
     except SystemExit as exc:
@@ -318,6 +366,41 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int], shim: int
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _take_shims_place(shim: int, cpus: list[int] | None) -> None:
+    """Run where the shim was put (torchrun, numactl, Slurm --cpu-bind): its cgroup where
+    permitted (cgroup v2; a cgroup that refuses us is no error: often only root may move
+    processes), then its CPUs, saying so in one line when they cannot be had."""
+    with contextlib.suppress(OSError):
+        procs = warm_checks.cgroup_procs(Path(f"/proc/{shim}/cgroup").read_text())
+        if procs and procs != warm_checks.cgroup_procs(Path("/proc/self/cgroup").read_text()):
+            Path(procs).write_text(str(os.getpid()))
+    if not cpus:
+        return
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, cpus)
+    got = sorted(os.sched_getaffinity(0))
+    if got != cpus:
+        print(
+            f"rankguard warm: the worker runs on CPUs {got}, not the shim's {cpus}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _set_threads(server_omp: str | None) -> None:
+    """torch fixed its thread count from the server's environment and CPUs at import."""
+    import torch
+
+    threads = warm_checks.worker_threads(
+        os.environ.get("OMP_NUM_THREADS"),
+        server_omp,
+        torch.get_num_threads(),
+        len(os.sched_getaffinity(0)),
+    )
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def _die_with(shim: int) -> None:
