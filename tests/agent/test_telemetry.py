@@ -107,7 +107,30 @@ def test_constants():
         "peak_flops",
         "resume_skips",
         "compute_wait_seconds",
+        "gpu_uuid",
     ]
+
+
+@pytest.mark.parametrize(
+    ("uuid", "ok"),
+    [
+        ("GPU-6f3c2a1e-8b7d-4c5e-9f0a-1b2c3d4e5f60", True),
+        ("MIG-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9", True),
+        ("MIG-GPU-6f3c2a1e-8b7d-4c5e-9f0a-1b2c3d4e5f60/1/0", True),  # older drivers' MIG form
+        ("GPU-" + "a" * 93, False),  # longer than a label should be
+        ("gpu0", False),
+        ("GPU-\x1b[2J", False),
+        ("", False),
+    ],
+)
+def test_a_gpu_uuid_is_checked_on_the_wire(uuid, ok):
+    data = encode(make()).replace(b"}", f',"gpu_uuid":{json.dumps(uuid)}}}'.encode())
+    if ok:
+        assert decode(data).gpu_uuid == uuid
+    else:
+        with pytest.raises(TelemetryError) as e:
+            decode(data)
+        assert e.value.field == "gpu_uuid"
 
 
 def test_round_trip_full_record():
