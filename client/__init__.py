@@ -11,9 +11,11 @@ Nothing here blocks on the node agent or raises into training: failures are coun
   keep-K) of a script's own state: ``save(step, state)``, ``resume()``, ``latest()``,
   ``load()``; never validates a state after a NaN/Inf loss. Its on-disk layout is
   :mod:`rankguard.client.checkpoint_store` (shared with the trainer and the CLI).
-- :class:`StepTimer`, :func:`timed_allreduce_hook`, :func:`attach_fsdp`: the timing
-  machinery (phase marks, communication intervals) for loops that drive it themselves
-  and report with ``Reporter.report()``, as the bundled trainer does.
+- :class:`StepTimer`, :func:`attach_ddp`, :func:`attach_fsdp` (and the hook
+  :func:`timed_allreduce_hook`): the timing machinery (phase marks, communication
+  intervals) for loops that drive it themselves and report with ``Reporter.report()``, as
+  the bundled trainer does. They only observe: DDP's group, arithmetic and a user's comm
+  hook, FSDP2's collectives, stay as they were.
 """
 
 from .checkpoints import CheckpointError, CheckpointStatus, CheckpointStore
@@ -23,6 +25,7 @@ from .timing import (
     Clock,
     StepTimer,
     StepTiming,
+    attach_ddp,
     attach_fsdp,
     timed_allreduce_hook,
     timed_batches,
@@ -42,6 +45,7 @@ __all__ = [
     "StepTimer",
     "StepTiming",
     "TelemetrySender",
+    "attach_ddp",
     "attach_fsdp",
     "timed_allreduce_hook",
     "timed_batches",

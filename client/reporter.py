@@ -28,6 +28,11 @@ device). Of compute, the part the loop thread spent runnable but without a CPU (
 run-queue wait, Linux's schedstat) is sent as ``compute_wait_seconds``: the supervisor
 tells a preempted rank from a slow one by it. Communication comes from the DDP comm hook or the FSDP2 custom collectives
 (:meth:`Reporter.attach`); its exposed part is subtracted from compute.
+
+The Reporter only observes: attaching changes nothing that is communicated, nor on which
+group, nor with which arithmetic; training ends bit-identical with and without it. What it
+cannot time is counted in :attr:`Reporter.errors` by why (``attach_*``, ``untimed_*``);
+which collectives are timed is in :mod:`rankguard.client.timing` and ``docs/client.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import resource
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,8 +57,9 @@ from ..contract.telemetry import (
     skip_ranges,
     socket_path_from_env,
 )
+from .gpu_identity import device_uuid
 from .sender import TelemetrySender
-from .timing import StepTimer, StepTiming, attach_fsdp, timed_allreduce_hook, timed_batches
+from .timing import StepTimer, StepTiming, attach_ddp, attach_fsdp, timed_batches
 
 __all__ = ["ERROR_REASONS", "STEP_PHASES", "Reporter", "Step"]
 
@@ -64,15 +71,25 @@ PEAK_MEMORY_EVERY = 5.0  # seconds between reads of the peak memory (sent with e
 # seconds a closing Reporter's records wait for room in the agent's queue (TelemetrySender)
 CLOSE_PATIENCE = 1.0
 
+# Every key Reporter.errors can hold, with what it means (logged at its first count). The
+# attach_* and untimed_* ones say which communication is not timed: it counts as compute.
+_REASONS = {
+    "bad_phase": "s.phase()/rg.phase() with a name that is not a phase",
+    "bad_value": "a loss, token count or step that is not a number (or is negative)",
+    "timer": "the step timer failed (e.g. a CUDA event could not be read)",
+    "record": "the record's fields could not be built",
+    "attach": "attach() found no DDP or FSDP2 module to time, or failed",
+    "attach_hook_taken": "DDP already had a comm hook (it takes one): its all-reduces are "
+    "not timed; register yours after the Reporter to have it run inside the Reporter's, timed",
+    "attach_unreadable": "a DDP or FSDP2 module whose process group or collectives could "
+    "not be read (another torch, compiled DDP): left as it was, not timed",
+    "untimed_hsdp_all_reduce": "HSDP's all-reduce across replicas is not timed",
+    "untimed_other_groups": "collectives outside the data-parallel group (TP, PP, EP, CP) "
+    "are not timed",
+    "internal": "anything else caught on the way",
+}
 #: Every key Reporter.errors can hold.
-ERROR_REASONS = (
-    "bad_phase",  # s.phase()/rg.phase() with a name that is not a phase
-    "bad_value",  # a loss, token count or step that is not a number (or is negative)
-    "timer",  # the step timer failed (e.g. a CUDA event could not be read)
-    "record",  # the record's fields could not be built
-    "attach",  # attach() found nothing to time or failed
-    "internal",  # anything else caught on the way
-)
+ERROR_REASONS = tuple(_REASONS)
 
 _HOST_PHASES = {"data": "data_wait", "checkpoint": "checkpoint_block"}
 
@@ -142,6 +159,29 @@ class ProcessProgress:
                        if tid == me or (tid in before[1] and tid not in python))  # fmt: skip
         work = now[0] - before[0] - not_work
         return work >= self.MIN_CPU_SECONDS * 1e9 or now[3] - before[3] > own + self._own
+
+
+def _device_of(model: Any):
+    """A function giving the device of ``model``'s first parameter when the clock asks, at
+    the first step (after ``to_empty()`` or ``set_device()``); warns now, once, when the
+    model is still on the meta device."""
+    try:
+        ref = weakref.ref(model)
+    except TypeError:  # not weakly referable: held (the Reporter lives until exit)
+        ref = lambda: model  # noqa: E731
+
+    def device() -> Any:
+        try:
+            return next(iter(ref().parameters())).device
+        except Exception:  # no parameters, or the model is gone: the host clock
+            return None
+
+    if getattr(device(), "type", None) == "meta":
+        log.warning(
+            "rankguard.client: the model is on the meta device; the clock is chosen at the "
+            "first step, from where its parameters are then"
+        )
+    return device
 
 
 def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -268,8 +308,10 @@ class Reporter:
     ``TORCHELASTIC_RUN_ID``, the socket from ``RANKGUARD_TELEMETRY_SOCKET`` (``off``
     disables sending; unset is the agent's default path).
 
-    ``device``: a ``torch.device`` or "cuda:N" to time compute with CUDA events (default:
-    the device of ``model``'s first parameter, else the host clock). ``flops_per_token``
+    ``device``: a ``torch.device``, "cuda" or "cuda:N" to time compute with CUDA events
+    (default: the device of ``model``'s first parameter, else the host clock), resolved at
+    the first step: "cuda" is the current device then, and a model built on the meta
+    device is timed where it was materialized. ``flops_per_token``
     and ``peak_flops`` (per rank) give MFU (0 without them). ``heartbeat_seconds``: how often a long phase (:meth:`phase`) re-announces
     itself; ``heartbeat_limit_seconds``: after this long in one phase the beats stop, so a
     save that is truly stuck still looks hung to the supervisor. ``heartbeat_progress``:
@@ -306,16 +348,15 @@ class Reporter:
         path = socket_path_from_env(env) if socket_path is True else (socket_path or None)
         self.sender = TelemetrySender(path, errors=self.errors)
         if device is None and model is not None:
-            with contextlib.suppress(Exception):
-                device = next(iter(model.parameters())).device
-        self.device = device
+            device = _device_of(model)
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.heartbeat_seconds = heartbeat_seconds
         self.heartbeat_limit_seconds = heartbeat_limit_seconds
         self.heartbeat_progress = heartbeat_progress
         self.timer = StepTimer(device)
-        self._peak_memory: tuple[float, int] | None = None  # (read at, bytes)
+        self._peak_memory: tuple[float, bool, int] | None = None  # (read at, cuda, bytes)
+        self._gpu_uuid: str | None = None  # "" once read and unknown
         self.current_phase = "init"
         self.last_step = 0
         self.last_loss: float | None = None
@@ -337,7 +378,10 @@ class Reporter:
         self.errors[reason] = self.errors.get(reason, 0) + 1
         if self.errors[reason] == 1:
             with contextlib.suppress(Exception):
-                log.warning("rankguard.client: %s (further ones are only counted)", reason)
+                log.warning(
+                    "rankguard.client: %s: %s (further ones are only counted)",
+                    reason, _REASONS.get(reason, ""),
+                )  # fmt: skip
 
     @property
     def sent(self) -> int:
@@ -349,17 +393,21 @@ class Reporter:
 
     # -- set-up -------------------------------------------------------------------------
     def attach(self, model: Any) -> Any:
-        """Time the gradient communication of a DDP model (registers a comm hook that
-        all-reduces exactly like DDP's default) or of FSDP2 modules (wraps their
-        all-gather and reduce-scatter). Returns ``model``. Never raises: a model with
-        neither, or a failure, is counted as ``"attach"``."""
+        """Time the communication of a DDP model (:func:`~.timing.attach_ddp`) or of FSDP2
+        modules (:func:`~.timing.attach_fsdp`) without changing it: what is communicated,
+        on which group, with which arithmetic and hooks, stays as it was. Returns
+        ``model``. Never raises: what cannot be timed is counted by why (``attach``,
+        ``attach_*``, ``untimed_*`` in :attr:`errors`, and so in ``/v1/ranks``)."""
+        reasons: list[str] = []
         try:
             if hasattr(model, "register_comm_hook"):
-                model.register_comm_hook(self.timer, timed_allreduce_hook)
-            elif attach_fsdp(self.timer, model) == 0:
-                self._count("attach")
+                attach_ddp(self.timer, model, reasons)
+            elif attach_fsdp(self.timer, model, reasons) == 0 and not reasons:
+                reasons.append("attach")
         except Exception:
-            self._count("attach")
+            reasons.append("attach")
+        for reason in reasons:
+            self._count(reason)
         return model
 
     attach_ddp = attach
@@ -575,16 +623,30 @@ class Reporter:
         self.close()
 
     # -- records ------------------------------------------------------------------------
+    @property
+    def device(self) -> Any:
+        """The device the clock times (None until the first step resolves it)."""
+        return self.timer.clock.device
+
+    def gpu_uuid(self) -> str | None:
+        """The NVML UUID of the GPU this rank computes on, read once the first step has put
+        the clock on a CUDA device (the agent ties the rank to that GPU's faults by it)."""
+        if self._gpu_uuid is None and self.timer.clock.resolved:
+            self._gpu_uuid = device_uuid(self.device) or ""  # None on the host clock
+        return self._gpu_uuid or None
+
     def peak_memory_bytes(self) -> int:
         """Read at most every PEAK_MEMORY_EVERY seconds: on a GPU the read builds all of the
-        caching allocator's statistics (about 0.5 ms of host time), too dear per step."""
-        now = time.monotonic()
-        if self._peak_memory is None or now - self._peak_memory[0] >= PEAK_MEMORY_EVERY:
-            self._peak_memory = (now, self._read_peak_memory())
-        return self._peak_memory[1]
+        caching allocator's statistics (about 0.5 ms of host time), too dear per step. Read
+        again when the first step has put the clock on the GPU."""
+        now, cuda = time.monotonic(), self.timer.clock.cuda
+        peak = self._peak_memory
+        if peak is None or now - peak[0] >= PEAK_MEMORY_EVERY or peak[1] != cuda:
+            self._peak_memory = peak = (now, cuda, self._read_peak_memory(cuda))
+        return peak[2]
 
-    def _read_peak_memory(self) -> int:
-        if self.timer.clock.cuda:
+    def _read_peak_memory(self, cuda: bool) -> int:
+        if cuda:
             import torch
 
             return int(torch.cuda.max_memory_allocated(self.device))
@@ -631,6 +693,9 @@ class Reporter:
                 record["compute_wait_seconds"] = t.compute_wait_seconds
             if self.resume_skips:
                 record["resume_skips"] = self.resume_skips
+            uuid = self.gpu_uuid()
+            if uuid is not None:
+                record["gpu_uuid"] = uuid
         except Exception as exc:
             self._count("record")
             self.sender.count_drop("invalid", exc)

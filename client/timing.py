@@ -5,22 +5,38 @@ Phases of a step: data wait (host), forward+backward, optimizer, checkpoint bloc
 gradient all-reduce and records when the bucket was handed to the process group and
 when its future completed.
 
-- `comm_seconds`: wall time during which at least one all-reduce was in flight (the
-  union of the buckets' intervals), overlapped with backward or not.
-- `comm_exposed_seconds`: the part of backward spent only waiting for communication,
-  measured where the step waits: the DDP hook queues an autograd callback at its first
-  bucket, which runs when autograd's graph is done, just before DDP's reducer
-  finalization (queued after the last bucket's launch) blocks on every bucket's future;
-  from that mark to backward's return the step did nothing but wait. Without the mark
-  (FSDP2, or a timer fed by hand) it is the all-reduce time after the last launch and
-  before backward's return.
+- `comm_seconds`: wall time during which at least one timed collective was in flight
+  (the union of their intervals), overlapped with compute or not.
+- `comm_exposed_seconds`: the part of forward+backward spent only waiting for
+  communication. DDP: measured where the step waits: the hook queues an autograd
+  callback at its first bucket, which runs when autograd's graph is done, just before
+  DDP's reducer finalization (queued after the last bucket's launch) blocks on every
+  bucket's future; from that mark to backward's return the step did nothing but wait.
+  FSDP2: each parameter group's wait for its parameters before its module runs, forward
+  and backward, while an all-gather was in flight, plus the collectives in flight after
+  the last launch and before backward's return (that tail alone for a timer fed by hand).
 - `compute_seconds`: forward+backward minus the exposed communication.
 
-FSDP2 (`fully_shard`) is timed the same way through its public custom-collective API
-(`FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`, torch >= 2.8):
-:func:`attach_fsdp` wraps each module's all-gather and reduce-scatter so every call is
-marked at launch and at completion (the `Work`'s future for an asynchronous all-gather),
-and the intervals join the DDP buckets' in the same union.
+Attaching only observes: what is communicated, on which process group, with which
+arithmetic, stays as it was (training is bit-identical with and without it).
+
+- DDP (:func:`attach_ddp`): the gradient all-reduces, on DDP's own process group
+  (``DDP(process_group=...)``, ``device_mesh=``), with DDP's own arithmetic (times 1/n,
+  then the sum; NCCL's AVG where the bucket's backend is NCCL). A comm hook the user
+  registers after attaching (compression, PowerSGD) runs inside ours and is timed from its
+  call to its future. DDP takes one hook: one registered before cannot be wrapped, so
+  nothing is attached (``attach_hook_taken``).
+- FSDP2 (:func:`attach_fsdp`): every all-gather (forward and backward) and reduce-scatter,
+  by wrapping the parameter group's own collective object (FSDP's default, a custom one,
+  symmetric memory) rather than replacing it.
+- Not timed, and so inside `compute_seconds`: HSDP's all-reduce across replicas
+  (``untimed_hsdp_all_reduce``); collectives on groups other than the data-parallel one,
+  i.e. tensor-parallel all-reduces/all-gathers (DTensor), pipeline send/recv, expert
+  all-to-all, context-parallel rings (``untimed_other_groups`` when the data-parallel
+  ranks are fewer than the world); DDP's forward buffer broadcast, its unused-parameter
+  map, ``delay_all_reduce_named_params``; the optimizer's collectives (gradient-norm
+  clipping over DTensors); anything the user issues. The named ones are counted in the
+  Reporter's errors, which every record carries to ``/v1/ranks``.
 
 On CPU the marks are `time.perf_counter()`; on CUDA they are events recorded on the
 stream, read one step later (by then they have completed), so the hot path never
@@ -51,6 +67,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +109,11 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length covered by both the union of `a` and the union of `b`."""
+    return union_length(a) + union_length(b) - union_length(a + b)
+
+
 def _is_cuda(device: Any) -> bool:
     """A `torch.device`, a string such as "cuda:0", or None (CPU)."""
     if device is None:
@@ -101,27 +123,53 @@ def _is_cuda(device: Any) -> bool:
 
 
 class Clock:
-    """Timestamps on the host (CPU) or on the CUDA stream, as float seconds when read."""
+    """Timestamps on the host (CPU) or on the CUDA stream, as float seconds when read.
+
+    ``device`` (a `torch.device`, "cuda[:N]", None for the host, or a function returning
+    one) is resolved at the first mark, not here: "cuda" is the current device when the
+    first step begins (a script may call ``torch.cuda.set_device`` after building the
+    Reporter), and a model on the meta device is timed where it was materialized.
+    """
 
     def __init__(self, device: Any = None):
-        self.cuda = _is_cuda(device)
-        self._origin = None
-        if self.cuda:
-            import torch
+        self._spec = device
+        self.device: Any = None  # what `device` resolved to (a CUDA one with its index)
+        self.cuda = False
+        self.resolved = False
+        self._lock = threading.Lock()
 
-            self._event = torch.cuda.Event
-            # The device's index, resolved once: `Event.record()` without a stream looks up
-            # the current device and stream in Python each time (about 50 us on an H100
-            # host), several times a step; with an int index the lookup is a C call.
-            index = getattr(device, "index", None)
-            if index is None and ":" in str(device):
-                index = int(str(device).split(":")[1])
-            self._index = torch.cuda.current_device() if index is None else index
-            self._current_stream = torch.cuda.current_stream
-            self._origin = self._event(enable_timing=True)
-            self._origin.record(self._current_stream(self._index))
+    def _resolve(self) -> None:
+        with self._lock:  # a comm hook on autograd's thread may mark first
+            if self.resolved:
+                return
+            device = self._spec
+            if callable(device):
+                try:
+                    device = device()
+                except Exception:  # the model is gone or unreadable: the host clock
+                    device = None
+            if _is_cuda(device):
+                import torch
+
+                self._event = torch.cuda.Event
+                # The device's index, resolved once: `Event.record()` without a stream looks
+                # up the current device and stream in Python each time (about 50 us on an
+                # H100 host), several times a step; with an int index the lookup is a C call.
+                index = getattr(device, "index", None)
+                if index is None and ":" in str(device):
+                    index = int(str(device).split(":")[1])
+                self._index = torch.cuda.current_device() if index is None else index
+                self._current_stream = torch.cuda.current_stream
+                self._origin = self._event(enable_timing=True)
+                self._origin.record(self._current_stream(self._index))
+                device = torch.device("cuda", self._index)
+                self.cuda = True
+            self.device = device
+            self.resolved = True
 
     def mark(self):
+        if not self.resolved:
+            self._resolve()
         if not self.cuda:
             return time.perf_counter()
         ev = self._event(enable_timing=True)
@@ -192,6 +240,9 @@ class _PendingStep:
     waits: dict = field(default_factory=dict)  # compute's bounds -> (thread file, ns waited)
     host: dict = field(default_factory=dict)
     comm: list = field(default_factory=list)
+    # (start, end) marks of the compute stream's waits before a module can run (FSDP2's
+    # unshard in forward and backward): their overlap with `comm` is exposed communication
+    comm_waits: list = field(default_factory=list)
     autograd_queued: bool = False  # the "autograd_done" callback is queued for this step
 
 
@@ -240,6 +291,11 @@ class StepTimer:
         if self._current is not None:
             self._current.comm.append((launched, self.clock.mark()))
 
+    def comm_wait(self, began) -> None:
+        """The compute stream waited on communication from the mark `began` until now."""
+        if self._current is not None:
+            self._current.comm_waits.append((began, self.clock.mark()))
+
     def end(self) -> None:
         self._current.host["step"] = time.perf_counter() - self._current.host_start
         self._pending.append(self._current)
@@ -258,6 +314,7 @@ class StepTimer:
         """Missing marks count as zero-length phases (a step may skip the optimizer)."""
         s = {k: self.clock.seconds(v) for k, v in p.marks.items()}
         comm = [(self.clock.seconds(a), self.clock.seconds(b)) for a, b in p.comm]
+        waits = [(self.clock.seconds(a), self.clock.seconds(b)) for a, b in p.comm_waits]
         start = s.get("compute_start")
         bwd_end = s.get("backward_end", start)
         opt_end = s.get("optimizer_end", bwd_end)
@@ -267,13 +324,15 @@ class StepTimer:
         done = s.get("autograd_done")
         if done is not None and bwd_end is not None and comm:  # measured where it blocked
             exposed = min(max(0.0, bwd_end - done), union_length(comm))
-        elif (
-            comm and bwd_end is not None
-        ):  # in flight after the last launch, until backward returned
+        elif comm and bwd_end is not None:
+            # in flight after the last launch, until backward returned (the tail), and in
+            # flight while the compute stream waited for it (FSDP2's forward and backward
+            # all-gathers): |tail| + |waits & comm| - |tail & waits|, the tail being in comm
             last_launch, end = max(a for a, _ in comm), bwd_end
-            exposed = union_length(
-                [(max(a, last_launch), min(b, end)) for a, b in comm if b > last_launch and a < end]
-            )
+            tail = [(max(a, last_launch), min(b, end)) for a, b in comm if b > last_launch and a < end]  # fmt: skip
+            exposed = union_length(tail)
+            if waits:
+                exposed += overlap_length(waits, comm) - overlap_length(tail, waits)
         compute = max(0.0, fwd_bwd - exposed)
         return StepTiming(
             step=p.step,
@@ -317,40 +376,182 @@ def timed_batches(timer: StepTimer, iterable, *, in_step_data_phase=lambda: Fals
         yield item
 
 
-def timed_allreduce_hook(timer: StepTimer, bucket):
-    """DDP comm hook: average the bucket like DDP's default hook, timing the all-reduce.
+def backend_for(backend: str, device_type: str) -> str:
+    """The backend that a process group's backend string gives tensors of `device_type`:
+    ``"nccl"`` for every device, or ``"cpu:gloo,cuda:nccl"`` one per device type ("" when
+    the string names none for it)."""
+    for part in backend.lower().split(","):
+        device, sep, name = part.strip().partition(":")
+        if not sep:
+            return device
+        if device == device_type:
+            return name.strip()
+    return ""
 
-    Register with ``ddp.register_comm_hook(timer, timed_allreduce_hook)``."""
+
+def reduce_op(group, device_type: str):
+    """AVG where the group's backend for this device is NCCL (it averages inside the
+    collective: for floating types a premultiply by 1/n, as DDP's copy into the bucket
+    does), SUM elsewhere (after the hook's own premultiply). SUM when the backend cannot
+    be read: correct everywhere, AVG is only faster."""
     import torch.distributed as dist
 
-    group = dist.group.WORLD
-    world = dist.get_world_size(group)
+    try:
+        nccl = backend_for(str(dist.get_backend(group)), device_type) == "nccl"
+    except Exception:
+        nccl = False
+    return dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM
+
+
+class DDPHook:
+    """The state of :func:`timed_allreduce_hook` as :func:`attach_ddp` registers it: the
+    step timer, the DDP module (held weakly: DDP's C++ reducer holds this state, a cycle
+    the garbage collector cannot see), whose process group is read at every bucket
+    (``DDP._update_process_group`` may change it), and a user's hook registered after
+    the Reporter (``user``: ``(hook, state)``), which runs in its place, timed."""
+
+    __slots__ = ("timer", "_ddp", "user", "_op")
+
+    def __init__(self, timer: StepTimer, ddp) -> None:
+        self.timer = timer
+        self._ddp = weakref.ref(ddp)
+        self.user: tuple[Any, Any] | None = None
+        self._op: tuple[Any, str, Any] = (None, "", None)  # (group, device type, op)
+
+    def group(self):
+        return self._ddp().process_group
+
+    def op(self, group, device_type: str):
+        """`reduce_op`, kept for the group and device DDP's buckets keep using."""
+        if self._op[0] is not group or self._op[1] != device_type:
+            self._op = (group, device_type, reduce_op(group, device_type))
+        return self._op[2]
+
+    def register(self, state: object, hook: Any) -> None:
+        """``DDP.register_comm_hook`` while the Reporter holds DDP's one hook: the user's
+        hook is kept as DDP would keep it and runs inside ours. A second one is refused
+        with DDP's own error, as DDP would refuse it."""
+        if self.user is not None:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
+        ddp = self._ddp()
+        ddp._check_comm_hook(hook)
+        ddp.logger._set_comm_hook_name(hook.__qualname__)
+        ddp._comm_hooks.append((hook, state))
+        self.user = (hook, state)
+
+
+def timed_allreduce_hook(state, bucket):
+    """DDP comm hook: all-reduce the bucket on DDP's process group with DDP's own
+    arithmetic (each gradient times 1/n, then the sum: bit-identical to DDP without a
+    hook), timing it; or, when the user registered a hook after the Reporter, run that
+    hook and time it from its call until its future completes.
+
+    Attach with :func:`attach_ddp` (or ``Reporter(ddp)``). Registered by hand,
+    ``ddp.register_comm_hook(timer, timed_allreduce_hook)`` with a :class:`StepTimer` as
+    the state, it all-reduces over the default group: only for DDP built on it."""
+    import torch.distributed as dist
+
+    if isinstance(state, DDPHook):
+        if state.user is not None:
+            return _timed_user_hook(state, bucket)
+        timer, group, op_for = state.timer, state.group(), state.op
+    else:
+        timer, group, op_for = state, dist.group.WORLD, reduce_op
     tensor = bucket.buffer()
+    world = dist.get_world_size(group)
     # Averaging is the hook's only real cost (measured on an H100: the timing is free, a
     # separate `div_` over every bucket is +1.2% of a 29 ms step); DDP's built-in path
     # folds it into its copy of the gradients. NCCL averages inside the collective; other
-    # backends sum, after a division that a single rank does not need.
+    # backends sum, after the multiply by 1/n (not a division: DDP multiplies, and x / 3
+    # is not always x * (1/3)) that a single rank does not need.
     op = dist.ReduceOp.SUM
     if world > 1:
-        if dist.get_backend(group) == "nccl":
-            op = dist.ReduceOp.AVG
-        else:
-            tensor.div_(world)
+        op = op_for(group, tensor.device.type)
+        if op != dist.ReduceOp.AVG:
+            tensor.mul_(1.0 / world)
     _mark_autograd_done(timer)
     launched = timer.comm_launched()
     fut = dist.all_reduce(tensor, op=op, group=group, async_op=True).get_future()
+    return _timed_future(timer, fut, launched, tensor, _first)
+
+
+def _first(value):
+    return value[0]  # a collective's future holds a list of tensors
+
+
+def _same(value):
+    return value  # a comm hook's future holds the bucket's tensor
+
+
+def _timed_user_hook(state: DDPHook, bucket):
+    """The user's hook, timed from its call (its encoding included) to its future."""
+    hook, user_state = state.user
+    _mark_autograd_done(state.timer)
+    launched = state.timer.comm_launched()
+    fut = hook(user_state, bucket)
+    return _timed_future(state.timer, fut, launched, bucket.buffer(), _same)
+
+
+def _timed_future(timer: StepTimer, fut, launched, tensor, result):
+    """`fut`, marked done when it completes; the bucket's tensor is `result(value)`."""
     delay = timer.comm_delay_seconds
     if delay:
-        return _delayed(timer, fut, launched, delay, tensor)
+        return _delayed(timer, fut, launched, delay, tensor, result)
 
     def done(f):
         timer.comm_done(launched)
-        return f.value()[0]
+        return result(f.value())
 
     return _chain(timer, fut, done)
 
 
-def _delayed(timer: StepTimer, fut, launched, delay: float, tensor):
+def attach_ddp(timer: StepTimer, ddp, reasons: list[str] | None = None) -> bool:
+    """Time the gradient communication of a DDP module, changing none of it: the hook
+    all-reduces on DDP's own process group with DDP's own arithmetic, and a comm hook the
+    user registers afterwards (compression, PowerSGD) runs inside it, timed.
+
+    Returns whether it is attached. When it is not, `reasons` gets why, and DDP is left
+    as it was: ``"attach_hook_taken"`` (DDP already has a comm hook, Python or built-in:
+    its reducer takes one and none can be wrapped once registered), ``"attach_unreadable"``
+    (a DDP whose process group or hooks cannot be read, or compiled DDP's Python reducer,
+    which calls hooks per parameter). ``"untimed_other_groups"`` is added when the DDP
+    group is a sub-group: the other dimensions' collectives (TP, PP, EP, CP) are not
+    timed. Attaching twice is a no-op."""
+    import torch.distributed as dist
+
+    reasons = [] if reasons is None else reasons
+    try:
+        group, hooks = ddp.process_group, ddp._comm_hooks
+        builtin = ddp._get_ddp_logging_data().get("comm_hook")
+        readable = isinstance(hooks, list) and not ddp._use_python_reducer
+        size = dist.get_world_size(group)
+    except Exception:
+        readable = False
+    if not readable:
+        reasons.append("attach_unreadable")
+        return False
+    if any(isinstance(s, DDPHook) and s.timer is timer for _, s in hooks):
+        return True
+    if hooks or builtin:
+        reasons.append("attach_hook_taken")
+        return False
+    state = DDPHook(timer, ddp)
+    try:
+        ddp.register_comm_hook(state, timed_allreduce_hook)
+    except Exception:  # a hook set on the reducer itself: DDP keeps it, and its bookkeeping
+        with contextlib.suppress(ValueError):
+            hooks.remove((timed_allreduce_hook, state))
+        reasons.append("attach_hook_taken")
+        return False
+    ddp.register_comm_hook = state.register  # on this instance only
+    if size < dist.get_world_size():
+        reasons.append("untimed_other_groups")
+    return True
+
+
+def _delayed(timer: StepTimer, fut, launched, delay: float, tensor, result):
     """Fault hook, a slow link: the bucket's future completes `delay` seconds after its
     all-reduce did, from a thread of its own. Never by sleeping in the callback: a future
     already complete runs `then` inline, in the backward pass, and the delay would be
@@ -364,7 +565,7 @@ def _delayed(timer: StepTimer, fut, launched, delay: float, tensor):
         def finish():
             time.sleep(delay)
             timer.comm_done(launched)  # the step is open: backward waits on `out`
-            out.set_result(f.value()[0])
+            out.set_result(result(f.value()))
 
         threading.Thread(target=finish, name="rankguard-comm-delay", daemon=True).start()
 
@@ -468,60 +669,90 @@ def wait_for_released_callbacks(timeout: float = EXIT_WAIT_SECONDS) -> bool:
     return done
 
 
-def _fsdp_comms(timer: StepTimer):
-    """A timed all-gather and reduce-scatter for FSDP2 (torch >= 2.8's custom-comm API)."""
-    import torch
-    import torch.distributed as dist
+def _timed_comm(timer: StepTimer, comm):
+    """FSDP2's all-gather or reduce-scatter object `comm` (its default, one with
+    process-group or symmetric-memory buffers, or a user's own), timed: an instance of a
+    subclass of its class that shares its attributes (the same ``__dict__``), so every call
+    does what it did, on the group FSDP passes, and FSDP's isinstance checks (symmetric
+    memory, buffer allocation) see what they saw. A call is marked at launch and at
+    completion (:func:`_timed_work`)."""
+    base = getattr(type(comm), "_rankguard_base", type(comm))  # timed by another timer
+    if getattr(type(comm), "_rankguard_timer", None) is timer:
+        return comm
 
-    # What FSDP2's default collectives call (their older names before torch 2.9).
-    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    def __call__(self, *args, **kwargs):
+        launched = timer.comm_launched()
+        return _timed_work(timer, launched, base.__call__(self, *args, **kwargs))
 
-    # Duck-typed: FSDP calls allocate() and __call__() (the Comm ABCs live in a private
-    # module, so they are not subclassed here).
-    class _Alloc:
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
-
-    class TimedAllGather(_Alloc):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            launched = timer.comm_launched()
-            work = all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-            return _timed_work(timer, launched, work)
-
-    class TimedReduceScatter(_Alloc):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            launched = timer.comm_launched()
-            work = reduce_scatter(
-                output_tensor, input_tensor, op=op, group=group, async_op=async_op
-            )
-            return _timed_work(timer, launched, work)
-
-    return TimedAllGather(), TimedReduceScatter()
+    timed_class = type(base.__name__, (base,), {"__call__": __call__, "_rankguard_timer": timer,
+                                                "_rankguard_base": base})  # fmt: skip
+    timed = object.__new__(timed_class)
+    timed.__dict__ = comm.__dict__  # raises for a class with __slots__: not timed
+    return timed
 
 
-def attach_fsdp(timer: StepTimer, model) -> int:
-    """Time every all-gather and reduce-scatter of the FSDP2 modules in ``model``.
+def _time_unshard_waits(timer: StepTimer, param_group) -> None:
+    """Mark, on the compute stream, each wait of an FSDP2 parameter group for its
+    parameters before its module runs (``pre_forward``, ``pre_backward``: the unshard, the
+    all-gather's wait, the copy-out). Where an all-gather is in flight meanwhile, the step
+    waited on communication: exposed, not compute."""
+    for name in ("pre_forward", "pre_backward"):
+        inner = getattr(param_group, name)
+        if getattr(inner, "_rankguard_timer", None) is timer:
+            continue
 
-    Returns how many FSDP modules now report their communication. A module FSDP refuses
-    a custom collective for (several parameter groups, symmetric-memory or process-group
-    allocation turned on) keeps its own and is not counted; on a torch without the API
-    (before 2.8) nothing is timed and 0 is returned.
+        def timed(*args, _inner=inner, **kwargs):
+            began = timer.clock.mark()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                timer.comm_wait(began)
+
+        timed._rankguard_timer = timer
+        setattr(param_group, name, timed)
+
+
+def attach_fsdp(timer: StepTimer, model, reasons: list[str] | None = None) -> int:
+    """Time the communication of the FSDP2 (``fully_shard``) modules in ``model``,
+    changing none of it: each parameter group's own all-gather and reduce-scatter (FSDP's
+    default, or the one set with ``set_custom_all_gather``/``set_custom_reduce_scatter``
+    or symmetric memory) is wrapped (:func:`_timed_comm`), never replaced, and the compute
+    stream's waits for the all-gathers are marked (:func:`_time_unshard_waits`).
+
+    Returns how many FSDP modules now report their communication. `reasons` gets
+    ``"attach_unreadable"`` for a module whose parameter groups cannot be read (its
+    collectives are left as they were), ``"untimed_hsdp_all_reduce"`` when a module is
+    HSDP (the all-reduce across replicas is not timed) and ``"untimed_other_groups"``
+    when the data-parallel ranks are fewer than the world (TP, PP, EP, CP collectives).
+    On a torch without FSDP2, 0.
     """
+    reasons = [] if reasons is None else reasons
     try:
+        import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
-
-        all_gather, reduce_scatter = _fsdp_comms(timer)
     except Exception:
         return 0
-    timed = 0
+    timed, untimed = 0, set()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        try:
-            module.set_custom_all_gather(all_gather)
-            module.set_custom_reduce_scatter(reduce_scatter)
+        try:  # read and build everything first: a module is timed whole or left alone
+            groups = list(module._get_fsdp_state()._fsdp_param_groups)
+            comms = [(_timed_comm(timer, g._all_gather_comm),
+                      _timed_comm(timer, g._reduce_scatter_comm)) for g in groups]  # fmt: skip
+            for g in groups:
+                info = g.mesh_info
+                if g._is_hsdp:
+                    untimed.add("untimed_hsdp_all_reduce")
+                dp = getattr(info, "shard_mesh_size", 1) * getattr(info, "replicate_mesh_size", 1)
+                if dp < dist.get_world_size():
+                    untimed.add("untimed_other_groups")
         except Exception:
+            reasons.append("attach_unreadable")
             continue
+        for g, (all_gather, reduce_scatter) in zip(groups, comms, strict=True):
+            g._all_gather_comm, g._reduce_scatter_comm = all_gather, reduce_scatter
+            _time_unshard_waits(timer, g)
         timed += 1
+    reasons.extend(sorted(untimed))
     return timed

@@ -684,3 +684,22 @@ def test_a_script_that_exits_while_a_collective_callback_runs_exits_cleanly(tmp_
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.read_text() == "released"
+
+
+def test_records_name_the_rank_s_gpu_once_the_first_step_put_the_clock_on_it(sock_dir, monkeypatch):
+    """A GPU stand-in: the device's UUID is given (what `device_uuid` reads from torch on
+    a GPU, checked for real by the gpu-marked trainer test). Records before the first step
+    resolved the device name no GPU; from it on, every record does."""
+    from rankguard.client import reporter as reporter_module
+
+    uuid = "GPU-6f3c2a1e-8b7d-4c5e-9f0a-1b2c3d4e5f60"
+    monkeypatch.setattr(reporter_module, "device_uuid", lambda device: uuid)
+    path = sock_dir / "t.sock"
+    with TelemetrySink(path) as sink:
+        rg = reporter(path, heartbeat_seconds=0)
+        rg.step(1)
+        rg.step(2)
+        rg.close()
+        records = wait_for(sink, 4)
+    assert [(r.phase, r.gpu_uuid) for r in records] == [
+        ("init", None), ("train", uuid), ("train", uuid), ("done", uuid)]  # fmt: skip
