@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ALLOWED_SIGNALS = (
@@ -140,22 +141,43 @@ def py_spy_path() -> str | None:
 
 
 def dump_stacks(table, body: dict, timeout: float = 20.0) -> dict:
-    """Python stacks of a rank with py-spy's non-blocking mode (works on stopped processes)."""
+    """Stacks of a rank with py-spy, native frames included where py-spy can read them: a
+    rank waiting on NCCL sits in a CUDA sync or an NCCL/c10d call, which only native frames
+    show. `--native` pauses the process while it unwinds (py-spy has no non-blocking native
+    mode), so a stopped rank, which must stay stopped, and a failed or slow native read get
+    the plain non-blocking dump instead: a capture never fails because of --native."""
+    from .ranks import read_proc_stat
+
     job, rank = parse_target(body)
     pid = resolve_pid(table, job, rank)
     tool = py_spy_path()
     if tool is None:
         raise ControlError(501, "py-spy is not installed on this node")
+    deadline = time.monotonic() + timeout
+    stat = read_proc_stat(pid)
+    if stat is not None and stat.state not in "Tt":
+        # half the time at most, so that the plain dump keeps the rest
+        done = _py_spy(tool, pid, "--native", timeout / 2)
+        if done is not None and done.returncode == 0:
+            return {"job": job, "rank": rank, "pid": pid, "stacks": done.stdout, "native": True}
+    proc = _py_spy(tool, pid, "--nonblocking", max(1.0, deadline - time.monotonic()))
+    if proc is None:
+        raise ControlError(504, f"py-spy did not answer within {timeout:.0f} s")
+    if proc.returncode != 0:
+        raise ControlError(502, f"py-spy failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+    return {"job": job, "rank": rank, "pid": pid, "stacks": proc.stdout, "native": False}
+
+
+def _py_spy(tool: str, pid: int, mode: str, timeout: float) -> subprocess.CompletedProcess | None:
+    """`py-spy dump` of `pid` in `mode`; None when it took longer than `timeout` (py-spy is
+    killed, and the kernel lets go of a process it had paused)."""
     try:
-        proc = subprocess.run(
-            [tool, "dump", "--pid", str(pid), "--nonblocking"],
+        return subprocess.run(
+            [tool, "dump", "--pid", str(pid), mode],
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        raise ControlError(504, f"py-spy did not answer within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        raise ControlError(502, f"py-spy failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
-    return {"job": job, "rank": rank, "pid": pid, "stacks": proc.stdout}
+        return None
 
 
 def _is_launcher(pid: int) -> bool:

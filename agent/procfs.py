@@ -280,6 +280,56 @@ def parse_pid_stat(
     )
 
 
+# --- /proc/<pid>/task/<tid>/schedstat, wchan, syscall ---------------------------------
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """One thread as the scheduler sees it (its state letter is in its stat file)."""
+
+    run_seconds: float  # time on a CPU so far
+    wchan: str | None  # the kernel function it sleeps in; None when it runs (or unknown)
+    syscall: str | None  # "running", "-1" (asleep outside a syscall) or the syscall number
+
+
+def parse_schedstat(text: str, file: str = "/proc/<pid>/schedstat") -> float:
+    """A task's time on a CPU in seconds: the first of "run_ns wait_ns timeslices"."""
+    fields = text.split()
+    if len(fields) != 3:
+        raise ProcParseError(file, "expected 'run_ns wait_ns timeslices'", 1, text.strip())
+    return _ints(fields, file, 1, text.strip())[0] / 1e9
+
+
+def parse_wchan(text: str) -> str | None:
+    """Where a task sleeps in the kernel; "0" (or nothing) when it runs or is hidden."""
+    name = text.strip()
+    return None if name in ("", "0") else name
+
+
+def parse_syscall(text: str, file: str = "/proc/<pid>/syscall") -> str:
+    """What a task is doing: "running", "-1" (blocked outside a system call, e.g. in a page
+    fault) or the number of the syscall it is blocked in (its arguments and registers
+    dropped)."""
+    fields = text.split()
+    if not fields or not (fields[0] == "running" or fields[0].lstrip("-").isdigit()):
+        raise ProcParseError(file, "expected 'running' or a syscall number", 1, text.strip())
+    return fields[0]
+
+
+def read_thread(proc_root: Path, pid: int, tid: int) -> ThreadState:
+    """Raises ProcessLookupError for a vanished thread. wchan and syscall are None where
+    they cannot be read (/proc/<pid>/syscall needs ptrace access to the process, and some
+    kernels have none)."""
+    text, file = _read_pid_file(proc_root, pid, f"task/{tid}/schedstat")
+    optional: list[str | None] = []
+    for name, parse in (("wchan", parse_wchan), ("syscall", parse_syscall)):
+        try:
+            optional.append(parse(_read_pid_file(proc_root, pid, f"task/{tid}/{name}")[0]))
+        except (OSError, ProcParseError):
+            optional.append(None)
+    return ThreadState(parse_schedstat(text, file), *optional)
+
+
 # --- /proc/self/mounts -------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ converts its times to Unix times.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -41,12 +42,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..contract.answers import RankAnswer, RankGpuAnswer, RanksAnswer, Sample, TelemetryStats
+from ..contract.answers import (
+    MainThreadAnswer,
+    RankAnswer,
+    RankGpuAnswer,
+    RanksAnswer,
+    Sample,
+    TelemetryStats,
+)
 from ..contract.cursor import Since, answer_fields, new_incarnation, since
 from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
 from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
 from ..contract.telemetry import SPLIT_FIELDS, TelemetryRecord
 from .control import launcher_identity, launcher_pid, process_uid, stand_in_pid
+from .procfs import ThreadState, read_thread
 from .rank_counters import RankCounters
 from .stand_ins import StandIn, stand_in_state
 
@@ -399,6 +408,28 @@ class HistoryEntry(NamedTuple):
         )  # fmt: skip
 
 
+class _Activity:
+    """CPU time measured over windows of at least `window` seconds (so that an extra
+    /v1/ranks refresh does not measure over a few milliseconds): the last window's rate, in
+    cores, and when a window last reached ACTIVE_CPU_CORES."""
+
+    def __init__(self, now: float, seconds: float | None):
+        self.base = (now, seconds) if seconds is not None else None
+        self.rate: float | None = None
+        self.active_at = now
+
+    def account(self, seconds: float, now: float, window: float) -> None:
+        if self.base is None:
+            self.base = (now, seconds)
+            return
+        t0, c0 = self.base
+        if now - t0 >= window:
+            self.rate = max(0.0, (seconds - c0) / (now - t0))
+            self.base = (now, seconds)
+            if self.rate >= ACTIVE_CPU_CORES:
+                self.active_at = now
+
+
 class _Rank:
     """One rank's state. Every method runs under the table's lock."""
 
@@ -444,10 +475,11 @@ class _Rank:
         self.exit_code: int | None = None  # waitpid status, when read from the zombie
         self.exited_at: float | None = None
         self.cpu_seconds = stat.cpu_seconds if stat else None
-        self.cpu_utilization: float | None = None
-        # CPU utilization is measured from here (first sight), then refresh to refresh.
-        self.cpu_base = (now, stat.cpu_seconds) if stat else None
-        self.cpu_active_at = now  # last time it used CPU (ACTIVE_CPU_CORES over a window)
+        # CPU use is measured from here (first sight), then refresh to refresh
+        self.cpu = _Activity(now, self.cpu_seconds)
+        # the main thread's own (tid == pid): its state letter is the process's stat's
+        self.main: tuple[str, ThreadState] | None = None
+        self.main_cpu = _Activity(now, None)
 
     def observe(self, record: TelemetryRecord, now: float, seq: int = 0) -> None:
         self.record = record
@@ -497,8 +529,14 @@ class _Rank:
             step=rec.step if rec else None, checkpoint_step=rec.checkpoint_step if rec else None,
         )  # fmt: skip
 
-    def apply_stat(self, stat: ProcStat | None, now: float, cpu_window: float) -> RankEvent | None:
-        """Fold a fresh /proc reading into the state (refresh)."""
+    def apply_stat(
+        self,
+        stat: ProcStat | None,
+        now: float,
+        cpu_window: float,
+        main: ThreadState | None = None,
+    ) -> RankEvent | None:
+        """Fold a fresh /proc reading into the state (refresh); `main`: the main thread's."""
         if stat is None or (self.start_ticks is not None and stat.start_ticks != self.start_ticks):
             return self.change(self.dead_state(False), None, now)  # reaped, or PID reused
         state, detail = _LETTER_STATES.get(stat.state, ("alive", None))
@@ -508,22 +546,12 @@ class _Rank:
             return self.change(
                 self.dead_state(zombie), _zombie_detail(stat) if zombie else None, now
             )
-        self._account_cpu(stat.cpu_seconds, now, cpu_window)
+        self.cpu_seconds = stat.cpu_seconds
+        self.cpu.account(stat.cpu_seconds, now, cpu_window)
+        self.main = (stat.state, main) if main is not None else None
+        if main is not None:
+            self.main_cpu.account(main.run_seconds, now, cpu_window)
         return self.change(state, detail, now)
-
-    def _account_cpu(self, cpu: float, now: float, window: float) -> None:
-        self.cpu_seconds = cpu
-        if self.cpu_base is None:
-            self.cpu_base = (now, cpu)
-            return
-        t0, c0 = self.cpu_base
-        # A minimum window, so that an extra /v1/ranks refresh does not measure
-        # utilization over a few milliseconds.
-        if now - t0 >= window:
-            self.cpu_utilization = max(0.0, (cpu - c0) / (now - t0))
-            self.cpu_base = (now, cpu)
-            if self.cpu_utilization >= ACTIVE_CPU_CORES:
-                self.cpu_active_at = now
 
     def answer(
         self,
@@ -574,8 +602,8 @@ class _Rank:
             peak_memory_bytes=rec.peak_memory_bytes if telemetry else None,
             checkpoint_step=rec.checkpoint_step if telemetry else None,
             cpu_seconds=self.cpu_seconds,
-            cpu_utilization=self.cpu_utilization,
-            cpu_active_at=self.cpu_active_at + to_unix,
+            cpu_utilization=self.cpu.rate,
+            cpu_active_at=self.cpu.active_at + to_unix,
             records_received=self.records_received,
             client_errors=dict(rec.client_errors or {}),
             resume_skips=(rec.resume_skips or ()) if telemetry else (),
@@ -583,7 +611,17 @@ class _Rank:
             recent_from=first,
             stand_in=self.stand_in.answer(to_unix) if self.stand_in else None,
             gpu=gpu,
+            main_thread=self._main_answer(to_unix),
         )
+
+    def _main_answer(self, to_unix: float) -> MainThreadAnswer | None:
+        if self.main is None or self.state not in LIVE_STATES:
+            return None
+        letter, t = self.main
+        return MainThreadAnswer(
+            letter, t.run_seconds, self.main_cpu.active_at + to_unix, self.main_cpu.rate,
+            t.wchan, t.syscall,
+        )  # fmt: skip
 
     def _window(self, n: int) -> list[HistoryEntry]:
         """The last n step records (heartbeats without timings left out), oldest first."""
@@ -1005,11 +1043,17 @@ class RankTable:
             shims = [(r.stand_in, r.stand_in.pid) for r in self._ranks.values()
                      if r.stand_in is not None and r.stand_in.watched]  # fmt: skip
         stats: dict[tuple[str, int], ProcStat | None] = {}
+        mains: dict[tuple[str, int], ThreadState] = {}
         for key, pid in targets:  # /proc reads outside the lock
             try:
                 stats[key] = read_proc_stat(pid, self._proc_root)
             except (OSError, ValueError) as e:
                 log.warning("cannot read /proc/%d/stat: %s", pid, e)
+                continue
+            if stats[key] is not None and stats[key].state not in "ZXx":
+                # gone meanwhile, or no schedstat in this kernel: none this time
+                with contextlib.suppress(OSError, ValueError):
+                    mains[key] = read_thread(self._proc_root, pid, pid)
         shim_stats = {}
         for _, pid in shims:
             try:
@@ -1022,7 +1066,7 @@ class RankTable:
                 rank = self._ranks.get(key)
                 if rank is None or rank.pid != pid or key not in stats:
                     continue  # forgotten or restarted meanwhile, or unreadable
-                events.append(rank.apply_stat(stats[key], now, self.cpu_window))
+                events.append(rank.apply_stat(stats[key], now, self.cpu_window, mains.get(key)))
             for shim, pid in shims:
                 if pid in shim_stats:
                     shim.observe(shim_stats[pid], now)

@@ -41,6 +41,7 @@ __all__ = [
     "NODE_STATUSES",
     "CollectorStatus",
     "HealthReason",
+    "MainThreadAnswer",
     "NodeAnswer",
     "NodeWarning",
     "RankAnswer",
@@ -335,6 +336,50 @@ def _reason_name(value: Any) -> str:
     return value
 
 
+_MAX_WCHAN = 512  # the kernel's longest symbol name (KSYM_NAME_LEN)
+_MAX_SYSCALL = 32
+
+
+@dataclass(frozen=True)
+class MainThreadAnswer:
+    """A rank's main thread (tid == pid) as the kernel shows it. On NCCL the process's CPU
+    says nothing (the proxy and watchdog threads poll, a waiting main thread spins in a
+    CUDA sync); the main thread's own run time, state and where it sleeps say more.
+    ``state``: the kernel's letter (R running, S sleeping, D uninterruptible, T stopped);
+    ``run_seconds``: its time on a CPU so far (schedstat); ``utilization``: of a core over
+    the agent's last window; ``active_at``: when it last ran at least 0.05 cores over a
+    window (Unix time); ``wchan``: the kernel function it sleeps in; ``syscall``: the
+    number of the system call it is blocked in, "-1" blocked outside one, "running"
+    (/proc/<pid>/syscall); both null when unknown or not asleep."""
+
+    state: str
+    run_seconds: float
+    active_at: float
+    utilization: float | None = None
+    wchan: str | None = None
+    syscall: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"state": self.state, "run_seconds": self.run_seconds,
+                "active_at": self.active_at, "utilization": self.utilization,
+                "wchan": self.wchan, "syscall": self.syscall}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any) -> MainThreadAnswer:
+        o = _object(obj)
+        state = _str(o, "state", max_chars=1)
+        if len(state) != 1 or not (state.isascii() and state.isalpha()):
+            raise ContractError("out_of_range", f"state: {state!r} is no kernel state", "state")
+        return cls(
+            state=state,
+            run_seconds=_float(o, "run_seconds"),
+            active_at=_float(o, "active_at"),
+            utilization=_float(o, "utilization", optional=True),
+            wchan=_str(o, "wchan", optional=True, max_chars=_MAX_WCHAN),
+            syscall=_str(o, "syscall", optional=True, max_chars=_MAX_SYSCALL),
+        )
+
+
 #: RankAnswer's float fields that may be null (each finite when set), in answer order.
 _RANK_FLOATS = (
     "step_seconds",
@@ -398,6 +443,7 @@ class RankAnswer:
     resume_skips: tuple[tuple[int, int], ...] = ()
     stand_in: StandInAnswer | None = None  # warm start: the shim torchrun watches
     gpu: RankGpuAnswer | None = None  # the GPU it computes on, when known
+    main_thread: MainThreadAnswer | None = None  # its main thread's own state, when readable
     recent: tuple[Sample, ...] = ()
     recent_from: int | None = None  # incremental answers: the window's oldest seq
 
@@ -445,6 +491,8 @@ class RankAnswer:
             out["resume_skips"] = [list(r) for r in self.resume_skips]
         if self.gpu is not None:  # left out when unknown (a CPU rank, an older agent)
             out["gpu"] = self.gpu.to_json()
+        if self.main_thread is not None:  # left out when unknown (gone, an older agent)
+            out["main_thread"] = self.main_thread.to_json()
         if incremental:
             out["recent_from"] = self.recent_from
         out["recent"] = [s.to_json() for s in self.recent]
@@ -503,6 +551,9 @@ class RankAnswer:
             if o.get("stand_in") is None
             else _nested(o, "stand_in", StandInAnswer.from_json),
             gpu=None if o.get("gpu") is None else _nested(o, "gpu", RankGpuAnswer.from_json),
+            main_thread=None
+            if o.get("main_thread") is None
+            else _nested(o, "main_thread", MainThreadAnswer.from_json),
             recent=_list(o, "recent", lambda s: Sample.from_json(s, incremental), _MAX_SAMPLES),
             recent_from=_int(o, "recent_from", optional=True) if incremental else None,
         )
@@ -621,6 +672,11 @@ def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
             gpu = RankGpuAnswer.from_json(gpu)
         except ContractError:
             return None
+    main = o.get("main_thread")
+    if main is not None:  # every live rank: a few type tests, as for the rank itself
+        main = _main_thread_fast(main)
+        if main is None:
+            return None
     samples = []
     for item in recent:
         sample = _sample_fast(item, incremental)
@@ -642,8 +698,32 @@ def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
         loss=loss, peak_memory_bytes=peak_memory_bytes, checkpoint_step=checkpoint_step,
         cpu_seconds=cpu_seconds, cpu_utilization=cpu_utilization,
         cpu_active_at=cpu_active_at, records_received=records_received, client_errors={},
-        stand_in=None, gpu=gpu, recent=tuple(samples), recent_from=recent_from,
+        stand_in=None, gpu=gpu, main_thread=main, recent=tuple(samples),
+        recent_from=recent_from,
     )  # fmt: skip
+
+
+def _main_thread_fast(o: Any) -> MainThreadAnswer | None:
+    if type(o) is not dict:
+        return None
+    try:
+        state, run, active, util = o["state"], o["run_seconds"], o["active_at"], o["utilization"]
+        wchan, syscall = o["wchan"], o["syscall"]
+    except KeyError:
+        return None
+    if not (
+        type(state) is str
+        and len(state) == 1
+        and state.isascii()
+        and state.isalpha()
+        and _fin(run)
+        and _fin(active)
+        and (util is None or _fin(util))
+        and (wchan is None or (type(wchan) is str and len(wchan) <= _MAX_WCHAN))
+        and (syscall is None or (type(syscall) is str and len(syscall) <= _MAX_SYSCALL))
+    ):
+        return None
+    return MainThreadAnswer(state, run, active, util, wchan, syscall)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from ..contract.answers import NodeAnswer, RankAnswer, RankGpuAnswer, RanksAnswer, Sample
+from ..contract.answers import (
+    MainThreadAnswer,
+    NodeAnswer,
+    RankAnswer,
+    RankGpuAnswer,
+    RanksAnswer,
+    Sample,
+)
 from ..contract.states import DEAD_STATES, LIVE_STATES
 
 __all__ = ["DEAD_STATES", "LIVE_STATES", "ClusterObs", "NodeObs", "RankObs", "StepSample"]
@@ -72,6 +79,9 @@ class RankObs:
     resume_skips: tuple[tuple[int, int], ...] = ()
     # the GPU it computes on and that GPU's faults, as its agent saw them (None: unknown)
     gpu: RankGpuAnswer | None = None
+    # its main thread's own state, run time and where it sleeps (None: an older agent, or
+    # unreadable): on NCCL the process's CPU says nothing (detectors/hang.py)
+    main_thread: MainThreadAnswer | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -99,7 +109,7 @@ class RankObs:
             cpu_active_at=a.cpu_active_at, stand_in_pid=shim.pid if shim else None,
             stand_in_state=shim.state if shim else None,
             stand_in_since=shim.state_since if shim else None, resume_skips=a.resume_skips,
-            gpu=a.gpu,
+            gpu=a.gpu, main_thread=a.main_thread,
         )  # fmt: skip
 
 

@@ -10,8 +10,10 @@ asks `pick_culprit_from_stacks`.
 
 No kill on missing evidence: a silent rank is not a stuck one when its records may be
 getting lost. When the agent's telemetry socket shows pressure right now (quota refusals,
-a full queue: `NodeObs.telemetry_pressure_age`) and the rank's process used CPU recently,
-its silence proves nothing; when every overdue rank is such a rank, there is no finding.
+a full queue: `NodeObs.telemetry_pressure_age`) and the rank's main thread ran recently
+(its own run time: NCCL's proxy and watchdog threads keep the process's CPU up while it
+waits), its silence proves nothing; when every overdue rank is such a rank, there is no
+finding.
 A rank that is silent and idle, or silent on a quiet socket, is judged as before, so a
 flood cannot hide a job whose ranks sleep in a collective behind one spinning rank.
 """
@@ -22,7 +24,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..model import RANK_HUNG, Finding, History
 from ..phase_budgets import (
@@ -79,23 +81,10 @@ class HangConfig:
             raise ValueError("idle_cpu_cores must be below spin_cpu_cores")
 
 
-# Frames of a rank that waits in (or on its way into) a collective, matched against
-# function names of the main thread's frames in a py-spy dump.
-# The socket's pressure must be this fresh, and the process's CPU activity too, for a
+# The socket's pressure must be this fresh, and the main thread's CPU activity too, for a
 # silence to count as records lost rather than progress stopped.
 PRESSURE_RECENT_SECONDS = 5.0
 BUSY_RECENT_SECONDS = 5.0
-
-COLLECTIVE_MARKERS = (
-    "all_reduce",
-    "allreduce",
-    "backward",
-    "_engine_run_backward",
-    "barrier",
-    "broadcast",
-    "all_gather",
-    "wait",
-)
 
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
@@ -235,6 +224,10 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
             "states": {str(r.rank): r.state for r in live},
             "phases": {str(r.rank): r.phase for r in live},
             "cpu_utilization": {str(r.rank): r.cpu_utilization for r in live},
+            # the main threads' own state: where a waiting or stuck rank sleeps, or spins
+            "main_threads": {
+                str(r.rank): r.main_thread.to_json() for r in live if r.main_thread is not None
+            },
             "culprit_reason": reason,
             "stacks_needed": culprit is None and not behind,
             **_culprit_process(obs, culprit),
@@ -311,11 +304,23 @@ def _evidence(
 
 
 def records_lost_while_busy(now: float, r: RankObs, pressure_age: float | None) -> bool:
-    """Whether a silent rank's records may be being dropped while its process works: its
-    node's telemetry socket is under pressure now and the process used CPU recently."""
-    if r.state != "alive" or pressure_age is None or r.cpu_active_at is None:
+    """Whether a silent rank's records may be being dropped while it works: its node's
+    telemetry socket is under pressure now and its main thread ran recently."""
+    if r.state != "alive" or pressure_age is None:
         return False
-    return pressure_age < PRESSURE_RECENT_SECONDS and now - r.cpu_active_at < BUSY_RECENT_SECONDS
+    return pressure_age < PRESSURE_RECENT_SECONDS and main_thread_busy(now, r)
+
+
+def main_thread_busy(now: float, r: RankObs) -> bool:
+    """Whether the rank's own work used CPU in the last BUSY_RECENT_SECONDS: its main
+    thread's run time, not the process's CPU, which NCCL's proxy and watchdog threads (and
+    gloo's loop, a loader, a saver) keep up while the main thread waits. The process's CPU
+    only where the agent does not read the main thread (an older one). A main thread that
+    spins in a CUDA sync still counts: to the kernel it runs like one at work (no wchan,
+    syscall "running"); only its stack tells them apart, read once a hang is found."""
+    main = r.main_thread
+    active_at = main.active_at if main is not None else r.cpu_active_at
+    return active_at is not None and now - active_at < BUSY_RECENT_SECONDS
 
 
 def _behind_unreachable(obs: ClusterObs, ranks: list[RankObs]) -> tuple[str, dict] | None:
@@ -384,52 +389,134 @@ def _cpu_outlier(live: list[RankObs], cfg: DetectorConfig) -> RankObs | None:
 
 
 # -- stacks -----------------------------------------------------------------------------
+#
+# A rank's main thread is judged by its innermost frame that says where it is, from the
+# file a frame is in (py-spy names a Python frame's file by its package path), never from
+# a bare function name: "wait" is as much a DataLoader's `multiprocessing.connection.wait`,
+# the most common real culprit, as a collective's `Work.wait`.
+# - waiting (in, or on its way into, a collective): a Python frame under torch/distributed
+#   (but DCP's file I/O) or torch/autograd (DDP's all-reduce runs inside backward); a
+#   CUDA sync (a `synchronize` under torch/cuda, or natively cuda*/cu*Synchronize: on NCCL
+#   a waiting rank spins there, in `.item()` or in rankguard's clock); native NCCL, c10d
+#   (ProcessGroupNCCL/Gloo, Work::wait), gloo or autograd-engine frames. rankguard's own
+#   clock (client/timing.py) reads CUDA events while the rank is in a collective: it
+#   waits too, so that timing a peer never makes it look outside.
+# - behind its own thread: waiting for a Future (concurrent/futures; the trainer waiting
+#   for its save): not blamed itself; the save threads decide (_save_thread_culprit).
+# - outside: any other Python frame: user code or a library at work, a DataLoader waiting
+#   for its workers (torch/utils/data, multiprocessing, queue), a stuck C call under the
+#   user's frame. A wait passes through frames that say nothing: native ones that match
+#   none of the above, threading's and selectors' plumbing; a thread with nothing else is
+#   outside too. The innermost frame that decides wins, so that a wrapper further out (an
+#   FSDP module around a layer stuck computing, elastic's @record around main) does not
+#   make a stuck rank look like a waiting one.
 
-_THREAD = re.compile(r'^Thread \S+ \(([^)]*)\): "(?P<name>[^"]*)"')
+WAITING, OUTSIDE, OWN_THREAD = "waiting", "outside", "own_thread"
+
+_WAIT_FILES = ("torch/distributed/", "torch/autograd/")
+_NOT_WAIT_FILES = ("torch/distributed/checkpoint/",)  # DCP: its collectives go through c10d
+_OWN_THREAD_FILES = ("concurrent/futures/_base.py",)  # Future.result, wait: not the workers
+_PLUMBING = ("threading.py", "selectors.py")  # what a wait passes through, saying nothing
+_CLOCK_FILE = "client/timing.py"  # rankguard's clock (Clock.seconds: Event.synchronize)
+_NATIVE_WAIT = re.compile(
+    r"cu(?:da)?(?:Stream|Device|Ctx|Event)Synchronize"
+    r"|c10::cuda::(?:memcpy_and_sync|device_synchronize|stream_synchronize)"
+    r"|^p?nccl[A-Z]|\bc10d::|\bgloo::|\btorch::autograd::"
+)
+_THREAD = re.compile(r'^Thread (?P<tid>\S+) \([^)]*\)(?:: "(?P<name>[^"]*)")?')
+_PROCESS = re.compile(r"^Process (?P<pid>\d+):")
 
 
-def main_thread_functions(dump: str) -> list[str]:
-    """Function names of the main thread's frames in a `py-spy dump` text (all threads'
-    frames when the dump names no threads). Other threads (checkpoint writers, data
-    loaders, threading's own waits) must not make an idle main thread look busy in a
-    collective, so only the main thread counts."""
-    blocks = thread_functions(dump)
+class Frame(NamedTuple):
+    """One frame of a py-spy dump: `function (file:line)` for Python, `function (library)`
+    or `function (file.cc:line)` for a native one (`--native`)."""
+
+    function: str
+    file: str  # without the line number
+
+    @property
+    def native(self) -> bool:
+        return not self.file.endswith(".py")
+
+
+def _in(file: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether `file` (a package path, or a full one) lies under one of `prefixes`."""
+    return any(file.startswith(p) or f"/{p}" in file for p in prefixes)
+
+
+def frame_kind(frame: Frame) -> str | None:
+    """WAITING, OWN_THREAD or OUTSIDE, or None for a frame that says nothing (above)."""
+    if frame.native:
+        return WAITING if _NATIVE_WAIT.search(frame.function) else None
+    file = frame.file
+    if _in(file, _NOT_WAIT_FILES):
+        return OUTSIDE
+    if _in(file, _WAIT_FILES) or file.endswith(_CLOCK_FILE):
+        return WAITING
+    if _in(file, ("torch/cuda/",)) and frame.function.endswith("synchronize"):
+        return WAITING
+    if _in(file, _OWN_THREAD_FILES):
+        return OWN_THREAD
+    return None if _in(file, _PLUMBING) else OUTSIDE
+
+
+def thread_verdict(frames: Sequence[Frame]) -> str:
+    """Where a thread is, from its innermost frame that says (py-spy lists innermost
+    first); OUTSIDE when none does."""
+    return next((k for f in frames if (k := frame_kind(f)) is not None), OUTSIDE)
+
+
+def main_thread_frames(dump: str) -> list[Frame]:
+    """The main thread's frames in a `py-spy dump` text (all threads' frames when the dump
+    names no threads). Other threads (checkpoint writers, data loaders, threading's own
+    waits) must not make an idle main thread look busy in a collective, so only the main
+    thread counts."""
+    blocks = thread_frames(dump)
     if "MainThread" in blocks:
         return blocks["MainThread"]
     return [f for frames in blocks.values() for f in frames]
 
 
-def thread_functions(dump: str) -> dict[str, list[str]]:
-    """{thread name: function names of its frames} of a `py-spy dump` ("" when the dump
-    names no threads)."""
-    blocks: dict[str, list[str]] = {}
+def thread_frames(dump: str) -> dict[str, list[Frame]]:
+    """{thread name: its frames, innermost first} of a `py-spy dump` ("" when the dump
+    names no threads). py-spy names no thread of a process that never imported threading:
+    the one whose id is the process's is "MainThread", the others "Thread <id>"."""
+    blocks: dict[str, list[Frame]] = {}
     current: str | None = "" if "Thread " not in dump else None
+    pid = None
     for line in dump.splitlines():
+        if pid is None and (process := _PROCESS.match(line)):
+            pid = process.group("pid")
         header = _THREAD.match(line.strip())
         if header:
-            current = header.group("name")
+            tid, current = header.group("tid"), header.group("name")
+            if current is None:
+                current = "MainThread" if tid == pid else f"Thread {tid}"
             blocks.setdefault(current, [])
             continue
-        # frames are indented "function (file:line)" lines under a thread header
-        if current is not None and line.startswith((" ", "\t")) and " (" in line:
-            blocks.setdefault(current, []).append(line.strip().split(" (", 1)[0])
+        # frames are indented "function (file:line)" lines under a thread header; a native
+        # function's name may hold " (" itself (a template argument): the file is the last
+        text = line.strip()
+        if current is None or not line.startswith((" ", "\t")) or not text.endswith(")"):
+            continue
+        function, sep, where = text[:-1].rpartition(" (")
+        if sep:
+            file = where.rsplit(":", 1)[0] if where.rpartition(":")[2].isdigit() else where
+            blocks.setdefault(current, []).append(Frame(function, file))
     return blocks
 
 
-def _waits_in_collective(functions: list[str]) -> bool:
-    return any(m in f.lower() for f in functions for m in COLLECTIVE_MARKERS)
-
-
 def pick_culprit_from_stacks(stacks: dict[int, str]) -> int | None:
-    """The single rank whose main thread is NOT in a collective while every other rank's
-    is; None when that is not clear-cut (several such ranks, none, or an unreadable
-    dump: blaming the wrong rank is worse than saying we do not know)."""
+    """The single rank whose main thread is outside a collective while every other rank's
+    waits in one (or behind its own save thread); None when that is not clear-cut (several
+    such ranks, none, or an unreadable dump: blaming the wrong rank is worse than saying we
+    do not know)."""
     outside = []
     for rank, dump in stacks.items():
-        functions = main_thread_functions(dump or "")
-        if not functions:
+        frames = main_thread_frames(dump or "")
+        if not frames:
             return None  # no frames: the dump failed, nothing can be said about this rank
-        if not _waits_in_collective(functions):
+        if thread_verdict(frames) == OUTSIDE:
             outside.append(rank)
     if len(outside) == 1:
         return outside[0]
@@ -442,14 +529,14 @@ SAVE_THREAD_PREFIX = "rankguard-ckpt"
 
 def _save_thread_culprit(stacks: dict[int, str]) -> int | None:
     """Every main thread waits (a save the trainer waits for, say): the rank whose save
-    thread is not in the checkpoint group's collective while every other rank's is, is the
-    one the save waits for (a write stuck on slow storage)."""
+    thread is outside the checkpoint group's collective while every other rank's waits in
+    it, is the one the save waits for (a write stuck on slow storage)."""
     outside = []
     for rank, dump in stacks.items():
-        saves = [f for name, fs in thread_functions(dump or "").items()
-                 if name.startswith(SAVE_THREAD_PREFIX) for f in fs]  # fmt: skip
+        saves = [fs for name, fs in thread_frames(dump or "").items()
+                 if name.startswith(SAVE_THREAD_PREFIX) and fs]  # fmt: skip
         if not saves:
             return None
-        if not _waits_in_collective(saves):
+        if all(thread_verdict(fs) == OUTSIDE for fs in saves):
             outside.append(rank)
     return outside[0] if len(outside) == 1 else None

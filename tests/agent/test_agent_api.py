@@ -252,15 +252,56 @@ def test_control_refuses_unregistered_targets(agent, rank_child):
     assert rank_child.poll() is None
 
 
+def _stacks(agent) -> tuple[int, dict]:
+    return get_json(
+        agent, "/v1/control/stacks", method="POST", body={"job": "j", "rank": 1}, token=TOKEN
+    )
+
+
 def test_stack_dump_of_a_stopped_rank(agent, rank_child):
     os.kill(rank_child.pid, signal.SIGSTOP)
     _wait_state(rank_child.pid, "T")
-    status, payload = get_json(
-        agent, "/v1/control/stacks", method="POST", body={"job": "j", "rank": 1}, token=TOKEN
-    )
+    status, payload = _stacks(agent)
+    still = _proc_state(rank_child.pid)
     os.kill(rank_child.pid, signal.SIGCONT)
     assert status == 200, payload
     assert "sleep" in payload["result"]["stacks"] or "<module>" in payload["result"]["stacks"]
+    # --native would pause it (py-spy has no non-blocking native read): the plain dump, and
+    # the rank is left stopped
+    assert payload["result"]["native"] is False and still == "T"
+
+
+def test_stack_dump_has_native_frames_and_falls_back_without_them(agent, rank_child, monkeypatch):
+    """Native frames where py-spy can read them (a CUDA sync, NCCL, c10d show only there);
+    where --native fails (here: a rank that stops between the agent's look and py-spy's),
+    the plain dump, never a failed capture."""
+    status, payload = _stacks(agent)
+    assert status == 200 and payload["result"]["native"] is True, payload
+    assert "clock_nanosleep (libc" in payload["result"]["stacks"]  # time.sleep, natively
+    assert _proc_state(rank_child.pid) != "T"  # paused for the dump only
+
+    from rankguard.agent import ranks
+
+    real = ranks.read_proc_stat
+    monkeypatch.setattr(  # the agent sees it running ...
+        ranks, "read_proc_stat", lambda pid, *a: (s := real(pid, *a)) and s._replace(state="S")
+    )
+    os.kill(rank_child.pid, signal.SIGSTOP)  # ... py-spy --native finds it stopped and fails
+    _wait_state(rank_child.pid, "T")
+    status, payload = _stacks(agent)
+    still = _proc_state(rank_child.pid)
+    os.kill(rank_child.pid, signal.SIGCONT)
+    assert status == 200 and payload["result"]["native"] is False, payload
+    assert "<module>" in payload["result"]["stacks"] and still == "T"
+
+
+def test_ranks_view_shows_the_main_threads_own_state(agent, rank_child):
+    agent.table.refresh()
+    time.sleep(agent.table.cpu_window * 1.2)
+    _, view = get_json(agent, "/v1/ranks")
+    main = view["ranks"][0]["main_thread"]
+    assert main["state"] in "RS" and main["run_seconds"] > 0 and main["utilization"] < 0.5
+    assert main["syscall"] == "running" or main["syscall"].isdigit()
 
 
 @pytest.mark.parametrize(

@@ -151,6 +151,38 @@ def test_pid_stat_comm_with_spaces_and_parentheses():
     assert st.utime_seconds == pytest.approx(0.07)
 
 
+# A rank's main thread asleep in time.sleep (copied from a real machine, Linux 6.18): the
+# three files the agent reads for the main thread's own state
+SCHEDSTAT = "62402766 18277020 83\n"
+SYSCALL_ASLEEP = (
+    "230 0x1 0x1 0x7fff249f5b30 0x0 0x0 0x0 0x7fff249f5af0 0x7f19170ed545\n"  # clock_nanosleep
+)
+
+
+def test_thread_files():
+    assert procfs.parse_schedstat(SCHEDSTAT) == pytest.approx(0.062402766)
+    assert procfs.parse_wchan("hrtimer_nanosleep") == "hrtimer_nanosleep"
+    assert procfs.parse_wchan("0") is None  # running (or hidden from us)
+    assert procfs.parse_syscall(SYSCALL_ASLEEP) == "230"
+    assert procfs.parse_syscall("running\n") == "running"
+    assert procfs.parse_syscall("-1 0x7ffd1c6e1e38 0x7f0a4c2d3e4f\n") == "-1"
+
+
+def test_read_thread_of_a_fixture_tree(tmp_path, monkeypatch):
+    task = tmp_path / "7" / "task" / "7"
+    task.mkdir(parents=True)
+    (task / "schedstat").write_text(SCHEDSTAT)
+    (task / "wchan").write_text("hrtimer_nanosleep")
+    (task / "syscall").write_text(SYSCALL_ASLEEP)
+    t = procfs.read_thread(tmp_path, 7, 7)
+    assert (t.wchan, t.syscall) == ("hrtimer_nanosleep", "230")
+    assert t.run_seconds == pytest.approx(0.062402766)
+    (task / "syscall").unlink()  # unreadable or absent: unknown, not a failure
+    assert procfs.read_thread(tmp_path, 7, 7).syscall is None
+    with pytest.raises(ProcessLookupError, match="process 7 is gone"):
+        procfs.read_thread(tmp_path, 7, 8)
+
+
 def test_mounts_unescape_and_longest_prefix():
     mounts = procfs.parse_mounts(MOUNTS)
     assert mounts[3].mountpoint == "/mnt/my checkpoints"
@@ -199,6 +231,10 @@ def test_per_second():
         (procfs.parse_pid_io, "rchar 1\n", "/proc/<pid>/io", 1),
         (procfs.parse_pid_stat, "8328 cat R 1 2 3\n", "/proc/<pid>/stat", 1),
         (procfs.parse_pid_stat, "8328 (cat) R 1 2\n", "/proc/<pid>/stat", 1),
+        (procfs.parse_schedstat, "62402766 18277020\n", "/proc/<pid>/schedstat", 1),
+        (procfs.parse_schedstat, "a b c\n", "/proc/<pid>/schedstat", 1),
+        (procfs.parse_syscall, "sleeping 0x1\n", "/proc/<pid>/syscall", 1),
+        (procfs.parse_syscall, "", "/proc/<pid>/syscall", 1),
         (procfs.parse_mounts, "/dev/vda /\n", "/proc/self/mounts", 1),
         (procfs.parse_ib_state, "ACTIVE\n", "state", 1),
         (procfs.parse_ib_rate, "fast\n", "rate", 1),

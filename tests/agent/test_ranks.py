@@ -388,6 +388,45 @@ def test_record_pid_must_be_sender_pid(table):
     assert table.snapshot() == []
 
 
+SPINNER = """
+import json, os, sys, threading, time
+from rankguard.contract.telemetry import TelemetryRecord
+from rankguard.client import TelemetrySender
+f = json.loads(sys.argv[2]); f["pid"] = os.getpid(); f["time"] = time.time()
+assert TelemetrySender(sys.argv[1]).send(TelemetryRecord(**f))
+def spin():
+    while True:
+        pass
+if sys.argv[3] == "thread":  # another thread polls (NCCL's proxy), the main one sleeps
+    threading.Thread(target=spin, daemon=True).start()
+    time.sleep(60)
+spin()
+"""
+
+
+def test_the_main_threads_own_state_is_told_apart_from_the_process_cpu(
+    table, receiver, sock_path, children
+):
+    """On NCCL a rank's other threads poll while its main thread waits: the process's CPU
+    says busy either way, the main thread's own run time, state and syscall do not."""
+    for rank, where in ((0, "thread"), (1, "main")):
+        args = [sys.executable, "-c", SPINNER, str(sock_path),
+                json.dumps(fields(rank=rank, local_rank=rank)), where]  # fmt: skip
+        children.append(subprocess.Popen(args))
+    wait_for(lambda: rank_of(table, rank=0) and rank_of(table, rank=1))
+    table.refresh()
+    time.sleep(table.cpu_window * 1.5)
+    table.refresh()
+    waiting, working = rank_of(table, rank=0), rank_of(table, rank=1)
+    assert waiting["cpu_utilization"] > 0.2 and working["cpu_utilization"] > 0.2
+    main = waiting["main_thread"]
+    assert main["utilization"] < 0.05 and main["state"] == "S"
+    assert main["syscall"].isdigit() and main["wchan"]  # asleep in clock_nanosleep
+    busy = working["main_thread"]
+    assert busy["utilization"] > 0.2 and busy["state"] == "R" and busy["syscall"] == "running"
+    assert busy["run_seconds"] > main["run_seconds"] and busy["active_at"] > main["active_at"]
+
+
 # --------------------------------------------------------------------------- table
 
 

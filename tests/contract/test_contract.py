@@ -33,7 +33,13 @@ from rankguard.contract import (
     encode_float,
     json_safe,
 )
-from rankguard.contract.answers import GPU_SOURCES, NODE_STATUSES, RankGpuAnswer, StandInAnswer
+from rankguard.contract.answers import (
+    GPU_SOURCES,
+    NODE_STATUSES,
+    MainThreadAnswer,
+    RankGpuAnswer,
+    StandInAnswer,
+)
 from rankguard.contract.errors import REASONS
 from rankguard.contract.states import STAND_IN_STATES
 from rankguard.contract.telemetry import PHASES
@@ -125,6 +131,7 @@ def rank_answers(draw, incremental: bool) -> RankAnswer:
             )
         ),
         gpu=draw(optional(gpus())),
+        main_thread=draw(optional(main_threads())),
         recent=tuple(draw(st.lists(samples(incremental), max_size=4))),
         recent_from=draw(optional(counts)) if incremental else None,
     )
@@ -140,6 +147,18 @@ def gpus():
         xid_recent=st.dictionaries(st.sampled_from(("13", "48", "79")), counts, max_size=3),
         ecc_uncorrected=optional(counts),
         throttle=st.lists(st.sampled_from(("hw_slowdown", "sw_thermal")), max_size=2).map(tuple),
+    )
+
+
+def main_threads():
+    return st.builds(
+        MainThreadAnswer,
+        state=st.sampled_from("RSDTtZ"),
+        run_seconds=finite,
+        active_at=finite,
+        utilization=optional(finite),
+        wchan=optional(st.sampled_from(("futex_wait_queue", "do_epoll_wait")) | text),
+        syscall=optional(st.sampled_from(("running", "-1", "202", "7"))),
     )
 
 
@@ -302,6 +321,28 @@ def test_a_malformed_ranks_answer_names_its_field(path, value, reason):
     assert err.value.field.startswith(field) and str(err.value).startswith(err.value.field)
 
 
+def test_a_ranks_main_thread_is_optional_and_checked():
+    """An older agent sends no main thread; a bad one is refused naming its field, on the
+    fast path as on the checked one."""
+    answer = valid_ranks_json()
+    assert RanksAnswer.from_json(answer).ranks[0].main_thread is None
+    main = MainThreadAnswer("R", 12.5, 1000.0, 0.98, None, "running")
+    answer["ranks"][0]["main_thread"] = main.to_json()
+    assert RanksAnswer.from_json(over_json(answer)).ranks[0].main_thread == main
+    for key, value, reason in [
+        ("state", "RS", "out_of_range"),
+        ("state", "1", "out_of_range"),
+        ("run_seconds", "12", "bad_type"),
+        ("wchan", "w" * 513, "out_of_range"),
+        ("syscall", 202, "bad_type"),
+    ]:
+        bad = over_json(answer)
+        bad["ranks"][0]["main_thread"][key] = value
+        with pytest.raises(ContractError) as err:
+            RanksAnswer.from_json(bad)
+        assert err.value.reason == reason and err.value.field == f"ranks[0].main_thread.{key}"
+
+
 @pytest.mark.parametrize("name", ["state", "recent", "client_errors", "loss", "seq"])
 def test_a_missing_field_is_named(name):
     answer = valid_ranks_json()
@@ -406,6 +447,8 @@ def test_the_fast_path_reads_exactly_what_the_checked_read_reads(data, increment
         target = rank
         if rank["recent"] and data.draw(st.booleans()):
             target = rank["recent"][0]
+        elif "main_thread" in rank and data.draw(st.booleans()):
+            target = rank["main_thread"]
         name = data.draw(st.sampled_from(sorted(target)))
         target[name] = data.draw(json_values | st.integers(-1, 3) | finite)
     fast, checked = _read_both(RankAnswer, rank, incremental)

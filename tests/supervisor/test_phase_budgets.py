@@ -178,17 +178,26 @@ def test_phases_table_is_type_checked_with_the_key_named(tmp_path):
 
 
 def _dump(main: list[str], save: list[str]) -> str:
-    lines = ['Thread 100 (idle): "MainThread"', *[f"    {f} (x.py:1)" for f in main]]
-    lines += ['Thread 101 (idle): "rankguard-ckpt_0"', *[f"    {f} (y.py:1)" for f in save]]
+    """A py-spy dump of a trainer: its main thread's and its save thread's frames, each a
+    "function (file:line)" line."""
+    lines = ['Thread 100 (idle): "MainThread"', *[f"    {f}" for f in main]]
+    lines += ['Thread 101 (idle): "rankguard-ckpt_0"', *[f"    {f}" for f in save]]
     return "\n".join(lines) + "\n"
 
 
 def test_a_stuck_save_is_blamed_on_the_rank_whose_save_thread_is_not_in_a_collective():
-    waiting = ["wait", "result", "wait", "train_step"]  # the trainer waits for its save
-    stacks = {
-        0: _dump(waiting, ["all_gather_object", "_finish", "_write_and_finish", "run"]),
-        1: _dump(waiting, ["_finish", "_write_and_finish", "run", "_worker"]),  # asleep
-    }
+    waiting = [  # the trainer waits for its save
+        "Condition.wait (threading.py:327)",
+        "Future.result (concurrent/futures/_base.py:451)",
+        "AsyncCheckpointer.wait (rankguard/trainer/checkpoint.py:291)",
+        "train_step (rankguard/trainer/train.py:238)",
+    ]
+    save = ["_finish (rankguard/trainer/checkpoint.py:242)",
+            "_write_and_finish (rankguard/trainer/checkpoint.py:200)",
+            "_WorkItem.run (concurrent/futures/thread.py:58)"]  # fmt: skip
+    gathering = ["all_gather_object (torch/distributed/distributed_c10d.py:2426)", *save]
+    asleep = ["_finish (rankguard/trainer/checkpoint.py:231)", *save[1:]]  # slow storage
+    stacks = {0: _dump(waiting, gathering), 1: _dump(waiting, asleep)}
     assert hang.pick_culprit_from_stacks(stacks) == 1
     # both save threads in the collective, or dumps without save threads: no verdict
     both = {0: stacks[0], 1: stacks[0]}
