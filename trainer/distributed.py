@@ -133,9 +133,9 @@ def init_distributed(environ=os.environ, device_uuid=None) -> DistInfo:
 
 
 def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool, timer) -> nn.Module:
-    """DDP with the timed all-reduce hook, or FSDP2 `fully_shard` per block with timed
-    all-gathers and reduce-scatters."""
-    from ..client import attach_fsdp, timed_allreduce_hook
+    """DDP with the timed all-reduce hook (on DDP's own group, with DDP's arithmetic), or
+    FSDP2 `fully_shard` per block with timed all-gathers and reduce-scatters."""
+    from ..client import attach_ddp, attach_fsdp
 
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -149,7 +149,9 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool, timer) -> nn.Module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    ddp.register_comm_hook(timer, timed_allreduce_hook)
+    reasons: list[str] = []
+    if not attach_ddp(timer, ddp, reasons):  # DDP as it is, untimed: never a changed job
+        log.warning("DDP communication is not timed: %s", ", ".join(reasons))
     return ddp
 
 
