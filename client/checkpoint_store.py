@@ -104,6 +104,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contract import crc
+from ..contract.secrets import SecretFileError, read_secret_file
 
 log = logging.getLogger(__name__)
 
@@ -175,27 +176,9 @@ def load_key(path: str | os.PathLike[str]) -> bytes:
     ``MIN_KEY_BYTES`` long, in a regular file only its owner can read (like the agent token).
     Raises CheckpointError with a one-line reason."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(f"checkpoint key file {path} is not a regular file")
-            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise CheckpointError(
-                    f"checkpoint key file {path} is accessible by group or others (mode "
-                    f"{stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}"
-                )
-            key = _read_fd(fd, _MAX_SMALL_FILE).rstrip()
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise CheckpointError(f"checkpoint key file {path}: {e.strerror or e}") from None
-    if len(key) < MIN_KEY_BYTES:
-        raise CheckpointError(
-            f"checkpoint key file {path}: key shorter than {MIN_KEY_BYTES} bytes "
-            "(make one with: head -c 32 /dev/urandom | base64 > FILE)"
-        )
-    return key
+        return read_secret_file(path, "checkpoint key", MIN_KEY_BYTES, strip=bytes.rstrip)
+    except SecretFileError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def resolve_key(

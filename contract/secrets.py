@@ -60,9 +60,12 @@ def new_secret_file(path: str | os.PathLike[str]) -> str:
     return secret
 
 
-def read_secret_file(path: str | os.PathLike[str], what: str, min_length: int = 16) -> bytes:
-    """The secret in `path` without surrounding whitespace: a regular file only its owner
-    can read, at least `min_length` bytes. SecretFileError with a one-line reason."""
+def read_secret_file(
+    path: str | os.PathLike[str], what: str, min_length: int = 16, strip=bytes.strip
+) -> bytes:
+    """The secret in `path` less surrounding whitespace (`strip`: checkpoint keys keep
+    leading bytes, as they always did): a regular file only its owner can read, at least
+    `min_length` bytes. SecretFileError with a one-line reason."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
@@ -74,7 +77,7 @@ def read_secret_file(path: str | os.PathLike[str], what: str, min_length: int = 
                     f"{what} file {path} is accessible by group or others (mode "
                     f"{stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}"
                 )
-            data = os.read(fd, 64 * 1024).strip()
+            data = strip(os.read(fd, 64 * 1024))
         finally:
             os.close(fd)
     except OSError as exc:
