@@ -53,6 +53,7 @@ from rankguard.agent.rank_events import parse_states
 from rankguard.contract.answers import API_VERSION as AGENT_API
 from rankguard.contract.answers import (
     CollectorStatus,
+    MainThreadAnswer,
     NodeAnswer,
     RankAnswer,
     RankEventAnswer,
@@ -264,6 +265,12 @@ class Cluster:
                 cpu_utilization=1.0 if r.state == "alive" else 0.0,
                 cpu_active_at=now if r.state == "alive" else self.inc_start,
                 records_received=step - self.base_step,
+                main_thread=MainThreadAnswer(
+                    state="R" if r.state == "alive" else "T",
+                    run_seconds=100.0 + now - self.inc_start,
+                    active_at=now if r.state == "alive" else self.inc_start,
+                    utilization=1.0 if r.state == "alive" else 0.0,
+                ),
             ).to_json()  # fmt: skip
             del fields["recent"]  # appended below, as served
             r.header = (key, _dumps(fields)[:-1])  # without the closing brace
