@@ -19,9 +19,18 @@ from ..contract.telemetry import TelemetryError, TelemetryRecord, decode
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports: held together while they are picked, so that two
+    daemons started side by side never get the same one (a port released and picked
+    again at once is a port the kernel may hand out twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def http_json(

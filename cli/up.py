@@ -24,7 +24,7 @@ from ..client.checkpoint_store import KEY_FILE_ENV, CheckpointError, load_key
 from ..contract.secrets import new_secret_file, private_dir_problem
 from . import live_view as lv
 from .keeper import KeptDaemon
-from .local_stack import free_port, holder_up
+from .local_stack import free_ports, holder_up
 from .rendezvous import reachable, torchrun_args
 
 Opt = typer.Option
@@ -401,7 +401,7 @@ def up(
     new_secret_file(rdzv_secret)
     fault_file = run_dir / "faults"
     _private_file(fault_file).close()
-    agent_port, sup_port = free_port(), free_port()
+    agent_port, sup_port, rdzv_port = free_ports(3)  # distinct: each is another daemon's
     agent_url, sup_url = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{sup_port}"
     env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str((run_dir / "telemetry.sock").absolute()),
            "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url,
@@ -431,7 +431,6 @@ def up(
         # survives its restart (trainer/rendezvous.py), as on a cluster's control node
         job = run_dir.name
         if rendezvous is None:
-            rdzv_port = free_port()
             starting.append(_start("rendezvous", ["rendezvous", "--port", str(rdzv_port), "--bind", "127.0.0.1"],
                                    run_dir, daemon_env, lambda: reachable("127.0.0.1", rdzv_port)))  # fmt: skip
             procs.append(starting[-1].proc)
