@@ -10,7 +10,7 @@ derived from the rules, so a changed rule that breaks its meaning fails the test
 
 from __future__ import annotations
 
-from .rules import Targets, alerting_rules
+from .rules import Targets, alerting_rules, runbook_url
 
 AGENT = {"job": "rankguard-agent", "instance": "n1:9407"}
 AGENT2 = {"job": "rankguard-agent", "instance": "n2:9407"}
@@ -335,7 +335,8 @@ def promtool_tests(rules_file: str, targets: Targets | None = None) -> dict:
             "alert_rule_test": [
                 {"eval_time": at, "alertname": name, "exp_alerts": [
                     {"exp_labels": a["labels"],
-                     "exp_annotations": {"summary": a["summary"], "description": descriptions[name]}}
+                     "exp_annotations": {"summary": a["summary"], "description": descriptions[name],
+                                         "runbook_url": runbook_url(name)}}
                     for a in alerts]}
                 for name, evals in case["expect"].items() for at, alerts in evals
             ],

@@ -25,6 +25,14 @@ NODE_INFO = "rankguard:agent_node:info"
 CRITICAL_XIDS = (48, 63, 64, 74, 79, 92, 94, 95, 119, 120)
 THROTTLE_REASONS = "sw_power_cap|hw_slowdown|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake"
 RUNNING = 'rankguard_supervisor_job_state{state=~"running|recovering"} == 1'
+# Every alert links its runbook: the alert's own section of docs/operations.md, whose
+# heading is the alert's name (so its anchor is the name in lower case). Serving the docs
+# site elsewhere: point this at the site's operations page.
+RUNBOOK_BASE = "docs/operations.md"
+
+
+def runbook_url(alert: str, base: str = RUNBOOK_BASE) -> str:
+    return f"{base}#{alert.lower()}"
 
 
 @dataclass(frozen=True)
@@ -346,7 +354,11 @@ def rule_file(t: Targets | None = None) -> dict:
                         "expr": a.expr,
                         "for": a.for_,
                         "labels": {"severity": a.severity},
-                        "annotations": {"summary": a.summary, "description": a.description},
+                        "annotations": {
+                            "summary": a.summary,
+                            "description": a.description,
+                            "runbook_url": runbook_url(a.name),
+                        },
                     }
                     for a in alerting_rules(t)
                 ],

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_harness import prometheus_bin
 
 from rankguard.dashboards import build, yamlout
-from rankguard.dashboards.rules import alerting_rules
+from rankguard.dashboards.rules import alerting_rules, runbook_url
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,8 @@ def alerts_fired_on(samples, instance: str, tmp_path: Path, alert: str, labels: 
                 {"eval_time": "5m", "alertname": alert, "exp_alerts": [
                     {"exp_labels": {"severity": rule.severity, **target, **labels},
                      "exp_annotations": {"summary": summary,
-                                         "description": rule.description}}]}]}]}  # fmt: skip
+                                         "description": rule.description,
+                                         "runbook_url": runbook_url(alert)}}]}]}]}  # fmt: skip
     (tmp_path / "prometheus" / "full.test.yml").write_text(yamlout.dump(test))
     proc = subprocess.run([prometheus_bin("promtool"), "test", "rules", "full.test.yml"],
                           cwd=tmp_path / "prometheus", capture_output=True, text=True)  # fmt: skip
