@@ -2,7 +2,8 @@
 `--fault` and the fault file (docs/faults.md is its one description). Stdlib only.
 
 A fault is `KIND[:key=value]...`, e.g. `kill:rank=1:at=30s`, `nan:rank=0:step=50`,
-`slow:rank=1:factor=2`, `ckpt-delay:rank=1:step=10:seconds=3`, `corrupt-checkpoint`.
+`slow:rank=1:factor=2`, `ckpt-delay:rank=1:step=10:seconds=3`, `native-stall:step=9`,
+`corrupt-checkpoint`.
 
 Each kind says who carries it out:
 
@@ -42,6 +43,9 @@ KINDS: dict[str, Kind] = {
         Kind("stop", (PROCESS,), help="SIGSTOP the rank: alive, frozen (a hang by process state)"),
         Kind("hang", (TRAINER,), help="the rank stops progressing, alive and idle (sleeping)"),
         Kind("spin", (TRAINER,), help="the rank stops progressing, stuck in a busy Python loop"),
+        Kind("native-stall", (TRAINER,), ("seconds",),
+             help="the rank stops progressing, stuck spinning in native code (GIL released), as"
+                  " a host thread waiting on a stuck GPU kernel: forever, or SECONDS"),
         Kind("exception", (TRAINER,), help="the rank raises an exception (a Python-level failure)"),
         Kind("slow", (TRAINER,), ("factor",), help="compute takes FACTOR times as long (a straggler)"),
         Kind("nan", (TRAINER,), help="the rank's loss becomes NaN (bad numerics)"),

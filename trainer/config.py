@@ -11,7 +11,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .faults import KINDS as FAULT_KINDS
 from .faults import FaultSpec, parse_fault_specs
+
+# How the main thread waits for collectives (trainer/spin_wait.py); here, not there, as
+# the configuration is read before torch is imported.
+WAIT_MODES = ("block", "spin")
 
 
 class ConfigError(ValueError):
@@ -191,8 +196,16 @@ class TrainConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     data_workers: int = 0  # DataLoader worker processes (0: load in the training process)
     spike_skip: int = 8  # data steps skipped up to a loss spike after its rollback
+    wait_mode: str = "block"  # "spin": collectives waited by busy-polling (an NCCL stand-in)
 
     def __post_init__(self) -> None:
+        if self.wait_mode not in WAIT_MODES:
+            raise ConfigError(f"--wait-mode ($RANKGUARD_WAIT_MODE) must be block or spin,"
+                              f" not {self.wait_mode!r}")  # fmt: skip
+        if self.wait_mode == "spin" and self.fsdp:
+            # FSDP2 waits for its all-gathers and reduce-scatters inside its own hooks, in C++:
+            # there is no place to poll them from
+            raise ConfigError("--wait-mode spin works with DDP only, not with --fsdp")
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
         if not 0 <= self.data_workers <= 64:
@@ -307,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints every N steps")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard")
     p.add_argument(
+        "--wait-mode",
+        choices=WAIT_MODES,
+        default=None,
+        help="how the main thread waits for collectives: block (sleep in the kernel, as on"
+        " gloo) or spin (busy-poll, using a core, as a rank waiting on NCCL does; DDP only);"
+        " default $RANKGUARD_WAIT_MODE or block",
+    )
+    p.add_argument(
         "--peak-flops",
         type=float,
         help="device peak FLOP/s for MFU (default: the datasheet's dense bf16 figure of a known"
@@ -330,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="inject a fault (also $RANKGUARD_FAULTS, ';'-separated): KIND:step=N[:rank=R]"
-        "[:factor=F][:seconds=S][:restart=K|any]; KIND is kill, hang, spin, slow, nan,"
-        " exception, comm-delay or ckpt-delay (docs/faults.md)",
+        f"[:factor=F][:seconds=S][:restart=K|any]; KIND is {', '.join(FAULT_KINDS)}"
+        " (docs/faults.md)",
     )
     return p
 
@@ -404,6 +425,7 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         telemetry_socket=socket,
         log_every=args.log_every,
         fsdp=args.fsdp,
+        wait_mode=args.wait_mode or environ.get("RANKGUARD_WAIT_MODE") or "block",
         peak_flops=args.peak_flops,
         deterministic=args.deterministic,
         faults=parse_fault_specs(fault_text),

@@ -132,9 +132,12 @@ def init_distributed(environ=os.environ, device_uuid=None) -> DistInfo:
     return DistInfo(rank, local_rank, world_size, local_world, restart_count, device, ckpt_group)
 
 
-def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool, timer) -> nn.Module:
+def wrap_model(
+    model: nn.Module, info: DistInfo, fsdp: bool, timer, wait_mode: str = "block"
+) -> nn.Module:
     """DDP with the timed all-reduce hook (on DDP's own group, with DDP's arithmetic), or
-    FSDP2 `fully_shard` per block with timed all-gathers and reduce-scatters."""
+    FSDP2 `fully_shard` per block with timed all-gathers and reduce-scatters. `wait_mode`
+    "spin": DDP's all-reduce is waited by busy-polling (trainer/spin_wait.py)."""
     from ..client import attach_ddp, attach_fsdp
 
     if fsdp:
@@ -152,6 +155,12 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool, timer) -> nn.Module
     reasons: list[str] = []
     if not attach_ddp(timer, ddp, reasons):  # DDP as it is, untimed: never a changed job
         log.warning("DDP communication is not timed: %s", ", ".join(reasons))
+    if wait_mode == "spin":
+        from .spin_wait import SpinningAllreduce, spinning_allreduce_hook
+
+        # After attach_ddp: the timing keeps this hook as the user's and runs it inside
+        # its own, timed (one registered before would leave DDP untimed).
+        ddp.register_comm_hook(SpinningAllreduce(ddp.process_group), spinning_allreduce_hook)
     return ddp
 
 

@@ -2,9 +2,9 @@
 
 A spec is one of the grammar's trainer faults (`rankguard.contract.faults`, described in
 docs/faults.md): `KIND:step=N[:rank=R][:factor=F][:seconds=S][:restart=K|any]`, KIND one
-of kill, exception, hang, spin, slow, nan, comm-delay, ckpt-delay, load-delay,
-data-stall, poison (`crash` is the old
-name of `kill`: accepted with a deprecation line). `stop` and `corrupt-checkpoint` are
+of kill, exception, hang, spin, native-stall, slow, nan, comm-delay, ckpt-delay,
+load-delay, data-stall, poison (`crash` is the old name of `kill`: accepted with a
+deprecation line). `stop` and `corrupt-checkpoint` are
 done from outside (`rankguard inject`), never by the trainer.
 
 A fault fires only in the incarnation whose torchrun restart count is `restart`
@@ -19,6 +19,7 @@ count: the two differ once a checkpoint directory is reused or nodes have come a
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import signal
@@ -168,6 +169,9 @@ class FaultInjector:
                 time.sleep(3600)
         if self._active("spin", step, from_step=False):
             _spin_forever()
+        stall = self._active("native-stall", step, from_step=False)
+        if stall:
+            _stall_natively(stall.seconds)
 
     def slow_compute(self, step: int, compute_seconds: float) -> float:
         """Sleep (factor - 1) x the natural compute time; the seconds slept, which the
@@ -214,3 +218,15 @@ def _spin_forever() -> None:
     x = 0
     while True:  # stuck in Python: holds the GIL, burns a core
         x = (x + 1) % 1_000_003
+
+
+STALL_ROUND = 100_000  # PBKDF2 iterations a call: about 50 ms in OpenSSL's loop
+
+
+def _stall_natively(seconds: float) -> None:
+    """Stuck in native code, spinning, as a host thread waiting on a GPU kernel that never
+    ends: OpenSSL's PBKDF2 loop runs with the GIL released at about one core, and this
+    frame (not a collective's) is the innermost Python one. Forever when `seconds` is 0."""
+    end = time.monotonic() + seconds if seconds else math.inf
+    while time.monotonic() < end:
+        hashlib.pbkdf2_hmac("sha256", b"rankguard", b"native-stall", STALL_ROUND)

@@ -28,6 +28,7 @@ from .mfu import peak_flops_and_source
 from .model import GPT, parameter_digest
 from .snapshots import TierZero
 from .spikes import HISTORY, data_step, is_spike, plan_skips, read_spikes, record_spike
+from .spin_wait import all_reduce
 from .startup_trace import StartupTrace
 
 log = logging.getLogger("rankguard.trainer")
@@ -138,7 +139,8 @@ class Trainer:
         self.raw_model = GPT(cfg.model).to(info.device)
         self.flops_per_token = self.raw_model.flops_per_token()
         self.timer = self.telemetry.timer
-        self.model = wrap_model(self.raw_model, info, cfg.fsdp, self.timer)
+        self.spin = cfg.wait_mode == "spin"
+        self.model = wrap_model(self.raw_model, info, cfg.fsdp, self.timer, cfg.wait_mode)
         self.optim = build_optimizer(self.model, cfg)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -394,7 +396,7 @@ class Trainer:
             self._judge_loss(s, float(self._pending_loss[s]))
         ok = math.isfinite(float(loss)) and self.spiked_at is None
         flag = torch.tensor([1.0 if ok else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # main thread: the default group
+        all_reduce(flag, op=dist.ReduceOp.MIN, spin=self.spin)  # main thread: the default group
         if flag.item() < 1 and self.info.rank == 0:
             log.error("step %d: non-finite loss or a loss spike, checkpoint skipped", self.step)
         return flag.item() >= 1
@@ -437,7 +439,7 @@ class Trainer:
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )  # a collective under FSDP: every rank calls it
         loss = torch.tensor([self.last_loss if self.last_loss is not None else float("nan")])
-        dist.all_reduce(loss)
+        all_reduce(loss, spin=self.spin)
         return {
             "final_step": self.step,
             "final_loss": loss.item() / self.info.world_size,

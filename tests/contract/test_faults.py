@@ -99,3 +99,14 @@ def test_each_place_takes_what_applies_there():
         g.for_trainer(g.parse("stop:rank=1"))
     with pytest.raises(g.FaultError, match="step=N"):
         g.for_trainer(g.parse("nan:rank=1"))
+
+
+def test_docs_faults_md_has_one_row_per_kind():
+    """docs/faults.md's "Kinds" table and the KINDS table name the same kinds."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "faults.md").read_text()
+    section = doc.split("\n## Kinds\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z-]+)` \|", section, re.M)
+    assert sorted(rows) == sorted(g.KINDS), rows

@@ -60,7 +60,7 @@ def test_exception_fault_fails_the_job(tmp_path):
     assert "InjectedFault: injected exception at step 3" in proc.stderr
 
 
-@pytest.mark.parametrize("kind", ["hang", "spin"])
+@pytest.mark.parametrize("kind", ["hang", "spin", "native-stall"])
 def test_hang_faults_stay_alive_without_progress(tmp_path, kind):
     sock = tmp_path / "t.sock"
     env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str(sock), "OMP_NUM_THREADS": "1"}
