@@ -22,6 +22,11 @@ A record from a new PID for a known ``(job, rank)`` (torchrun restarted the work
 replaces the watched process; the history is kept, each entry carrying its pid and
 restart count.
 
+Evidence. A record with ``progress`` false (the Reporter's flight-recorder wavefront while
+the rank stalls, client/reporter.py) is not progress: it leaves the heartbeat, the history,
+the counters and the step as they were and only sets the rank's ``collectives`` and when
+they came (``collectives_age_seconds`` in ``/v1/ranks``).
+
 Time. Every ``now`` argument and every stored time is on the table's ``clock``:
 ``time.time`` by default, so callers pass ``now=time.time()`` and timestamps in the
 snapshot are Unix times. (An injected monotonic clock works too: the snapshot then
@@ -53,7 +58,7 @@ from ..contract.answers import (
 from ..contract.cursor import Since, answer_fields, new_incarnation, since
 from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
 from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
-from ..contract.telemetry import SPLIT_FIELDS, TelemetryRecord
+from ..contract.telemetry import SPLIT_FIELDS, Collective, TelemetryRecord
 from .control import launcher_identity, launcher_pid, process_uid, stand_in_pid
 from .procfs import ThreadState, read_thread
 from .rank_counters import RankCounters
@@ -480,6 +485,16 @@ class _Rank:
         # the main thread's own (tid == pid): its state letter is the process's stat's
         self.main: tuple[str, ThreadState] | None = None
         self.main_cpu = _Activity(now, None)
+        # the wavefront of this process's newest evidence record, and when it came: a new
+        # process starts without one (its predecessor's says nothing about it)
+        self.collectives: tuple[Collective, ...] = ()
+        self.collectives_at: float | None = None
+
+    def note_collectives(self, record: TelemetryRecord, now: float) -> None:
+        """Keep a record's wavefront; an evidence record (``progress`` false) that names
+        none says the recorder shows nothing."""
+        self.collectives = record.collectives or ()
+        self.collectives_at = now
 
     def observe(self, record: TelemetryRecord, now: float, seq: int = 0) -> None:
         self.record = record
@@ -612,6 +627,10 @@ class _Rank:
             stand_in=self.stand_in.answer(to_unix) if self.stand_in else None,
             gpu=gpu,
             main_thread=self._main_answer(to_unix),
+            collectives=self.collectives,
+            collectives_age_seconds=None
+            if self.collectives_at is None
+            else max(0.0, now - self.collectives_at),
         )
 
     def _main_answer(self, to_unix: float) -> MainThreadAnswer | None:
@@ -770,8 +789,15 @@ class RankTable:
             # A worker found in /proc that now speaks telemetry is that same rank, and from
             # now on a telemetry rank (its steps, phase and heartbeat are known).
             rank.source = "telemetry"
-            self._seq += 1
-            rank.observe(record, now, self._seq)
+            # Evidence (progress false: a stalled rank's wavefront) is no sign of progress:
+            # the heartbeat, history, counters and step stay as they were, or a hung rank
+            # would look alive. A process seen for the first time registers with it as
+            # with any record.
+            if record.progress or events:
+                self._seq += 1
+                rank.observe(record, now, self._seq)
+            if record.collectives is not None or not record.progress:
+                rank.note_collectives(record, now)
             events.append(self._settle(rank, now))
             self._drop_discovered(rank)
         self._emit(events)

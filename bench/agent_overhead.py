@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 import psutil
 
 from rankguard.agent.nvml_double import make_double
+from rankguard.cli.local_stack import Daemon, free_port, http_json
 
 SENDER = """
 import os, sys, time
@@ -109,12 +109,6 @@ def thread_group(name: str) -> str:
     return "other (watchers, XID events)"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 QLEN_FILE = Path("/proc/sys/net/unix/max_dgram_qlen")
 
 
@@ -140,19 +134,12 @@ def _start_agent(tmp: Path, gpus: int | None, python: str) -> tuple[subprocess.P
     if gpus is not None:
         double.write_text(json.dumps(make_double(n_gpus=gpus)))
         nvml_args = ["--nvml-double", str(double)]
-    proc = subprocess.Popen(
-        [python, "-m", "rankguard.cli.main", "agent", "--bind", f"127.0.0.1:{port}",
-         "--interval", "1", "--telemetry-socket", str(sock), *nvml_args,
-         "--ckpt-dir", str(tmp), "--log-level", "warning"],
+    agent = Daemon(  # serving /healthz when it returns
+        ["agent", "--bind", f"127.0.0.1:{port}", "--interval", "1", "--telemetry-socket",
+         str(sock), *nvml_args, "--ckpt-dir", str(tmp), "--log-level", "warning"],
+        tmp / "agent.log", f"http://127.0.0.1:{port}", command=[python, "-m", "rankguard.cli.main"],
     )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(base + "/healthz", timeout=1).read()
-            break
-        except OSError:
-            time.sleep(0.1)
-    return proc, base, sock
+    return agent.proc, agent.url, sock
 
 
 def queue_drops(ranks: dict) -> int:
@@ -181,7 +168,7 @@ def agent_cost(
             receiver = next((t for t, n in names.items() if "receiver" in n), None)
             p = psutil.Process(agent.pid)
             ranks_url = base + "/v1/ranks"
-            ranks0 = json.loads(urllib.request.urlopen(ranks_url).read())
+            ranks0 = http_json(ranks_url, timeout=60)
             accepted0 = ranks0["telemetry"]["accepted"]
             switches0 = thread_switches(agent.pid, receiver) if receiver else 0
             before, threads0, t0 = p.cpu_times(), thread_cpu(agent.pid), time.monotonic()
@@ -189,7 +176,7 @@ def agent_cost(
             after, threads1 = p.cpu_times(), thread_cpu(agent.pid)
             switches1 = thread_switches(agent.pid, receiver) if receiver else 0
             elapsed = time.monotonic() - t0
-            ranks = json.loads(urllib.request.urlopen(ranks_url).read())
+            ranks = http_json(ranks_url, timeout=60)
             cpu = (after.user + after.system - before.user - before.system) / elapsed
             by_group: dict[str, float] = {}
             for tid, spent in threads1.items():
@@ -219,7 +206,7 @@ def agent_cost(
                 latencies[label] = (times[len(times) // 2], times[int(len(times) * 0.99)])
                 sizes[label] = len(body)
             text = gzip.decompress(body) if encoded == "gzip" else body
-            gpus = json.loads(urllib.request.urlopen(base + "/v1/node").read())
+            gpus = http_json(base + "/v1/node", timeout=60)
             gpus = gpus.get("facts", {}).get("gpu", {}).get("count")
         finally:
             for s in senders:

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import tomllib
 
+from rankguard.cli.local_stack import SnapshotHolders
+
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "goodput_train.py"
 STACKS = ("plain", "nvrx", "rankguard", "rankguard-best")
@@ -48,6 +50,7 @@ RESTART_KINDS = ("kill", "stop", "spin", "corrupt_kill")  # no stack can ride th
 SIGNAL_KINDS = ("kill", "stop", "corrupt_kill")
 FILE_KIND = {"spin": "hang", "slow": "slow", "nan": "nan", "stall": "stall"}
 MAX_RESTARTS = 20
+SNAPSHOT_EVERY = 10  # rankguard-best: a tier-0 snapshot every this many steps
 # nvidia-resiliency-ext: its documented heartbeat settings, tuned to this job (see --help)
 NVRX_ARGS = ["--ft-initial-rank-heartbeat-timeout=60", "--ft-rank-heartbeat-timeout=5",
              "--ft-workload-check-interval=1", "--ft-restart-policy=any-failed"]  # fmt: skip
@@ -281,37 +284,24 @@ def stack_cmd(stack: str, d: Path, steps: int, ckpt_every: int) -> tuple[list[st
         return [launcher, *rdzv, *NVRX_ARGS, *script], env
     up = [py, "-m", "rankguard.cli.main", "up", "--nproc", "2", f"--max-restarts={MAX_RESTARTS}",
           "--run-dir", str(d / "up"), "--ckpt-dir", str(d / "ckpt")]  # fmt: skip
-    if stack == "rankguard-best":  # warm workers (trainer/warm.py) and tier-0 snapshots
+    if stack == "rankguard-best":  # warm workers (trainer/warm.py); tier-0 snapshots: holders()
         up.append("--warm-start")
-        a, b = d / "holder-a.sock", d / "holder-b.sock"
-        script += ["--snapshot-holder", str(a), "--snapshot-peers", str(b),
-                   "--snapshot-every", "10"]  # fmt: skip
     return [*up, "--", *script], env
 
 
 @contextlib.contextmanager
 def holders(stack: str, d: Path):
-    """rankguard-best's tier-0 snapshot holders: A (the node's), replicating to B."""
-    procs = []
+    """rankguard-best's tier-0 snapshot holders, A (the node's) replicating to B: yields
+    the training script's flags for them (none for the other stacks)."""
+    if stack != "rankguard-best":
+        yield []
+        return
     try:
-        if stack == "rankguard-best":
-            a, b = d / "holder-a.sock", d / "holder-b.sock"
-            for path, peer in ((b, []), (a, ["--peer", str(b)])):
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "rankguard.cli.main", "snapshot-holder", "run",
-                     "--socket", str(path), *peer],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
-            for path in (a, b):
-                deadline = time.monotonic() + 60
-                while not path.exists():
-                    if time.monotonic() > deadline:
-                        fail(f"snapshot holder {path} did not start")
-                    time.sleep(0.1)
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait()
+        started = SnapshotHolders(d, SNAPSHOT_EVERY)
+    except RuntimeError as exc:
+        fail(str(exc))
+    with started:
+        yield started.args
 
 
 class Progress:
@@ -338,7 +328,8 @@ def run_stack(stack: str, d: Path, params: dict, schedule: list[Fault], steps: i
     d.mkdir(parents=True)
     (d / "faults").mkdir()
     cmd, env = stack_cmd(stack, d, steps, params["ckpt_every"])
-    with holders(stack, d), open(d / "launcher.log", "w") as log:
+    with holders(stack, d) as snapshot_args, open(d / "launcher.log", "w") as log:
+        cmd += snapshot_args  # the script's own flags: the script comes last in every stack
         run = Run(stack, time.time())
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip

@@ -43,19 +43,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rankguard.cli.local_stack import free_port, http_json, wait_until
 from rankguard.contract.secrets import write_secret_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token-0123456789abcdef"
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -91,11 +84,6 @@ def written_at(log: Path) -> dict[int, float]:
             t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
             out[int(m.group(3))] = t + int(m.group(2)) / 1000
     return out
-
-
-def get(url: str, timeout: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
 
 
 def passes_run(base: str) -> int:
@@ -167,17 +155,16 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
             work / "supervisor.log", cpu_set(args.supervisor_cpus),
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:  # serving, and every node seen once
-            try:
-                view = get(base + "/v1/cluster")
-                if sum(n["reachable"] for n in view["nodes"]) == nodes:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or sup.poll() is not None:
-                raise RuntimeError("supervisor did not see every node within 60 s")
-            time.sleep(0.2)
+
+        def every_node_seen() -> bool:  # serving, and every node seen once
+            if sup.poll() is not None:
+                raise RuntimeError(
+                    f"supervisor exited: {(work / 'supervisor.log').read_text()[-2000:]}"
+                )
+            view = http_json(base + "/v1/cluster", timeout=10)
+            return sum(n["reachable"] for n in view["nodes"]) == nodes
+
+        wait_until(every_node_seen, 60, "the supervisor to see every node", interval=0.2)
         time.sleep(args.warmup)
         spies = profile(args, work, {"supervisor": sup.pid, "simulator": sim.pid}, nodes)
         wall0 = time.time()
@@ -199,7 +186,7 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         while more():
             load.append(os.getloadavg()[0])
             try:
-                view = get(base + "/v1/cluster")
+                view = http_json(base + "/v1/cluster", timeout=10)
                 loops[view["time"]] = view["loop_seconds"]
             except (OSError, KeyError):
                 pass

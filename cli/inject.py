@@ -10,10 +10,35 @@ from typing import Annotated
 
 import typer
 
+from rankguard.contract import faults as grammar
+
 Opt = typer.Option
 
 
 SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP"}
+
+
+# The help lists kinds from the grammar's table (contract/faults.py KINDS), never by hand.
+def _kinds(pred) -> list[str]:
+    return [k.name for k in grammar.KINDS.values() if pred(k)]
+
+
+def _takes(key: str) -> str:
+    """The kinds that take `key`, each with its default where it has one: "slow [1.5]"."""
+    out = []
+    for name in _kinds(lambda k: key in k.keys):
+        default = None if key in grammar.KINDS[name].required else getattr(grammar.parse(name), key)
+        out.append(name if default is None else f"{name} [{default:g}]")
+    return ", ".join(out)
+
+
+PROCESS_KINDS = _kinds(lambda k: grammar.PROCESS in k.by)  # signalled now, even kill
+TRAINER_KINDS = _kinds(lambda k: grammar.TRAINER in k.by and grammar.PROCESS not in k.by)
+CHECKPOINT_KINDS = _kinds(lambda k: grammar.CHECKPOINT in k.by)
+
+
+def _no_rank(kind: str) -> str:
+    return f"{kind} (no rank): {grammar.KINDS[kind].help}"
 
 
 class InjectError(Exception):
@@ -82,8 +107,7 @@ def inject(
         str,
         typer.Argument(
             metavar="KIND[:key=value]...",
-            help="kill, stop, hang, spin, slow, nan, exception, comm-delay, ckpt-delay, "
-            "corrupt-checkpoint (docs/faults.md); keys may also be given as options",
+            help=f"{', '.join(grammar.KINDS)} (docs/faults.md); keys may also be given as options",
         ),
     ],
     rank: Annotated[
@@ -102,29 +126,16 @@ def inject(
     fault_file: Annotated[
         Path, Opt(envvar="RANKGUARD_FAULT_FILE", help="the job's fault file (trainer faults)")
     ] = None,  # fmt: skip
-    factor: Annotated[float, Opt(help="slow: compute takes this many times as long [1.5]")] = None,
-    seconds: Annotated[float, Opt(help="comm-delay / ckpt-delay: seconds added")] = None,
+    factor: Annotated[float, Opt(help=f"the factor= of {_takes('factor')}")] = None,
+    seconds: Annotated[float, Opt(help=f"the seconds= of {_takes('seconds')}")] = None,
     ckpt_dir: Annotated[
         Path, Opt(envvar="RANKGUARD_CKPT_DIR", help="corrupt-checkpoint: the job's checkpoints")
     ] = None,
     as_json: Annotated[bool, Opt("--json", help="the result as JSON")] = False,
 ) -> None:
-    """Inject a fault into a running job, now.
-
-    kill / stop: SIGKILL / SIGSTOP the rank through its node agent (any script).
-    hang, spin, slow, nan, exception, comm-delay, ckpt-delay: written to the job's fault
-    file, which the trainer re-reads every step; they fire at --step (default: about two
-    seconds ahead of the rank's current step, at least two steps), in the rank's current
-    incarnation.
-    corrupt-checkpoint: flip a byte in the newest validated checkpoint (no rank).
-    `rankguard inject kill --rank 1` and `rankguard inject kill:rank=1` are the same.
-
-    Exit codes: 0 injected; 2 could not inject (message says why).
-    """
     import ssl
 
     from rankguard.agent.config import AgentConfigError, read_token
-    from rankguard.contract import faults as grammar
     from rankguard.supervisor.agents import AgentClient, AgentError, trust_agents_signed_by
 
     def refuse(message: str) -> typer.Exit:
@@ -176,3 +187,21 @@ def inject(
     except (InjectError, AgentError, AgentConfigError, OSError, ssl.SSLError) as exc:
         raise refuse(str(exc)) from None
     typer.echo(json.dumps(result) if as_json else text)
+
+
+# Typer shows the docstring as the command's help: the kinds come from the table.
+inject.__doc__ = f"""Inject a fault into a running job, now.
+
+{" / ".join(PROCESS_KINDS)}: {" / ".join(SIGNALS[k] for k in PROCESS_KINDS)} the rank through \
+its node agent (any script).
+
+{", ".join(TRAINER_KINDS)}: written to the job's fault file, which the trainer re-reads \
+every step; they fire at --step (default: about two seconds ahead of the rank's current \
+step, at least two steps), in the rank's current incarnation.
+
+{"; ".join(_no_rank(k) for k in CHECKPOINT_KINDS)}.
+
+`rankguard inject kill --rank 1` and `rankguard inject kill:rank=1` are the same.
+
+Exit codes: 0 injected; 2 could not inject (message says why).
+"""

@@ -120,11 +120,16 @@ def start_agent(
 
 
 def start_supervisor(
-    tmp: Path, agent_urls: list[str], db: Path | None = None, **daemon_kw
+    tmp: Path,
+    agent_urls: list[str],
+    db: Path | None = None,
+    extra: list[str] | None = None,
+    **daemon_kw,
 ) -> Daemon:
     port = free_port()
     args = ["supervisor", "--bind", f"127.0.0.1:{port}", "--interval", "0.25",
-            "--db", str(db or tmp / "rankguard.db"), "--token-file", str(tmp / "token")]  # fmt: skip
+            "--db", str(db or tmp / "rankguard.db"), "--token-file", str(tmp / "token"),
+            *(extra or [])]  # fmt: skip
     for url in agent_urls:
         args += ["--agents", url]
     return Daemon(args, tmp / f"supervisor-{port}.log", f"http://127.0.0.1:{port}", **daemon_kw)

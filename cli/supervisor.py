@@ -284,8 +284,21 @@ def incidents(
                                                        for k, v in parts if v is not None))  # fmt: skip
             elif e["what"] == "data skipped" and isinstance(e["detail"].get("text"), str):
                 typer.echo(f"    {e['detail']['text']}")  # a loss spike's batches left out
+        if line := _wavefront_line((inc.get("evidence") or {}).get("wavefront")):
+            typer.echo(f"    {line}")
         if inc.get("verdict"):
             typer.echo(f"    verdict: {inc['verdict']}")
+
+
+def _wavefront_line(wave: object) -> str | None:
+    """The flight recorders' reading of a hang, in one line: the verdict, the group and
+    collective the others wait in, and how far each rank got (supervisor/wavefront.py)."""
+    if not isinstance(wave, dict) or not isinstance(wave.get("reached"), dict):
+        return None
+    reached = ", ".join(f"rank {r} at {s}" for r, s in sorted(
+        wave["reached"].items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0))  # fmt: skip
+    return (f"flight recorder: {wave.get('verdict')} in group {wave.get('pg')}, collective "
+            f"{wave.get('seq')}: {reached}")  # fmt: skip
 
 
 def read_incidents_db(db: Path) -> dict:

@@ -20,6 +20,7 @@ from typing import Annotated
 
 import typer
 
+from ..client import flight_recorder
 from ..client.checkpoint_store import KEY_FILE_ENV, CheckpointError, load_key
 from ..contract.secrets import new_secret_file, private_dir_problem
 from . import live_view as lv
@@ -413,6 +414,12 @@ def up(
     timers: list[threading.Timer] = []
     db = run_dir / "rankguard.db"
     daemon_env = dict(env)  # as started: later additions are for the trainer only
+    # The workers' flight recorders (what the Reporter reads while a rank stalls, and what
+    # NCCL's watchdog dumps on a collective timeout, into the run's folder), unless the
+    # user chose otherwise: client/flight_recorder.py
+    recorder = run_dir / "flight-recorder"
+    _own_dir(recorder, "the flight recorder's folder", private=True)
+    flight_recorder.enable(env, dump_to=str((recorder / "rank_").absolute()))
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         starting = [

@@ -7,6 +7,9 @@ Nothing here blocks on the node agent or raises into training: failures are coun
 - :class:`Reporter`: a few lines in a loop give the agent the step, its phases, loss,
   tokens, and heartbeats during long phases (see :mod:`rankguard.client.reporter`).
 - :class:`TelemetrySender`: the non-blocking datagram sender underneath.
+- :mod:`rankguard.client.flight_recorder`: the rank's wavefront (each process group's last
+  enqueued and completed collective) from torch's flight recorder, which the Reporter
+  sends while the rank stalls; ``enable()`` turns the recorder on before the group exists.
 - :class:`CheckpointStore`: validated checkpoints (manifest, checksums, quarantine,
   keep-K) of a script's own state: ``save(step, state)``, ``resume()``, ``latest()``,
   ``load()``; never validates a state after a NaN/Inf loss. Its on-disk layout is

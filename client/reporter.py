@@ -33,12 +33,28 @@ The Reporter only observes: attaching changes nothing that is communicated, nor 
 group, nor with which arithmetic; training ends bit-identical with and without it. What it
 cannot time is counted in :attr:`Reporter.errors` by why (``attach_*``, ``untimed_*``);
 which collectives are timed is in :mod:`rankguard.client.timing` and ``docs/client.md``.
+
+Stalls (``flight_recorder=True``, the default): built before the process group, the
+Reporter turns torch's flight recorder on (:func:`~.flight_recorder.enable`). A daemon
+thread, ``rankguard-wavefront``, looks every 0.5 s at how long the rank has shown no
+progress (a step begun or reported, a phase announced, a heartbeat sent): one clock read
+while steps flow, nothing else. Once that exceeds ``max(1, 2 x the median of the last 20
+step times)`` seconds, it reads the rank's wavefront (each process group's last enqueued
+and completed collective, :mod:`rankguard.client.flight_recorder`) and sends it in a
+record with ``progress`` false (the current phase and step, as a heartbeat has them):
+evidence for the supervisor, which the agent never takes for progress. While the stall
+lasts it looks again each second: it sends again when the wavefront moved and then held
+still for a look (a rank whose collectives still move is not hung in one), else every
+5 s. It reads the groups' sequence ids alone (a few hundred bytes) and dumps the whole
+recorder only when they changed. It issues no collective and waits on no device: the
+training is the same with it; what fails is counted (``flight_recorder``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import math
 import os
@@ -51,12 +67,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..contract.telemetry import (
+    MAX_DATAGRAM_BYTES,
     MAX_JOB_CHARS,
     PHASES,
     SCHEMA_VERSION,
+    Collective,
+    TelemetryRecord,
+    encode,
     skip_ranges,
     socket_path_from_env,
 )
+from . import flight_recorder
 from .gpu_identity import device_uuid
 from .sender import TelemetrySender
 from .timing import StepTimer, StepTiming, attach_ddp, attach_fsdp, timed_batches
@@ -70,6 +91,18 @@ STEP_PHASES = ("data", "compute", "optimizer", "checkpoint")
 PEAK_MEMORY_EVERY = 5.0  # seconds between reads of the peak memory (sent with every record)
 # seconds a closing Reporter's records wait for room in the agent's queue (TelemetrySender)
 CLOSE_PATIENCE = 1.0
+# The stall watch (rankguard-wavefront): how often it looks at the clock, the shortest
+# stall it reports, how many step times its median takes, how often it reads the recorder
+# while stalled, and how often it repeats an unchanged wavefront.
+STALL_LOOK_SECONDS = 0.5
+STALL_MIN_SECONDS = 1.0
+STALL_STEPS = 20
+STALL_READ_SECONDS = 1.0
+# After this many steps the watch reads the groups' collective timeouts once (a warning when
+# too short); the margin is what the supervisor needs after a stall is reported.
+TIMEOUT_CHECK_STEPS = 3
+TIMEOUT_MARGIN_SECONDS = 2.0
+STALL_REPEAT_SECONDS = 5.0
 
 # Every key Reporter.errors can hold, with what it means (logged at its first count). The
 # attach_* and untimed_* ones say which communication is not timed: it counts as compute.
@@ -86,6 +119,8 @@ _REASONS = {
     "untimed_hsdp_all_reduce": "HSDP's all-reduce across replicas is not timed",
     "untimed_other_groups": "collectives outside the data-parallel group (TP, PP, EP, CP) "
     "are not timed",
+    "flight_recorder": "reading the flight recorder while the rank stalled failed (torch's "
+    "dump raised or gave what could not be read): that wavefront was not sent",
     "internal": "anything else caught on the way",
 }
 #: Every key Reporter.errors can hold.
@@ -318,6 +353,10 @@ class Reporter:
     beat only when the process used CPU or read or wrote since the last beat
     (:class:`ProcessProgress`), so a slow but moving phase stays fresh while a stuck one
     (asleep, blocked) falls silent and meets its budget at once.
+
+    ``flight_recorder``: while the rank stalls, send its flight-recorder wavefront as
+    evidence (see the module's "Stalls"); built before ``init_process_group``, the
+    Reporter turns torch's recorder on (its buffer size, unless the user set one).
     """
 
     def __init__(
@@ -334,6 +373,7 @@ class Reporter:
         heartbeat_limit_seconds: float = 1800.0,
         heartbeat_progress: bool = False,
         environ: Mapping[str, str] | None = None,
+        flight_recorder: bool = True,
     ) -> None:
         env = os.environ if environ is None else environ
         self.errors: dict[str, int] = {}
@@ -368,9 +408,15 @@ class Reporter:
         self._open: Step | None = None
         self._pending: dict[int, tuple[Any, float | None]] = {}
         self._pid = os.getpid()
+        # when the rank last showed progress (perf_counter): the stall watch's one input
+        self._progress_at = time.perf_counter()
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
         self.heartbeat()
         if model is not None:
             self.attach(model)
+        if flight_recorder:
+            self._watch_stalls()
         atexit.register(self._close_quietly)
 
     # -- counters -----------------------------------------------------------------------
@@ -390,6 +436,113 @@ class Reporter:
     @property
     def dropped(self) -> int:
         return self.sender.dropped
+
+    # -- stalls -------------------------------------------------------------------------
+    def _watch_stalls(self) -> None:
+        """Turn the recorder on if no process group exists yet, and start the watch when
+        recording is (or may be) on and records can leave."""
+        try:
+            dist = sys.modules.get("torch.distributed")  # never imported here
+            if dist is None or not (dist.is_available() and dist.is_initialized()):
+                on = flight_recorder.enable()  # torch reads the process's own environment
+            else:  # too late to turn it on: on unless the user turned it off
+                on = flight_recorder.buffer_size() != 0
+            if on and self.sender.enabled:
+                self._watcher = threading.Thread(
+                    target=self._watch, name="rankguard-wavefront", daemon=True
+                )
+                self._watcher.start()
+        except Exception:
+            self._count("flight_recorder")
+
+    def stall_seconds(self) -> float:
+        """How long without progress is a stall: ``max(1, 2 x the median of the last 20
+        step times)``."""
+        times = sorted(t.step_seconds for t in self.timings[-STALL_STEPS:])
+        if not times:
+            return STALL_MIN_SECONDS
+        n = len(times)
+        median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+        return max(STALL_MIN_SECONDS, 2.0 * median)
+
+    def _watch(self) -> None:
+        """The rankguard-wavefront thread (see the module's "Stalls")."""
+        stall = None  # the progress mark of the stall being watched
+        looked = sent_at = 0.0
+        seen = sent = None  # the recorder's status at the last look, and in the last send
+        front: tuple[Collective, ...] = ()
+        timeout_checked = False
+        while not self._watch_stop.wait(STALL_LOOK_SECONDS):
+            if not timeout_checked and len(self.timings) >= TIMEOUT_CHECK_STEPS:
+                timeout_checked = True
+                self._check_timeout()
+            mark = self._progress_at
+            now = time.perf_counter()
+            if now - mark < STALL_MIN_SECONDS:  # steps flow: one clock read, nothing else
+                continue
+            if self.sender.closed or self.current_phase == "done":
+                return
+            if now - mark < self.stall_seconds() or now - looked < STALL_READ_SECONDS:
+                continue
+            if stall != mark:  # a new stall: report it at once
+                stall, seen, sent, front, sent_at = mark, None, None, (), 0.0
+            looked = now
+            try:
+                status = flight_recorder.read_status()
+                if status is None:  # no process group, or a recorder without groups
+                    continue
+                moving, seen = seen is not None and status != seen, status
+                if moving:  # collectives still complete: not hung in one; look again
+                    continue
+                if status != sent:
+                    sent, front = flight_recorder.read()
+                    seen = sent
+                elif now - sent_at < STALL_REPEAT_SECONDS:
+                    continue
+                if front and self._progress_at == mark:
+                    self._send(None, self.last_loss, None, collectives=front)
+                    sent_at = now
+            except Exception:
+                self._count("flight_recorder")
+
+    def _check_timeout(self) -> None:
+        """Warn, once, when a process group of this job times out sooner than rankguard can
+        name a hang's culprit: NCCL's watchdog would then abort the waiting ranks first (a
+        victim dies first; the supervisor keeps its budget under half the timeout, which
+        needs a stall reported and a pass or two after it)."""
+        try:
+            timeouts = [c.timeout_s for c in flight_recorder.read()[1] if c.timeout_s]
+        except Exception:
+            self._count("flight_recorder")
+            return
+        if not timeouts:
+            return
+        slowest = max(t.step_seconds for t in self.timings[-STALL_STEPS:])
+        needed = max(10 * slowest, 2 * (self.stall_seconds() + TIMEOUT_MARGIN_SECONDS))
+        if min(timeouts) < needed:
+            log.warning(
+                "rankguard: a process group of this job times out after %gs, sooner than "
+                "rankguard can name a hung rank (%.0fs: its hang budget, 10x the slowest "
+                "recent step, and half the timeout must leave time to report a stall); the "
+                "watchdog will decide first. Raise timeout= in init_process_group / new_group.",
+                min(timeouts), needed,
+            )  # fmt: skip
+
+    def _fitting(self, record: dict, front: tuple[Collective, ...]) -> list[dict]:
+        """The leading groups of ``front`` (the busiest first) that fit in one datagram
+        with the rest of ``record`` and the sender's counters."""
+        counts = self.sender._error_counts()
+        rest = {**record, "client_errors": counts} if counts else record
+        room = MAX_DATAGRAM_BYTES - 64 - len(encode(TelemetryRecord.from_dict(rest)))
+        room -= len(',"collectives":[]')  # 64 above: a count that appears meanwhile
+        out: list[dict] = []
+        for c in front:
+            item = c.to_json()
+            room -= len(json.dumps(item, separators=(",", ":"), allow_nan=False)) + 1
+            if room < 0:
+                break
+            out.append(item)
+        return out
 
     # -- set-up -------------------------------------------------------------------------
     def attach(self, model: Any) -> Any:
@@ -438,6 +591,7 @@ class Reporter:
             self._count("bad_value")
             step = self.last_step + 1
         s = Step(self, step, tokens)
+        self._progress_at = s._host_start  # a step begun is progress (no clock read)
         try:
             self.timer.begin(step, s._host_start)  # one start for the step and its data wait
             self.timer.mark("compute_start")
@@ -599,6 +753,7 @@ class Reporter:
         with contextlib.suppress(Exception):
             atexit.unregister(self._close_quietly)
         self.sender.patience = CLOSE_PATIENCE  # training is over: waiting costs it nothing
+        self._stop_watch()
         self.flush()
         self.heartbeat("done")
         self.sender.close()
@@ -613,8 +768,17 @@ class Reporter:
                 return
             atexit.unregister(self._close_quietly)
             self.sender.patience = CLOSE_PATIENCE
+            self._stop_watch()
             self.flush()
             self.sender.close()
+
+    def _stop_watch(self) -> None:
+        """End the stall watch; a read it is in finishes first (torch's dump must not run
+        on while the interpreter ends)."""
+        self._watch_stop.set()
+        w = self._watcher
+        if w is not None and w.is_alive() and w is not threading.current_thread():
+            w.join(timeout=2.0)
 
     def __enter__(self) -> Reporter:
         return self
@@ -658,7 +822,12 @@ class Reporter:
         loss: float | None,
         tokens: int | float | None,
         phase: str | None = None,
+        collectives: tuple[Collective, ...] | None = None,
     ) -> None:
+        """One record; with ``collectives``, a stall's evidence (``progress`` false), which
+        is no progress of the rank."""
+        if collectives is None:
+            self._progress_at = time.perf_counter()
         if not self.sender.enabled:  # cheap when telemetry is off: count, build nothing
             self.sender.send({})
             return
@@ -682,8 +851,11 @@ class Reporter:
                 optimizer_seconds=t.optimizer_seconds if t else 0.0,
                 checkpoint_block_seconds=t.checkpoint_block_seconds if t else 0.0,
                 tokens_per_second=tps if math.isfinite(tps) else 0.0, mfu=mfu,
-                peak_memory_bytes=self.peak_memory_bytes(), loss=loss,
-                checkpoint_step=self.checkpoint_step,
+                # evidence comes from the watch thread while the loop may be inside the
+                # allocator: the last reading, not a new one
+                peak_memory_bytes=self.peak_memory_bytes() if collectives is None
+                else (self._peak_memory or (0, False, 0))[2],
+                loss=loss, checkpoint_step=self.checkpoint_step,
             )  # fmt: skip
             if t and tokens and self.flops_per_token > 0:  # FLOPs done: the agent's counter
                 record["flops"] = float(self.flops_per_token * tokens)
@@ -693,9 +865,12 @@ class Reporter:
                 record["compute_wait_seconds"] = t.compute_wait_seconds
             if self.resume_skips:
                 record["resume_skips"] = self.resume_skips
-            uuid = self.gpu_uuid()
+            uuid = self.gpu_uuid() if collectives is None else (self._gpu_uuid or None)
             if uuid is not None:
                 record["gpu_uuid"] = uuid
+            if collectives is not None:
+                record["progress"] = False
+                record["collectives"] = self._fitting(record, collectives)
         except Exception as exc:
             self._count("record")
             self.sender.count_drop("invalid", exc)

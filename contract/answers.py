@@ -28,9 +28,15 @@ from .numbers import decode_float, encode_float
 from .states import LIVE_STATES, RANK_SOURCES, RANK_STATES, STAND_IN_STATES
 from .telemetry import (
     MAX_CLIENT_ERRORS,
+    MAX_COLLECTIVES,
     MAX_JOB_CHARS,
+    MAX_OP_CHARS,
+    MAX_PG_CHARS,
     MAX_REASON_CHARS,
+    MAX_SHAPE_CHARS,
     PHASES,
+    Collective,
+    check_collectives,
     check_skip_ranges,
     is_gpu_uuid,
 )
@@ -39,6 +45,7 @@ __all__ = [
     "API_VERSION",
     "GPU_SOURCES",
     "NODE_STATUSES",
+    "CollectiveAnswer",
     "CollectorStatus",
     "HealthReason",
     "MainThreadAnswer",
@@ -380,6 +387,13 @@ class MainThreadAnswer:
         )
 
 
+#: One process group's place in its collectives, as the rank's flight recorder last showed
+#: it (``pg``, ``desc``, ``enqueued``, ``completed``, ``op``, ``shape``, ``timeout_s``): the
+#: agent passes the rank's own report on, so it is the telemetry contract's class, checked
+#: by the same rules (contract/telemetry.py), not a second definition to drift from it.
+CollectiveAnswer = Collective
+
+
 #: RankAnswer's float fields that may be null (each finite when set), in answer order.
 _RANK_FLOATS = (
     "step_seconds",
@@ -444,6 +458,11 @@ class RankAnswer:
     stand_in: StandInAnswer | None = None  # warm start: the shim torchrun watches
     gpu: RankGpuAnswer | None = None  # the GPU it computes on, when known
     main_thread: MainThreadAnswer | None = None  # its main thread's own state, when readable
+    # its flight recorder's wavefront, from its newest progress=false record (a stall's
+    # evidence), and how old that record is; () and None when it never sent one (or
+    # since its process was replaced)
+    collectives: tuple[CollectiveAnswer, ...] = ()
+    collectives_age_seconds: float | None = None
     recent: tuple[Sample, ...] = ()
     recent_from: int | None = None  # incremental answers: the window's oldest seq
 
@@ -493,6 +512,10 @@ class RankAnswer:
             out["gpu"] = self.gpu.to_json()
         if self.main_thread is not None:  # left out when unknown (gone, an older agent)
             out["main_thread"] = self.main_thread.to_json()
+        if self.collectives:  # left out when none: only a stalled rank sends them
+            out["collectives"] = [c.to_json() for c in self.collectives]
+        if self.collectives_age_seconds is not None:
+            out["collectives_age_seconds"] = _finite_or_none(self.collectives_age_seconds)
         if incremental:
             out["recent_from"] = self.recent_from
         out["recent"] = [s.to_json() for s in self.recent]
@@ -554,6 +577,11 @@ class RankAnswer:
             main_thread=None
             if o.get("main_thread") is None
             else _nested(o, "main_thread", MainThreadAnswer.from_json),
+            # optional on the wire: absent when none, and from an older agent
+            collectives=check_collectives(o.get("collectives")) or (),
+            collectives_age_seconds=_float(o, "collectives_age_seconds", optional=True)
+            if "collectives_age_seconds" in o
+            else None,
             recent=_list(o, "recent", lambda s: Sample.from_json(s, incremental), _MAX_SAMPLES),
             recent_from=_int(o, "recent_from", optional=True) if incremental else None,
         )
@@ -677,6 +705,14 @@ def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
         main = _main_thread_fast(main)
         if main is None:
             return None
+    collectives = o.get("collectives")
+    if collectives is not None:  # a stalled rank's: checked here too
+        collectives = _collectives_fast(collectives)
+        if collectives is None:
+            return None
+    age = o.get("collectives_age_seconds")
+    if age is not None and not _fin(age):
+        return None
     samples = []
     for item in recent:
         sample = _sample_fast(item, incremental)
@@ -698,8 +734,8 @@ def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
         loss=loss, peak_memory_bytes=peak_memory_bytes, checkpoint_step=checkpoint_step,
         cpu_seconds=cpu_seconds, cpu_utilization=cpu_utilization,
         cpu_active_at=cpu_active_at, records_received=records_received, client_errors={},
-        stand_in=None, gpu=gpu, main_thread=main, recent=tuple(samples),
-        recent_from=recent_from,
+        stand_in=None, gpu=gpu, main_thread=main, collectives=collectives or (),
+        collectives_age_seconds=age, recent=tuple(samples), recent_from=recent_from,
     )  # fmt: skip
 
 
@@ -724,6 +760,46 @@ def _main_thread_fast(o: Any) -> MainThreadAnswer | None:
     ):
         return None
     return MainThreadAnswer(state, run, active, util, wchan, syscall)
+
+
+def _text_ok(v: Any, low: int, high: int) -> bool:
+    return type(v) is str and low <= len(v) <= high and v.isprintable()
+
+
+def _collectives_fast(value: Any) -> tuple[CollectiveAnswer, ...] | None:
+    """A wavefront whose every value has its exact type and is in range (Collective's
+    rules, contract/telemetry.py), built without the constructor's checks; None for
+    anything else, which the checked read then accepts or names."""
+    if type(value) is not list or len(value) > MAX_COLLECTIVES:
+        return None
+    out = []
+    for o in value:
+        if type(o) is not dict:
+            return None
+        try:
+            pg, desc, enqueued, completed = o["pg"], o["desc"], o["enqueued"], o["completed"]
+            op, shape, timeout = o["op"], o["shape"], o["timeout_s"]
+        except KeyError:
+            return None
+        if not (
+            _text_ok(pg, 1, MAX_PG_CHARS)
+            and _text_ok(desc, 0, MAX_PG_CHARS)
+            and type(enqueued) is int
+            and -1 <= enqueued < _MAX_INT
+            and type(completed) is int
+            and -1 <= completed < _MAX_INT
+            and (op is None or _text_ok(op, 1, MAX_OP_CHARS))
+            and (shape is None or _text_ok(shape, 0, MAX_SHAPE_CHARS))
+            and (timeout is None or (_fin(timeout) and timeout > 0.0))
+        ):
+            return None
+        c = object.__new__(CollectiveAnswer)  # frozen: filled through its instance dict
+        c.__dict__.update(pg=pg, desc=desc, enqueued=enqueued, completed=completed, op=op,
+                          shape=shape, timeout_s=timeout)  # fmt: skip
+        out.append(c)
+    if len({c.pg for c in out}) != len(out):
+        return None
+    return tuple(out)
 
 
 @dataclass(frozen=True)

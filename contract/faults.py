@@ -46,6 +46,9 @@ KINDS: dict[str, Kind] = {
         Kind("native-stall", (TRAINER,), ("seconds",),
              help="the rank stops progressing, stuck spinning in native code (GIL released), as"
                   " a host thread waiting on a stuck GPU kernel: forever, or SECONDS"),
+        Kind("desync", (TRAINER,),
+             help="the rank issues a broadcast where its peers issue the step's all-reduce:"
+                  " collectives that no longer match (a code bug), and the job hangs"),
         Kind("exception", (TRAINER,), help="the rank raises an exception (a Python-level failure)"),
         Kind("slow", (TRAINER,), ("factor",), help="compute takes FACTOR times as long (a straggler)"),
         Kind("nan", (TRAINER,), help="the rank's loss becomes NaN (bad numerics)"),

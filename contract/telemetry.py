@@ -39,7 +39,19 @@ Rules:
 * ``resume_skips`` (optional) is the data steps the rank's resume skipped (a loss spike's
   window, issue 20), as at most :data:`MAX_SKIP_RANGES` ``[first, last]`` ranges of whole
   numbers ``>= 1``, ascending and apart; the supervisor puts them in the incident that
-  restarted the job.
+  restarted the job;
+* ``collectives`` (optional) is the rank's flight-recorder wavefront: at most
+  :data:`MAX_COLLECTIVES` :class:`Collective` objects, one per process group (distinct
+  ``pg``), each ``{"pg", "desc", "enqueued", "completed", "op", "shape", "timeout_s"}``:
+  ``pg`` the group's name (1..64 printable characters), ``desc`` its description (0..64
+  printable), ``enqueued`` and ``completed`` the last collective sequence ids the rank
+  enqueued and saw complete in it (whole numbers ``>= -1``), ``op`` the enqueued one's
+  name (``None`` or 1..48 printable), ``shape`` its input sizes as compact JSON (``None``
+  or 0..64 printable) and ``timeout_s`` the group's timeout (``None`` or finite ``> 0``;
+  an int is stored as ``float``). The supervisor finds a hang's culprit by them;
+* ``progress`` (optional, default true) is a ``bool``: a record with ``progress`` false is
+  evidence, not progress (the Reporter's wavefront while the rank stalls): the agent keeps
+  its ``collectives`` and when they came, and nothing else (not a heartbeat, not a step).
 
 Unknown extra fields in a datagram are ignored (forward compatible within a schema
 version); a different ``v`` is refused with reason ``wrong_version``.
@@ -62,6 +74,7 @@ from .numbers import decode_float, encode_float
 __all__ = [
     "DEFAULT_SOCKET_PATH",
     "MAX_CLIENT_ERRORS",
+    "MAX_COLLECTIVES",
     "MAX_DATAGRAM_BYTES",
     "MAX_JOB_CHARS",
     "MAX_JSON_DEPTH",
@@ -71,8 +84,10 @@ __all__ = [
     "SCHEMA_VERSION",
     "SOCKET_ENV",
     "SPLIT_FIELDS",
+    "Collective",
     "TelemetryError",
     "TelemetryRecord",
+    "check_collectives",
     "check_skip_ranges",
     "comm_compute_ratio",
     "decode",
@@ -105,6 +120,11 @@ MAX_SKIP_RANGES = 16
 #: A GPU's NVML UUID: GPU-<uuid>, MIG-<uuid>, or the older MIG-GPU-<uuid>/<gi>/<ci>.
 MAX_GPU_UUID_CHARS = 96
 _GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*")
+#: Process groups a record's wavefront may name, and how long its texts may be.
+MAX_COLLECTIVES = 16
+MAX_PG_CHARS = 64
+MAX_OP_CHARS = 48
+MAX_SHAPE_CHARS = 64
 
 
 def is_gpu_uuid(value: Any) -> bool:
@@ -278,6 +298,94 @@ def comm_compute_ratio(comm_seconds: float, compute_seconds: float) -> float:
     return comm_seconds / compute_seconds if compute_seconds > 0 else 0.0
 
 
+def _check_text(name: str, value: Any, low: int, high: int) -> str:
+    if not isinstance(value, str):
+        raise _bad_type(name, "str", value)
+    if not low <= len(value) <= high:
+        raise _out_of_range(name, f"length {len(value)} not in [{low}, {high}]")
+    if not value.isprintable():
+        raise _out_of_range(name, "contains non-printable characters")
+    return value
+
+
+#: A Collective's fields, in wire order (every one present on the wire, ``null`` if none).
+COLLECTIVE_FIELDS = ("pg", "desc", "enqueued", "completed", "op", "shape", "timeout_s")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One process group's place in its sequence of collectives, as a rank's flight
+    recorder shows it (``client/flight_recorder.py``): ``enqueued`` and ``completed`` are
+    the last sequence ids the rank enqueued and saw complete in group ``pg`` (-1: none
+    yet); ``op``, ``shape`` and ``timeout_s`` describe the enqueued one when the recorder
+    still holds it. Validated on construction (:class:`TelemetryError`, field named)."""
+
+    pg: str
+    desc: str
+    enqueued: int
+    completed: int
+    op: str | None = None
+    shape: str | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_text("pg", self.pg, 1, MAX_PG_CHARS)
+        _check_text("desc", self.desc, 0, MAX_PG_CHARS)
+        for name in ("enqueued", "completed"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise _bad_type(name, "int", value)
+            if not -1 <= value < MAX_INT:
+                raise _out_of_range(name, "not in [-1, 2**63)")
+        if self.op is not None:
+            _check_text("op", self.op, 1, MAX_OP_CHARS)
+        if self.shape is not None:
+            _check_text("shape", self.shape, 0, MAX_SHAPE_CHARS)
+        if self.timeout_s is not None:
+            t = _to_float("timeout_s", self.timeout_s)
+            if not (math.isfinite(t) and t > 0.0):
+                raise _out_of_range("timeout_s", f"{t!r} is not a finite number > 0")
+            object.__setattr__(self, "timeout_s", t)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pg": self.pg, "desc": self.desc, "enqueued": self.enqueued,
+                "completed": self.completed, "op": self.op, "shape": self.shape,
+                "timeout_s": self.timeout_s}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Collective:
+        """From its wire object (every field present; unknown ones ignored). Raises
+        :class:`TelemetryError` naming the field."""
+        if not isinstance(obj, Mapping):
+            raise TelemetryError("not_object", f"expected an object, got {type(obj).__name__}")
+        missing = [name for name in COLLECTIVE_FIELDS if name not in obj]
+        if missing:
+            raise TelemetryError("missing_field", f"{missing[0]}: missing", missing[0])
+        return cls(*(obj[name] for name in COLLECTIVE_FIELDS))
+
+
+def check_collectives(value: Any) -> tuple[Collective, ...] | None:
+    """A record's wavefront: Collective objects or their wire objects, at most
+    MAX_COLLECTIVES, distinct groups; None when there are none."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise _bad_type("collectives", "array", value)
+    if len(value) > MAX_COLLECTIVES:
+        raise _out_of_range("collectives", f"{len(value)} groups > {MAX_COLLECTIVES}")
+    out: list[Collective] = []
+    for i, item in enumerate(value):
+        try:
+            # an instance is checked again too: it can be altered after its construction
+            wire = item.to_json() if isinstance(item, Collective) else item
+            out.append(Collective.from_json(wire))
+        except ContractError as e:
+            raise e.within(f"collectives[{i}]") from None
+    if len({c.pg for c in out}) != len(out):
+        raise _out_of_range("collectives", "a process group is named twice")
+    return tuple(out) or None
+
+
 @dataclass(frozen=True)
 class TelemetryRecord:
     """One step of one rank, as the trainer reports it. Validated on construction.
@@ -315,6 +423,8 @@ class TelemetryRecord:
     resume_skips: tuple[tuple[int, int], ...] | None = None
     compute_wait_seconds: float | None = None
     gpu_uuid: str | None = None
+    collectives: tuple[Collective, ...] | None = None
+    progress: bool = True
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
@@ -378,6 +488,9 @@ class TelemetryRecord:
             if not isinstance(uuid, str):
                 raise _bad_type("gpu_uuid", "str", uuid)
             raise _out_of_range("gpu_uuid", f"{uuid[:40]!r} is not a GPU or MIG UUID")
+        out["collectives"] = check_collectives(self.collectives)
+        if not isinstance(self.progress, bool):
+            raise _bad_type("progress", "bool", self.progress)
         return out
 
     @property
@@ -390,6 +503,10 @@ class TelemetryRecord:
         for name in OPTIONAL_FIELDS:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.collectives:  # plain JSON objects, as on the wire
+            out["collectives"] = [c.to_json() for c in self.collectives]
+        if self.progress is False:  # the default (progress) is left out
+            out["progress"] = False
         return out
 
     @classmethod
@@ -413,6 +530,7 @@ class TelemetryRecord:
         return cls(
             **{name: obj[name] for name in REQUIRED_FIELDS},
             **{name: obj.get(name) for name in OPTIONAL_FIELDS},
+            progress=obj.get("progress", True),
         )
 
 
@@ -424,9 +542,12 @@ OPTIONAL_FIELDS: tuple[str, ...] = (
     *OPTIONAL_FLOAT_FIELDS,
     "resume_skips",
     "gpu_uuid",
+    "collectives",
 )
-#: Every field but the optional ones.
-REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if n not in OPTIONAL_FIELDS)
+#: Every field but the optional ones (and ``progress``, whose default is true).
+REQUIRED_FIELDS: tuple[str, ...] = tuple(
+    n for n in FIELD_NAMES if n not in OPTIONAL_FIELDS and n != "progress"
+)
 
 
 def encode(record: TelemetryRecord, *, validate: bool = True) -> bytes:
@@ -514,6 +635,9 @@ def fast_record(obj: dict) -> TelemetryRecord | None:
             return None
         if obj.get("resume_skips") is not None:  # rare (after a rollback): the full path
             return None
+        # evidence records (a stalled rank's wavefront) are rare too
+        if obj.get("collectives") is not None or obj.get("progress", True) is not True:
+            return None
         errors = obj.get("client_errors")
         if errors is not None:
             # a rank whose sends ever failed sends its counters with every record after:
@@ -537,7 +661,7 @@ def fast_record(obj: dict) -> TelemetryRecord | None:
     except KeyError:
         return None
     values.update(job=job, phase=phase, loss=loss, checkpoint_step=cs, client_errors=errors,
-                  resume_skips=None, gpu_uuid=uuid)  # fmt: skip
+                  resume_skips=None, gpu_uuid=uuid, collectives=None, progress=True)  # fmt: skip
     record = object.__new__(TelemetryRecord)
     record.__dict__.update(values)  # frozen: no __setattr__, but a plain instance dict
     return record

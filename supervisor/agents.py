@@ -1,18 +1,18 @@
-"""Talking to agents: concurrent polls with a timeout per agent, and control calls.
+"""Talking to agents: concurrent polls with a timeout per agent, control calls off the
+loop's thread, and the agents file.
 
 A slow or dead agent costs the loop at most one timeout, never the sum of them: every
 agent is polled in parallel and the loop waits for all of them up to the same deadline.
+The HTTP client (`AgentClient`, `AgentError`, the event-driven `get`) lives in
+agent_http.py; its public names are re-exported here, where the CLI imports them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.client
-import json
 import logging
 import queue
-import ssl
 import threading
 import time
 import urllib.parse
@@ -22,121 +22,25 @@ from concurrent.futures import Future, wait
 from dataclasses import replace
 from pathlib import Path
 
-import orjson
-
 from ..contract.answers import NodeAnswer, RanksAnswer
 from ..contract.errors import ContractError
+from .agent_http import (  # noqa: F401  (re-exported: the CLI and tests import them here)
+    MAX_ANSWER_BYTES,
+    AgentClient,
+    AgentError,
+    AsyncConnections,
+    EventLoop,
+    decode_answer,
+    get,
+    trust_agents_signed_by,
+)
 from .state import ClusterObs, NodeObs
 from .windows import NodeWindows
 
 log = logging.getLogger("rankguard.supervisor")
 
-
-# An agent's answer larger than this is refused unread: a healthy node's /v1/ranks is
-# ~140 KB (8 ranks x 64 steps, docs/scaling.md), and one hostile 300 MB answer took the
-# supervisor from 48 MB to 927 MB of memory.
-MAX_ANSWER_BYTES = 4 * 1024 * 1024
 #: Why an agent's answer was refused for who sent it (a bounded label set for counters).
 REFUSED_ANSWERS = ("node_name_taken",)
-
-
-class AgentError(Exception):
-    def __init__(self, url: str, message: str, status: int | None = None):
-        super().__init__(f"{url}: {message}")
-        self.url, self.status = url, status
-
-
-class _Connections:
-    """Idle keep-alive HTTP connections per agent address, shared by every AgentClient
-    (clients are made afresh each pass). A new TCP connection per request was the
-    supervisor's largest cost at 1,024 agents (docs/scaling.md)."""
-
-    def __init__(self, idle_per_agent: int = 2):
-        self.idle_per_agent = idle_per_agent
-        self.tls: ssl.SSLContext | None = None  # verifies https agents; None: system CAs
-        self.generation = 0  # bumped when the trust changes: pools drop older connections
-        self._idle: dict[tuple, list[http.client.HTTPConnection]] = {}
-        self._lock = threading.Lock()
-
-    def take(
-        self, key: tuple, timeout: float, fresh: bool = False
-    ) -> tuple[http.client.HTTPConnection, bool]:
-        """A connection to `key` (scheme, host, port, path), and whether it was used before."""
-        with self._lock:
-            idle = self._idle.get(key)
-            conn = idle.pop() if idle and not fresh else None
-        if conn is not None:
-            conn.timeout = timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
-            return conn, True
-        scheme, host, port, _ = key
-        if scheme == "https":
-            return http.client.HTTPSConnection(host, port, timeout=timeout, context=self.tls), False
-        return http.client.HTTPConnection(host, port, timeout=timeout), False
-
-    def give(self, key: tuple, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(key, [])
-            if len(idle) < self.idle_per_agent:
-                idle.append(conn)
-                return
-        conn.close()
-
-
-_CONNECTIONS = _Connections()
-
-
-def trust_agents_signed_by(ca_file: str | None) -> None:
-    """Verify https agents against this CA bundle (PEM) instead of the system's: the
-    cluster's own CA (docs/security.md). Host names are checked as always."""
-    _CONNECTIONS.tls = None if ca_file is None else ssl.create_default_context(cafile=ca_file)
-    _CONNECTIONS.generation += 1  # the event-driven poller's pools too (agent_io.py)
-    with _CONNECTIONS._lock:  # connections made under the old trust are not reused
-        for idle in _CONNECTIONS._idle.values():
-            for conn in idle:
-                conn.close()
-        _CONNECTIONS._idle.clear()
-
-
-# The agent closed an idle connection before this request reached it: safe to send again.
-_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
-
-
-def _read_capped(resp: http.client.HTTPResponse, limit: int) -> bytes:
-    """The answer's body, or ContractError("too_large") past `limit` bytes: a declared
-    length over the limit is refused unread, an undeclared one (chunked) read to limit + 1."""
-    declared = resp.getheader("Content-Length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        raise ContractError("too_large", f"answer of {int(declared)} bytes (limit {limit})")
-    raw = resp.read(limit + 1)
-    if len(raw) > limit:
-        raise ContractError("too_large", f"answer larger than {limit} bytes")
-    return raw
-
-
-def decode_answer(raw: bytes) -> dict:
-    """JSON of an answer, or ContractError: bad UTF-8, not JSON, or nested deeper than the
-    parser's recursion limit (a 200k-deep answer raised RecursionError out of every pass).
-
-    orjson first (~3x faster than json at ~10 KB an answer, at 1,024 agents a pass); what it
-    refuses (bad UTF-8, deep nesting, NaN literals) is read again by json, which accepts
-    it or gives the reason as before. An integer past 64 bits comes back from orjson as a
-    float: still refused where an integer goes (as a float, not as out of range)."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ContractError("not_utf8", "answer is not UTF-8") from None
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ContractError("not_json", "answer nested too deeply") from None
-    except ValueError:
-        raise ContractError("not_json", "answer is not JSON") from None
 
 
 class BackgroundCalls:
@@ -175,92 +79,6 @@ class BackgroundCalls:
         for _ in self._threads:
             self._queue.put(None)
         self._threads = []
-
-
-class AgentClient:
-    def __init__(
-        self,
-        url: str,
-        token: str | None = None,
-        timeout: float = 2.0,
-        max_answer_bytes: int = MAX_ANSWER_BYTES,
-    ):
-        self.url = url.rstrip("/")
-        self.token = token
-        self.timeout = timeout
-        self.max_answer_bytes = max_answer_bytes
-        parts = urllib.parse.urlsplit(self.url)
-        # one pool per agent URL, path included: agents behind one address (a proxy, the
-        # scale simulator's /agents/<i>) each keep their own connections, as separate hosts
-        # would; keyed by host alone, 1,024 simulated agents shared 2 idle connections and
-        # nearly every poll opened a new one
-        self._key = (parts.scheme, parts.hostname, parts.port, parts.path)
-        self._prefix = parts.path  # e.g. a simulator's /agents/7
-
-    def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {}
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-            if self.token:
-                headers["Authorization"] = f"Bearer {self.token}"
-        for attempt in (1, 2):
-            conn, reused = _CONNECTIONS.take(self._key, timeout or self.timeout, attempt == 2)
-            try:
-                conn.request("GET" if body is None else "POST", self._prefix + path, data, headers)
-                resp = conn.getresponse()
-                raw = _read_capped(resp, self.max_answer_bytes)
-            except _STALE as exc:
-                conn.close()
-                if reused and attempt == 1:
-                    continue
-                raise AgentError(self.url, str(exc) or type(exc).__name__) from None
-            except (OSError, http.client.HTTPException) as exc:  # refused, timed out, garbage
-                conn.close()
-                raise AgentError(self.url, str(exc) or type(exc).__name__) from None
-            except ContractError:
-                conn.close()  # the rest of the answer is still on the wire
-                raise
-            if resp.will_close:
-                conn.close()
-            else:
-                _CONNECTIONS.give(self._key, conn)
-            break
-        if resp.status >= 400:
-            try:
-                message = str(json.loads(raw)["error"]["message"])[:500]
-            except (ValueError, KeyError, TypeError, RecursionError):
-                message = resp.reason
-            raise AgentError(self.url, f"HTTP {resp.status}: {message}", resp.status)
-        return decode_answer(raw)
-
-    def get(self, path: str) -> dict:
-        return self._request(path)
-
-    def post(self, path: str, body: dict, timeout: float | None = None) -> dict:
-        """The `result` of a control call; AgentError for any answer without one (an action
-        is then recorded as failed, never half-understood)."""
-        try:
-            answer = self._request(path, body, timeout)
-        except ContractError as exc:
-            raise AgentError(self.url, f"malformed answer: {exc}") from None
-        result = answer.get("result") if isinstance(answer, dict) else None
-        if not isinstance(result, dict):
-            raise AgentError(self.url, "malformed answer: no 'result' object")
-        return result
-
-    # -- control --------------------------------------------------------------------
-    def signal(self, job: str, rank: int, signal: str) -> dict:
-        return self.post("/v1/control/signal", {"job": job, "rank": rank, "signal": signal})
-
-    def stacks(self, job: str, rank: int) -> dict:
-        result = self.post("/v1/control/stacks", {"job": job, "rank": rank}, timeout=30)
-        if not isinstance(result.get("stacks"), str):
-            raise AgentError(self.url, "malformed answer: 'stacks' is not text")
-        return result
-
-    def stop_job(self, job: str) -> dict:
-        return self.post("/v1/control/stop-job", {"job": job})
 
 
 def poll_node(
@@ -347,7 +165,7 @@ def _wait_all(futures: list[Future], seconds: float) -> None:
 
 class Poller:
     """Polls every agent concurrently, event-driven: one asyncio loop on one thread
-    (agent_io.py), at most `max_in_flight` requests at once, keep-alive connections.
+    (agent_http.py), at most `max_in_flight` requests at once, keep-alive connections.
 
     Ranks change every step and are read on every poll; a node's hardware verdict changes
     rarely and is re-read every `node_interval` seconds, which halves the load the
@@ -368,9 +186,7 @@ class Poller:
     def __init__(
         self, node_interval: float = 1.0, wait_seconds: float = 0.5, max_in_flight: int = 64
     ):
-        from .agent_io import AsyncConnections, EventLoop  # it imports this module
-
-        self._loop = EventLoop()  # every poll runs here, event-driven (agent_io.py)
+        self._loop = EventLoop()  # every poll runs here, event-driven (agent_http.py)
         self._connections = AsyncConnections()
         self.max_in_flight = max_in_flight
         self._slots: asyncio.Semaphore | None = None
@@ -389,8 +205,6 @@ class Poller:
         self.refused: Counter[str] = Counter()  # answers refused for who sent them, by reason
 
     async def _poll_one(self, client: AgentClient, now: float) -> NodeObs:
-        from .agent_io import get
-
         cached = self._node_cache.get(client.url)
         fresh = cached[1] if cached and now - cached[0] < self.node_interval else None
         windows = self._windows.setdefault(client.url, NodeWindows())

@@ -2,23 +2,22 @@
 
 `History` is plain data; `advance(history, obs, cfg)` returns the history after one more
 observation, a new object (the input is left as it was), so the detectors stay pure
-functions of (observation, history). The straggler suspects of the observation are
-computed here once and kept with it (`suspects`, `suspects_at`): the straggler detector
-reads them instead of judging every rank a second time in the same pass.
+functions of (observation, history). What a detector keeps is advanced by the detector
+itself (its registration's `track`); this module names the fields and runs the tracks.
+The straggler suspects of the observation are computed once when the history is advanced
+and kept with it (`suspects`, `suspects_at`): the straggler detector reads them instead of
+judging every rank a second time in the same pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .detectors import DetectorConfig
     from .state import ClusterObs
-
-log = logging.getLogger("rankguard.supervisor.detectors")
 
 
 @dataclass
@@ -44,26 +43,52 @@ class History:
     # step between them (detectors/dead.py)
     restarts_before: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
+    # detector name -> the state of a detector that keeps its own (its registration's
+    # `track` sets it), for one whose state is not a field above
+    state: dict[str, Any] = field(default_factory=dict)
 
 
-def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None) -> History:
-    """The history after this poll.
+def advance(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
+    """The history after this poll: what every detector may read (each incarnation's first
+    step and the jobs' newest incarnations), then each registered detector's own state
+    (its `track`, registration.py), in the registry's order.
 
-    checkpoint_progress[job]: updated when the job's newest validated checkpoint changes
-    (to the step training had reached and the time); kept as is when it did not, or when
-    the job is out of sight this poll (an unreachable node hides it, nothing changed).
-    unreachable_since[url]: the first poll that failed; dropped once the agent answers.
     incarnation_start[job:restart]: the first training step seen of each incarnation.
-    straggler_since[key]: when (time, step) a straggler suspect was first seen, kept while it
-    stays suspect, dropped when it does not.
     restarts_before, restarts[job]: the job's newest incarnation at the last poll and now.
+    The detectors' own: checkpoint_progress (checkpoint.py), unreachable_since
+    (unreachable.py), straggler_since, preempted and the suspects (straggler.py), phases
+    (the hang detector's, phase_budgets.py).
     """
-    from .detectors import DetectorConfig, straggler
-    from .detectors.checkpoint import _max_step, _newest_checkpoint
-    from .detectors.common import incarnation
-    from .phase_budgets import PhaseTrace
-    from .phase_budgets import advance as advance_phases
+    history = dataclasses.replace(
+        history, incarnation_start=_starts(history, obs), **_incarnations(history, obs)
+    )
+    return _track(history, obs, cfg, every_pass_only=False)
 
+
+def advance_every_pass(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
+    """The history after a pass that runs only the per-pass detectors (reconcile.py: the
+    window detectors and their state are paced): the jobs' incarnations and the state of
+    the detectors registered to run every pass."""
+    history = dataclasses.replace(history, **_incarnations(history, obs))
+    return _track(history, obs, cfg, every_pass_only=True)
+
+
+advance_unreachable = advance_every_pass  # its former name: unreachable_since is one of those
+
+
+def _track(
+    history: History, obs: ClusterObs, cfg: DetectorConfig, every_pass_only: bool
+) -> History:
+    # the detectors come with their settings (DetectorConfig.REGISTRY): this module does not
+    # import them, they import it
+    for detector in cfg.REGISTRY:
+        if detector.track is not None and (detector.every_pass or not every_pass_only):
+            history = detector.track(history, obs, cfg)
+    return history
+
+
+def _starts(history: History, obs: ClusterObs) -> dict[str, int]:
+    """incarnation_start after this poll."""
     starts = dict(history.incarnation_start)
     for r in obs.ranks():
         recent = r.recent
@@ -77,64 +102,7 @@ def advance(history: History, obs: ClusterObs, cfg: DetectorConfig | None = None
         for sample in recent:
             key = f"{r.job}:{sample.restart}"
             starts[key] = min(starts.get(key, sample.step), sample.step)
-    history = dataclasses.replace(history, incarnation_start=starts)
-    found, preempted_now = straggler.judge(obs, cfg or DetectorConfig(), history)
-    now_suspect = tuple(found)
-    stragglers = {
-        f.key: history.straggler_since.get(f.key, (obs.time, f.evidence["step"]))
-        for f in now_suspect
-    }
-    preempted = {}
-    for p in preempted_now:
-        since = history.preempted.get(p.key)
-        if since is None:  # once per episode: the rank's raw compute is not the rank's fault
-            log.info(
-                "job %s rank %d on %s is preempted, not a straggler: compute %.2fx its peers'"
-                " but own work %.2fx; run-queue wait %.3fs a step vs peers' %.3fs",
-                p.job, p.rank, p.node, p.ratio, p.own_ratio, p.wait, p.peers_wait,
-            )  # fmt: skip
-        preempted[p.key] = since or (obs.time, p.step)
-    progress = dict(history.checkpoint_progress)
-    for job in obs.jobs():
-        _, ranks = incarnation(obs, job)
-        ckpt, top = _newest_checkpoint(ranks), _max_step(ranks)
-        old = progress.get(job)
-        if top is None or (ckpt is None and old is not None):
-            continue  # nothing new: a restarted rank that has not reported its checkpoint yet
-        if old is None or old[0] != ckpt:
-            progress[job] = (ckpt, top, obs.time)
-
-    unreachable = {
-        n.url: history.unreachable_since.get(n.url, n.observed_at)
-        for n in obs.nodes
-        if not n.reachable
-    }
-    return dataclasses.replace(
-        history,
-        checkpoint_progress=progress,
-        unreachable_since=unreachable,
-        straggler_since=stragglers,
-        preempted=preempted,
-        suspects=now_suspect,
-        suspects_at=obs.time,
-        phases=advance_phases(
-            history.phases or PhaseTrace(), obs, (cfg or DetectorConfig()).hang.phases
-        ),
-        **_incarnations(history, obs),
-    )
-
-
-def advance_unreachable(history: History, obs: ClusterObs, cfg: object = None) -> History:
-    """Only `unreachable_since` after this poll: a pass that runs the per-pass detectors
-    alone (reconcile.py: the window detectors and the rest of the history are paced)."""
-    unreachable = {
-        n.url: history.unreachable_since.get(n.url, n.observed_at)
-        for n in obs.nodes
-        if not n.reachable
-    }
-    return dataclasses.replace(
-        history, unreachable_since=unreachable, **_incarnations(history, obs)
-    )
+    return starts
 
 
 def _incarnations(history: History, obs: ClusterObs) -> dict[str, dict[str, int]]:

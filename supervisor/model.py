@@ -12,7 +12,9 @@ from typing import Any
 
 from .history import History  # noqa: F401  (its own module now; the old import path)
 
-# Finding kinds, one per detector file (supervisor/detectors/<kind-ish>.py).
+# Finding kinds the policy and the incident lifecycle act on by name. Each detector
+# declares the kind it makes in its registration (supervisor/detectors/<name>.py), and
+# detectors.KINDS is these and any other kind a registered detector makes.
 RANK_DEAD = "rank_dead"
 RANK_HUNG = "rank_hung"
 STRAGGLER = "straggler"

@@ -16,11 +16,17 @@ nor the silence right after SIGCONT is taken for a hang.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .detectors.common import check_settings, incarnation, quantile, samples_of
 from .state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
+
+if TYPE_CHECKING:
+    from .detectors import DetectorConfig
+    from .history import History
 
 # The phases with a budget of their own, in the order a start goes through them.
 PHASES = ("init", "checkpoint_load", "first_step", "checkpoint_save", "eval")
@@ -78,8 +84,14 @@ class Budget:
     source: str
     samples: int = 0
     quantile_seconds: float | None = None
+    watchdog_seconds: float | None = None  # source "watchdog": the job's collective timeout
 
     def describe(self, cfg: PhaseBudgetConfig) -> str:
+        if self.source == "watchdog":
+            return (
+                f"{self.seconds:.1f}s ({self.phase}: half the job's {self.watchdog_seconds:g}s "
+                "collective timeout, so that rankguard decides before the watchdog does)"
+            )
         if self.source == "default":
             return f"{self.seconds:.1f}s ({self.phase} default: the job has not shown this phase)"
         if self.source == "earlier steps":
@@ -98,7 +110,8 @@ class Budget:
 
     def to_json(self) -> dict:
         return {"phase": self.phase, "seconds": self.seconds, "source": self.source,
-                "samples": self.samples, "quantile_seconds": self.quantile_seconds}  # fmt: skip
+                "samples": self.samples, "quantile_seconds": self.quantile_seconds,
+                "watchdog_seconds": self.watchdog_seconds}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -175,6 +188,12 @@ def advance(trace: PhaseTrace, obs: ClusterObs, cfg: PhaseBudgetConfig) -> Phase
     return PhaseTrace(
         current=current, durations=durations, suspended_at=suspends, settled_steps=settled
     )
+
+
+def track_phases(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
+    """The hang detector's state after this pass (`History.phases`: `advance`)."""
+    trace = advance(history.phases or PhaseTrace(), obs, cfg.hang.phases)
+    return dataclasses.replace(history, phases=trace)
 
 
 # Ranks read for an incarnation's step times: under DDP every rank takes each step's time,

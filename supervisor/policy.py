@@ -11,7 +11,8 @@ Rules, per finding kind:
 
 - RANK_DEAD: none, torchrun restarts the worker group by itself (crash-loop guard aside).
 - RANK_HUNG: kill the culprit (the rank that never reached the collective the others wait
-  in). When the missing ranks sit behind an unreachable agent (a partition), kill a
+  in). A desync (the flight recorders show ranks at the same collective with a different
+  operation or size: `evidence["desync"]`) stops the job with a verdict instead. When the missing ranks sit behind an unreachable agent (a partition), kill a
   reachable rank (`evidence["restart_via"]`): torchrun then re-forms the job without the
   cut-off node. Without a culprit the decision is ACT_NONE "culprit unknown: capture stacks": the
   loop captures the stacks of the job's ranks, re-runs culprit selection, and calls
@@ -170,6 +171,10 @@ def _dead(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
 
 
 def _hung(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    if f.evidence.get("desync") is True and f.job:
+        # ranks issued different collectives at the same point: a bug a restart repeats
+        why = f"desync, a code bug (no restart): {f.evidence.get('culprit_reason')}"
+        return Decision(f, ACT_STOP_JOB, why, {"job": f.job})
     culprit = _culprit(f)
     via = f.evidence.get("restart_via")
     if culprit is None and isinstance(via, Mapping) and _int(via.get("rank")) is not None:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, BackgroundCalls, Poller
-from .detectors import DETECTORS, DetectorConfig, pick_culprit_from_stacks, run_all
+from .detectors import REGISTRY, DetectorConfig, pick_culprit_from_stacks, run_all
 from .events import apply_deaths
 from .heap import HeapPacer
-from .history import History, advance, advance_unreachable
+from .history import History, advance, advance_every_pass
 from .lifecycle import (
     EV_CAUSED_DEATH,
     EV_RESTARTED,
@@ -60,6 +60,20 @@ EV_RESTART_PHASES = "restart phases"  # timeline event: restart_phases.phases() 
 PHASES_WAIT_SECONDS = 60.0  # how long after a restart its workers' milestones are awaited
 
 
+def _restart_through_any(obs: ClusterObs, ranks: list[RankObs], reason: object) -> dict:
+    """`restart_via` the lowest live rank of a hang nothing names a culprit for."""
+    live = [r for r in ranks if r.state == "alive"]
+    if not live:
+        return {}
+    via = min(live, key=lambda r: r.rank)
+    url = next((n.url for n in obs.nodes if n.node == via.node), None)
+    return {
+        "culprit_reason": f"{reason}; no stack singled out a rank either: restart the job "
+        f"through rank {via.rank}",
+        "restart_via": {"rank": via.rank, "node": via.node, "pid": via.pid, "node_url": url},
+    }
+
+
 def _unnamed_process_hang(f: Finding) -> bool:
     """A hang of ranks without telemetry that neither the process table nor the stacks pin
     on one rank: idle CPU alone is weak evidence (ranks may all wait on I/O or sleep), so it
@@ -94,7 +108,8 @@ def _seen_only_stale(target: Mapping, obs: ClusterObs) -> bool:
 # a death is recorded one pass after it is seen. The others read every rank's step
 # window (statistics over 8,192 ranks x 64 samples at 1,024 nodes: ~1 s of CPU a pass);
 # they are paced (`Supervisor._window_due`) and their findings carried between runs.
-EVERY_PASS = frozenset({"dead", "stand_in", "node", "unreachable", "process_hang"})
+# Which is which, each detector's registration says (`every_pass`).
+EVERY_PASS = frozenset(d.name for d in REGISTRY if d.every_pass)
 
 
 def _finding_of(inc) -> Finding:
@@ -341,20 +356,21 @@ class Supervisor:
         # of a second, and a death waited for them (docs/scaling.md)
         window = not state_only and self._window_due(restarts) and not self.events.settle()
         cpu = time.process_time()
-        self.history = (advance if window else advance_unreachable)(self.history, obs, cfg)
-        every = {name: run_all(obs, self.history, cfg, ((name, detect),))
-                 for name, detect in DETECTORS if name in EVERY_PASS}  # fmt: skip
+        self.history = (advance if window else advance_every_pass)(self.history, obs, cfg)
+        registry = cfg.REGISTRY  # the detectors these settings are of
+        every = {d.name: run_all(obs, self.history, cfg, ((d.name, d.detect),))
+                 for d in registry if d.every_pass}  # fmt: skip
         complete = window
-        for name, detect in DETECTORS if window else ():
-            if name in EVERY_PASS:
+        for d in registry if window else ():
+            if d.every_pass:
                 continue
             if self.events.settle():  # a death came meanwhile: the rest wait a pass
                 complete = False
                 break
-            self._window_findings[name] = run_all(obs, self.history, cfg, ((name, detect),))
+            self._window_findings[d.name] = run_all(obs, self.history, cfg, ((d.name, d.detect),))
         found: list[Finding] = []
-        for name, _ in DETECTORS:  # in their order, as run_all
-            found += every[name] if name in EVERY_PASS else self._window_findings.get(name, [])
+        for d in registry:  # in their order, as run_all
+            found += every[d.name] if d.every_pass else self._window_findings.get(d.name, [])
         if complete:
             # at most half the CPU share for the window detectors: the rest is the
             # polls' and the per-pass detectors' (a death's time to incident)
@@ -411,6 +427,9 @@ class Supervisor:
         culprit = pick_culprit_from_stacks(stacks)
         evidence = {**finding.evidence, "stacks": stacks}
         if culprit is None:
+            # every rank's stack read and none singled out: the evidence is kept, and the job
+            # restarts through one rank rather than wait for the watchdog's timeout
+            evidence.update(_restart_through_any(obs, ranks, evidence.get("culprit_reason")))
             return dataclasses.replace(finding, evidence=evidence)
         evidence["culprit_reason"] = "its stack is the only one not waiting in a collective"
         return dataclasses.replace(finding, rank=culprit, node=nodes[culprit], evidence=evidence)

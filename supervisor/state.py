@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..contract.answers import (
+    CollectiveAnswer,
     MainThreadAnswer,
     NodeAnswer,
     RankAnswer,
@@ -82,6 +83,11 @@ class RankObs:
     # its main thread's own state, run time and where it sleeps (None: an older agent, or
     # unreadable): on NCCL the process's CPU says nothing (detectors/hang.py)
     main_thread: MainThreadAnswer | None = None
+    # its flight recorder's wavefront (each process group's last enqueued and completed
+    # collective), sent while it stalls, and how old that is (aged like the heartbeat);
+    # () and None when it sent none (supervisor/wavefront.py)
+    collectives: tuple[CollectiveAnswer, ...] = ()
+    collectives_age_seconds: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -109,15 +115,19 @@ class RankObs:
             cpu_active_at=a.cpu_active_at, stand_in_pid=shim.pid if shim else None,
             stand_in_state=shim.state if shim else None,
             stand_in_since=shim.state_since if shim else None, resume_skips=a.resume_skips,
-            gpu=a.gpu, main_thread=a.main_thread,
+            gpu=a.gpu, main_thread=a.main_thread, collectives=a.collectives,
+            collectives_age_seconds=a.collectives_age_seconds,
         )  # fmt: skip
 
 
-def _aged_rank(r: RankObs, age: float) -> RankObs:
-    """dataclasses.replace(r, heartbeat_age_seconds=age) without its per-field overhead:
-    every rank of every node is aged on every pass (80 ms a pass at 8,192 ranks)."""
+def _aged_rank(r: RankObs, late: float) -> RankObs:
+    """The rank `late` seconds older (its heartbeat and its wavefront): dataclasses.replace
+    without its per-field overhead, as every rank of every node is aged on every pass (80 ms
+    a pass at 8,192 ranks)."""
     new = object.__new__(RankObs)
-    new.__dict__.update(r.__dict__, heartbeat_age_seconds=age)
+    new.__dict__.update(r.__dict__, heartbeat_age_seconds=r.heartbeat_age_seconds + late)
+    if r.collectives_age_seconds is not None:
+        new.__dict__["collectives_age_seconds"] = r.collectives_age_seconds + late
     return new
 
 
@@ -170,8 +180,8 @@ class NodeObs:
         pressure = self.telemetry_pressure_age
         return replace(self, telemetry_pressure_age=None if pressure is None else pressure + late,
                        ranks=tuple(
-            _aged_rank(r, r.heartbeat_age_seconds + late)
-            if r.heartbeat_age_seconds is not None else r for r in self.ranks
+            _aged_rank(r, late) if r.heartbeat_age_seconds is not None else r
+            for r in self.ranks
         ))  # fmt: skip
 
     @classmethod

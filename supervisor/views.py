@@ -15,8 +15,8 @@ from ..contract.metrics import JOB_LABEL
 from ..service.httpd import REFUSALS
 from ..service.version import VERSION
 from .agents import REFUSED_ANSWERS
+from .detectors import KINDS
 from .lifecycle import JOB_STATES
-from .model import KINDS
 from .stacks import SKIPS as STACK_SKIPS
 
 VERDICTS = ("healthy", "degraded", "unhealthy")

@@ -197,6 +197,7 @@ class TrainConfig:
     data_workers: int = 0  # DataLoader worker processes (0: load in the training process)
     spike_skip: int = 8  # data steps skipped up to a loss spike after its rollback
     wait_mode: str = "block"  # "spin": collectives waited by busy-polling (an NCCL stand-in)
+    pg_timeout: float | None = None  # the process groups' collective timeout (torch's default)
 
     def __post_init__(self) -> None:
         if self.wait_mode not in WAIT_MODES:
@@ -206,6 +207,8 @@ class TrainConfig:
             # FSDP2 waits for its all-gathers and reduce-scatters inside its own hooks, in C++:
             # there is no place to poll them from
             raise ConfigError("--wait-mode spin works with DDP only, not with --fsdp")
+        if self.pg_timeout is not None and not 0 < self.pg_timeout <= 86400:
+            raise ConfigError("--pg-timeout must be in (0, 86400] seconds")
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
         if not 0 <= self.data_workers <= 64:
@@ -328,6 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
         " default $RANKGUARD_WAIT_MODE or block",
     )
     p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the process groups' collective timeout: a collective waiting longer fails (NCCL's"
+        " watchdog aborts the rank); default torch's (10 min on NCCL, 30 min on gloo)",
+    )
+    p.add_argument(
         "--peak-flops",
         type=float,
         help="device peak FLOP/s for MFU (default: the datasheet's dense bf16 figure of a known"
@@ -426,6 +437,7 @@ def config_from_args(argv: list[str] | None = None, environ=os.environ) -> Train
         log_every=args.log_every,
         fsdp=args.fsdp,
         wait_mode=args.wait_mode or environ.get("RANKGUARD_WAIT_MODE") or "block",
+        pg_timeout=args.pg_timeout,
         peak_flops=args.peak_flops,
         deterministic=args.deterministic,
         faults=parse_fault_specs(fault_text),

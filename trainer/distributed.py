@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -92,8 +93,11 @@ def agree_backend(
     return backend, why or None
 
 
-def init_distributed(environ=os.environ, device_uuid=None) -> DistInfo:
-    """Join torchrun's process group; without torchrun, become a group of one."""
+def init_distributed(
+    environ=os.environ, device_uuid=None, timeout: float | None = None
+) -> DistInfo:
+    """Join torchrun's process group; without torchrun, become a group of one. `timeout`:
+    the groups' collective timeout in seconds (None: torch's default)."""
     if "RANK" not in environ:  # plain `python -m rankguard.trainer`
         environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -105,6 +109,7 @@ def init_distributed(environ=os.environ, device_uuid=None) -> DistInfo:
     restart_count = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     store = _attempt_store(environ, rank, world_size, restart_count)
+    pg_timeout = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     if torch.cuda.is_available():
         from ..client.gpu_identity import device_uuid as uuid_of
 
@@ -127,8 +132,9 @@ def init_distributed(environ=os.environ, device_uuid=None) -> DistInfo:
         rank=rank,
         world_size=world_size,
         device_id=device if backend != "gloo" and device.type == "cuda" else None,
+        **pg_timeout,
     )
-    ckpt_group = dist.new_group(backend="gloo")
+    ckpt_group = dist.new_group(backend="gloo", **pg_timeout)
     return DistInfo(rank, local_rank, world_size, local_world, restart_count, device, ckpt_group)
 
 

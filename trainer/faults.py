@@ -172,6 +172,8 @@ class FaultInjector:
         stall = self._active("native-stall", step, from_step=False)
         if stall:
             _stall_natively(stall.seconds)
+        if self._active("desync", step, from_step=False):
+            _desync()
 
     def slow_compute(self, step: int, compute_seconds: float) -> float:
         """Sleep (factor - 1) x the natural compute time; the seconds slept, which the
@@ -230,3 +232,13 @@ def _stall_natively(seconds: float) -> None:
     end = time.monotonic() + seconds if seconds else math.inf
     while time.monotonic() < end:
         hashlib.pbkdf2_hmac("sha256", b"rankguard", b"native-stall", STALL_ROUND)
+
+
+def _desync() -> None:
+    """A collective its peers do not issue at this point: they are about to all-reduce the
+    step's first gradient bucket, this rank broadcasts instead, with the same sequence id.
+    On gloo both wait for good, as NCCL's would until its watchdog."""
+    import torch
+    import torch.distributed as dist
+
+    dist.broadcast(torch.zeros(1), src=0)

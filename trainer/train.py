@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ..client import Reporter, StepTiming
+from ..client import Reporter, StepTiming, flight_recorder
 from . import announce
 from .checkpoint import AsyncCheckpointer
 from .config import ConfigError, TrainConfig, config_from_args
@@ -518,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.deterministic:
         enable_determinism()
-    info = init_distributed()
+    flight_recorder.enable()  # before the process group: its wavefront names a hang's culprit
+    info = init_distributed(timeout=cfg.pg_timeout)
     trace.mark("process_group")
     ended = False
     try:

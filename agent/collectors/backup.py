@@ -1,6 +1,6 @@
 """Checkpoint backup collector: the backup tier's state, from the status file the trainer's
 rank 0 keeps in the checkpoint directory (``backup-status.json``: copies made and failed,
-consecutive failures, the newest step backed up; see client/checkpoint_store.py).
+consecutive failures, the newest step backed up; see client/checkpoint_store/backup.py).
 
 The file lives in the *disk* tier because a full or failing backup target cannot hold it.
 No file (no backup tier configured, or none yet) exports failing 0 and no counters, so

@@ -8,17 +8,19 @@ the interval: the estimate can be lax (late in a long run), never too strict, so
 healthy job never alarms. A tighter estimate needs the step of the previous checkpoint,
 which `History` does not keep (the finding says how the gap was estimated).
 
-`advance_history` (now `supervisor/history.py`) carries facts from poll to poll.
+`track` carries the job's checkpoint progress from poll to poll (`History.checkpoint_progress`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import CHECKPOINT_STALE, Finding, History
 from ..state import LIVE_STATES, ClusterObs, RankObs
 from .common import check_settings, incarnation, positive
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -89,8 +91,20 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
     return out
 
 
-def advance_history(history: History, obs: ClusterObs, cfg=None) -> History:
-    """The history after this poll: `supervisor/history.py`, where it lives now."""
-    from ..history import advance
+def track(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
+    """checkpoint_progress[job]: updated when the job's newest validated checkpoint changes
+    (to the step training had reached and the time); kept as is when it did not, or when
+    the job is out of sight this poll (an unreachable node hides it, nothing changed)."""
+    progress = dict(history.checkpoint_progress)
+    for job in obs.jobs():
+        _, ranks = incarnation(obs, job)
+        ckpt, top = _newest_checkpoint(ranks), _max_step(ranks)
+        old = progress.get(job)
+        if top is None or (ckpt is None and old is not None):
+            continue  # nothing new: a restarted rank that has not reported its checkpoint yet
+        if old is None or old[0] != ckpt:
+            progress[job] = (ckpt, top, obs.time)
+    return dataclasses.replace(history, checkpoint_progress=progress)
 
-    return advance(history, obs, cfg)
+
+DETECTOR = Detector("checkpoint", CHECKPOINT_STALE, CheckpointConfig, detect, track=track)

@@ -28,6 +28,7 @@ from .common import (
     node_url,
     samples_of,
 )
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -156,3 +157,6 @@ def _first_slow(steps: list[StepSample], reference: float, c: DataStallConfig) -
         elif first is not None:
             break
     return first if first is not None else steps[-1].step
+
+
+DETECTOR = Detector("data_stall", DATA_STALL, DataStallConfig, detect)

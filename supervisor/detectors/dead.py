@@ -8,7 +8,9 @@ rank can die and be replaced between two polls, and its death shows only there.
 
 One finding per failed incarnation, naming the first rank to die: when one rank dies,
 torchrun tears down the others within a moment, and those deaths are consequences, not
-faults of their own (they are listed in the evidence).
+faults of their own (they are listed in the evidence). Except when the first died waiting
+in a collective that the flight recorders show another rank never enqueued: a collective
+timeout (`nccl_timeout`), whose culprit is that other rank, alive or not.
 """
 
 from __future__ import annotations
@@ -18,10 +20,17 @@ from typing import TYPE_CHECKING
 
 from ..model import RANK_DEAD, Finding, History
 from ..state import DEAD_STATES, ClusterObs, RankObs
+from ..wavefront import BEHIND, FRESH_SECONDS, Wavefront, read_wavefront
 from .common import gpu_note, incarnation, node_url
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+
+# The cause of a death by collective timeout (the watchdog's SIGABRT on NCCL, a timeout
+# error on gloo), named after the rank the dead one waited for.
+NCCL_TIMEOUT = "nccl_timeout"
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
         dead = [r for r in ranks if r.state in DEAD_STATES]
         if dead:
             first = _first(dead, obs.time)
-            out.append(_finding(first, node_url(obs, first.node), dead))
+            out.append(_finding(first, node_url(obs, first.node), dead, obs, ranks))
         # A warm restart can die and come back between two polls: the incarnations the
         # last poll saw current and this one sees replaced are judged by their dead too.
         # (Ranks our own action ended are attributed to its incident: lifecycle.attribute.)
@@ -56,7 +65,30 @@ def _first(dead: list[RankObs], now: float) -> RankObs:
     return min(dead, key=lambda r: (r.exited_at if r.exited_at is not None else now, r.rank))
 
 
-def _finding(r: RankObs, url: str | None, dead: list[RankObs]) -> Finding:
+def timed_out_behind(
+    first: RankObs, ranks: list[RankObs], now: float
+) -> tuple[RankObs, Wavefront] | None:
+    """The rank the first to die was waiting for, when it died waiting in a collective:
+    NCCL's watchdog (or a gloo timeout) ends the ranks that wait, never the one they wait
+    for, so the first death is a victim. Read from the wavefronts the ranks sent while
+    the job was stalled, before the death."""
+    if first.exited_at is None:
+        return None
+    wave = read_wavefront(ranks, max_age=max(0.0, now - first.exited_at) + FRESH_SECONDS)
+    if wave is None or wave.verdict != BEHIND or len(wave.ranks) != 1:
+        return None
+    mine = {c.pg: c for c in first.collectives}
+    waiting = mine.get(wave.pg)
+    if waiting is None or waiting.enqueued <= waiting.completed or wave.ranks[0] == first.rank:
+        return None
+    culprit = next((r for r in ranks if r.rank == wave.ranks[0]), None)
+    return (culprit, wave) if culprit is not None else None
+
+
+def _finding(r: RankObs, url: str | None, dead: list[RankObs], obs=None, ranks=()) -> Finding:
+    timeout = timed_out_behind(r, list(ranks), obs.time) if obs is not None else None
+    if timeout is not None:
+        return _timeout_finding(r, dead, timeout, obs)
     gpu, gpu_clause = gpu_note(r)
     return Finding(
         kind=RANK_DEAD,
@@ -79,3 +111,41 @@ def _finding(r: RankObs, url: str | None, dead: list[RankObs]) -> Finding:
             **gpu,
         },
     )
+
+
+def _timeout_finding(
+    first: RankObs, dead: list[RankObs], timeout: tuple[RankObs, Wavefront], obs: ClusterObs
+) -> Finding:
+    """A death by collective timeout, named after the rank it waited for."""
+    culprit, wave = timeout
+    gpu, gpu_clause = gpu_note(culprit)
+    return Finding(
+        kind=RANK_DEAD,
+        key=f"rank_dead:{first.job}:{first.restart}",
+        severity="critical",
+        summary=f"job {first.job} rank {first.rank} on {first.node} died ({first.state}) "
+        f"waiting in collective {wave.seq} of group {wave.pg}: a collective timeout "
+        f"(nccl_timeout); culprit rank {culprit.rank} on {culprit.node}, which never "
+        f"enqueued it (step {culprit.step}, phase {culprit.phase}){gpu_clause}",
+        job=first.job,
+        node=culprit.node,
+        rank=culprit.rank,
+        occurred_at=first.exited_at,
+        evidence={
+            "cause": NCCL_TIMEOUT,
+            "first_to_die": {"rank": first.rank, "node": first.node, "pid": first.pid},
+            "state": first.state,
+            "pid": culprit.pid,
+            "step": culprit.step,
+            "phase": culprit.phase,
+            "restart": first.restart,
+            "node_url": node_url(obs, culprit.node),
+            "culprit_reason": f"flight recorder: {wave.detail}",
+            "wavefront": wave.to_json(),
+            "dead_ranks": {str(d.rank): {"state": d.state, "exited_at": d.exited_at} for d in dead},
+            **gpu,
+        },
+    )
+
+
+DETECTOR = Detector("dead", RANK_DEAD, DeadConfig, detect, every_pass=True)

@@ -37,8 +37,10 @@ from ..phase_budgets import (
     earlier_step_times,
     rank_phase,
     suspended,
+    track_phases,
 )
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
+from ..wavefront import BEHIND, DESYNC, Wavefront, fresh, read_wavefront
 from .common import (
     at_least,
     check_settings,
@@ -49,6 +51,7 @@ from .common import (
     quantile,
     samples_of,
 )
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -84,6 +87,8 @@ class HangConfig:
 # The socket's pressure must be this fresh, and the main thread's CPU activity too, for a
 # silence to count as records lost rather than progress stopped.
 PRESSURE_RECENT_SECONDS = 5.0
+WATCHDOG_SHARE = 0.5  # of the job's collective timeout: the most a hang budget may be
+SURVIVORS = "survivors of a death"  # decided_by of a hang behind a dead rank
 BUSY_RECENT_SECONDS = 5.0
 
 
@@ -135,6 +140,21 @@ def phase_budget(
     return b
 
 
+def under_watchdog(budgets: dict[int, Budget], live: list[RankObs]) -> dict[int, Budget]:
+    """The budgets kept below the job's own collective timeout, which the ranks' wavefronts
+    carry: past it, NCCL's watchdog aborts the waiting ranks (a victim dies first, the
+    culprit is harder to name), so rankguard must decide by WATCHDOG_SHARE of it."""
+    timeouts = [c.timeout_s for r in live if fresh(r) for c in r.collectives if c.timeout_s]
+    if not timeouts:
+        return budgets
+    watchdog = min(timeouts)
+    cap = WATCHDOG_SHARE * watchdog
+    return {
+        rank: b if b.seconds <= cap else Budget(b.phase, cap, "watchdog", watchdog_seconds=watchdog)
+        for rank, b in budgets.items()
+    }
+
+
 def _overdue(r: RankObs, budget: float, since_suspend: float) -> bool:
     # time the whole job spent suspended is not silence (a SIGCONT'ed rank reports soon)
     return (
@@ -144,8 +164,7 @@ def _overdue(r: RankObs, budget: float, since_suspend: float) -> bool:
 
 def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace) -> Finding | None:
     restart, ranks = incarnation(obs, job)
-    if any(r.state in DEAD_STATES for r in ranks):
-        return None  # a death explains the stop: the dead detector reports it
+    dead = [r for r in ranks if r.state in DEAD_STATES]
     if any(r.source == "process" for r in ranks):
         return None  # no steps to judge by: detectors/process_hang.py watches these
     live = [r for r in ranks if r.state in LIVE_STATES]
@@ -161,8 +180,16 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
     source = "earlier steps" if earlier and q is not None else "steps"
     phase_of = {r.rank: rank_phase(r, restart) for r in live}
     budgets = {r.rank: phase_budget(phase_of[r.rank], train, cfg, trace, job, source) for r in live}
-    evidence = _evidence(obs, live, phase_of, cfg.hang.phases, since_suspend)
-    if evidence is not None:
+    budgets = under_watchdog(budgets, live)
+    behind: dict = {}
+    wave = None
+    if dead:  # a death explains the stop (the dead detector reports it), unless it lasts
+        survivors = _survivors_of(obs, dead, live, budgets, since_suspend)
+        if survivors is None:
+            return None
+        culprit, decided_by, (reason, behind) = None, SURVIVORS, survivors
+        hung_phase = phase_of[behind["restart_via"]["rank"]]
+    elif (evidence := _evidence(obs, live, phase_of, cfg.hang.phases, since_suspend)) is not None:
         culprit, reason, decided_by = evidence
         hung_phase = phase_of[culprit.rank]
     else:
@@ -173,13 +200,21 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
         pressure = {n.node: n.telemetry_pressure_age for n in obs.nodes}
         if all(records_lost_while_busy(obs.time, r, pressure.get(r.node)) for r in judged):
             return None  # missing evidence, not evidence of a hang
-        culprit, reason = pick_culprit(live, cfg)
+        culprit, reason = pick_culprit(live, cfg, wave := read_wavefront(live))
         decided_by = "budget"
         phases = [phase_of[r.rank] for r in judged]
         hung_phase = max(set(phases), key=lambda p: (phases.count(p), str(p)))
-    behind: dict = {}
-    if culprit is None:
+    if culprit is None and not behind:
         reason, behind = _behind_unreachable(obs, ranks) or (reason, {})
+    if wave is not None:
+        behind["wavefront"] = wave.to_json()
+        if wave.verdict == DESYNC:
+            behind["desync"] = True  # a code bug: the policy stops the job with a verdict
+        if culprit is None and not behind.get("restart_via"):
+            # a desync of two (which side is wrong cannot be told), below the ranks, or a
+            # chain with no end in view: nothing blames one rank; the stacks may still,
+            # else the job restarts (_refine), but for a desync, which stops it
+            reason = f"flight recorder: {wave.detail}"
     steps = [r.step for r in live if r.step is not None]
     min_step = min(steps) if steps else None
     ages = [r.heartbeat_age_seconds for r in live if r.heartbeat_age_seconds is not None]
@@ -187,9 +222,13 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
     phases = [r.phase for r in live]
     phase = max(set(phases), key=lambda p: (phases.count(p), str(p)))
     blame = f"culprit rank {culprit.rank} ({reason})" if culprit else f"no culprit yet: {reason}"
+    if behind.get("desync"):
+        blame = f"desync, a code bug: {reason}"
     deciding = budgets[culprit.rank] if culprit else _phase_budget_of(budgets, phase_of, hung_phase)
-    if decided_by == "budget":
-        why = f"every rank silent past its budget, {deciding.describe(cfg.hang.phases)}"
+    if decided_by in ("budget", SURVIVORS):
+        who = "every rank" if decided_by == "budget" else "every live rank after a death"
+        why = f"{who} silent past its budget, {deciding.describe(cfg.hang.phases)}"
+        blame = reason if decided_by == SURVIVORS else blame
     else:
         why = f"{decided_by} for over {cfg.hang.phases.confirm_seconds:g}s (no budget needed)"
     gpu, gpu_clause = gpu_note(culprit)
@@ -229,7 +268,7 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
                 str(r.rank): r.main_thread.to_json() for r in live if r.main_thread is not None
             },
             "culprit_reason": reason,
-            "stacks_needed": culprit is None and not behind,
+            "stacks_needed": culprit is None and not ({"restart_via", "desync"} & behind.keys()),
             **_culprit_process(obs, culprit),
             **behind,
             **gpu,
@@ -241,6 +280,43 @@ def _phase_budget_of(budgets: dict, phase_of: dict, phase: str | None) -> Budget
     return next(
         (budgets[k] for k, p in phase_of.items() if p == phase), next(iter(budgets.values()))
     )
+
+
+def _survivors_of(
+    obs: ClusterObs,
+    dead: list[RankObs],
+    live: list[RankObs],
+    budgets: dict[int, Budget],
+    since_suspend: float,
+) -> tuple[str, dict] | None:
+    """A rank died and the live ranks of its incarnation are stuck waiting for it. On gloo
+    they fail their collective within milliseconds and torchrun re-forms the job; on NCCL
+    they spin until the watchdog's timeout (10 minutes by default), and a survivor whose
+    node's launcher was stopped (an excluded node) can leave them waiting for good. Once
+    the latest death is older than the survivors' budget and every survivor is silent past
+    its own, ending one (the lowest rank: `restart_via`, as for a partition) makes its
+    torchrun re-form the job, with the crash-loop guard and the restart budget applying as
+    to any restart. The culprit is the dead rank, already reported; none is named here."""
+    died_at = [r.state_since for r in dead if r.state_since is not None]
+    judged = [r for r in live if r.state != "stopped"]
+    if not died_at or not judged:
+        return None
+    since_death = obs.time - max(died_at)
+    if since_death < max(budgets[r.rank].seconds for r in judged):
+        return None
+    if not all(_overdue(r, budgets[r.rank].seconds, since_suspend) for r in judged):
+        return None
+    via = min(judged, key=lambda r: r.rank)
+    names = ", ".join(str(r.rank) for r in sorted(dead, key=lambda r: r.rank))
+    reason = (
+        f"waiting for dead rank(s) {names} for {since_death:.1f}s: restart the job through "
+        f"rank {via.rank}"
+    )
+    return reason, {
+        "dead_ranks": sorted(r.rank for r in dead),
+        "restart_via": {"rank": via.rank, "node": via.node, "pid": via.pid,
+                        "node_url": node_url(obs, via.node)},
+    }  # fmt: skip
 
 
 def _evidence(
@@ -353,13 +429,20 @@ def _culprit_process(obs: ClusterObs, culprit: RankObs | None) -> dict:
     return {"pid": culprit.pid, "node_url": node_url(obs, culprit.node)}
 
 
-def pick_culprit(live: list[RankObs], cfg: DetectorConfig) -> tuple[RankObs | None, str]:
-    """The rank the others wait for, from telemetry alone, strongest evidence first."""
+def pick_culprit(
+    live: list[RankObs], cfg: DetectorConfig, wave: Wavefront | None = None
+) -> tuple[RankObs | None, str]:
+    """The rank the others wait for, from telemetry alone, strongest evidence first: a
+    stopped process, the flight recorders' wavefront (one rank behind in a group and
+    waiting in none), a lower step, a rank busy while the others idle."""
     stopped = [r for r in live if r.state == "stopped"]
     if stopped:
         return stopped[0], "stopped (SIGSTOP): the process cannot progress"
     if len(live) == 1:
         return live[0], "the only live rank: nobody else to wait for"
+    if wave is not None and wave.verdict in (BEHIND, DESYNC) and len(wave.ranks) == 1:
+        (rank,) = wave.ranks
+        return next(r for r in live if r.rank == rank), f"flight recorder: {wave.detail}"
     lagging = _unique_lowest_step(live)
     if lagging is not None:
         return lagging, f"at step {lagging.step}, behind the step the others wait in"
@@ -381,7 +464,10 @@ def _unique_lowest_step(live: list[RankObs]) -> RankObs | None:
 
 
 def _cpu_outlier(live: list[RankObs], cfg: DetectorConfig) -> RankObs | None:
-    if any(r.cpu_utilization is None for r in live):
+    # With two ranks "the busy one" is ambiguous: on NCCL (or `--wait-mode spin`) the
+    # waiter spins while the culprit may sleep. With more, a lone busy rank among idle
+    # ones is still the one stuck at work: NCCL waiters would be busy too.
+    if len(live) < 3 or any(r.cpu_utilization is None for r in live):
         return None  # without every rank's figure, "stands out" means nothing
     top = max(live, key=lambda r: r.cpu_utilization)
     others_idle = all(r.cpu_utilization < cfg.hang.idle_cpu_cores for r in live if r is not top)
@@ -418,6 +504,9 @@ _NOT_WAIT_FILES = ("torch/distributed/checkpoint/",)  # DCP: its collectives go 
 _OWN_THREAD_FILES = ("concurrent/futures/_base.py",)  # Future.result, wait: not the workers
 _PLUMBING = ("threading.py", "selectors.py")  # what a wait passes through, saying nothing
 _CLOCK_FILE = "client/timing.py"  # rankguard's clock (Clock.seconds: Event.synchronize)
+# The CPU stand-in for a CUDA sync (the trainer's `--wait-mode spin`): a Python frame where
+# a real NCCL waiter shows a native cudaStreamSynchronize one.
+_SPIN_WAIT_FILE = "trainer/spin_wait.py"
 _NATIVE_WAIT = re.compile(
     r"cu(?:da)?(?:Stream|Device|Ctx|Event)Synchronize"
     r"|c10::cuda::(?:memcpy_and_sync|device_synchronize|stream_synchronize)"
@@ -451,7 +540,7 @@ def frame_kind(frame: Frame) -> str | None:
     file = frame.file
     if _in(file, _NOT_WAIT_FILES):
         return OUTSIDE
-    if _in(file, _WAIT_FILES) or file.endswith(_CLOCK_FILE):
+    if _in(file, _WAIT_FILES) or file.endswith((_CLOCK_FILE, _SPIN_WAIT_FILE)):
         return WAITING
     if _in(file, ("torch/cuda/",)) and frame.function.endswith("synchronize"):
         return WAITING
@@ -540,3 +629,6 @@ def _save_thread_culprit(stacks: dict[int, str]) -> int | None:
         if all(thread_verdict(fs) == OUTSIDE for fs in saves):
             outside.append(rank)
     return outside[0] if len(outside) == 1 else None
+
+
+DETECTOR = Detector("hang", RANK_HUNG, HangConfig, detect, track=track_phases)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..model import NODE_FAULT, Finding, History
 from ..state import ClusterObs, NodeObs
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -74,3 +75,6 @@ def _finding(n: NodeObs, code: str, reasons: list[dict]) -> Finding:
             "hardware": is_hardware(code),
         },
     )
+
+
+DETECTOR = Detector("node", NODE_FAULT, NodeConfig, detect, every_pass=True)

@@ -27,6 +27,7 @@ from .common import (
     positive,
     samples_of,
 )
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -188,3 +189,6 @@ def _finding(
             "checkpoint_predates_anomaly": None if ckpt is None or step is None else ckpt < step,
         },
     )
+
+
+DETECTOR = Detector("numerics", BAD_NUMERICS, NumericsConfig, detect)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from ..model import RANK_HUNG, Finding, History
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
 from .common import check_settings, gpu_note, incarnation, node_url
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -162,3 +163,6 @@ def _finding(
         occurred_at=occurred_at,
         evidence=evidence,
     )
+
+
+DETECTOR = Detector("process_hang", RANK_HUNG, ProcessHangConfig, detect, every_pass=True)

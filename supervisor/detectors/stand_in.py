@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ..model import RANK_HUNG, Finding, History
 from ..state import ClusterObs, RankObs
 from .common import incarnation, node_url
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -78,3 +79,6 @@ def _finding(obs: ClusterObs, r: RankObs, restart: int, stopped_for: float) -> F
             "node_url": node_url(obs, r.node),
         },
     )
+
+
+DETECTOR = Detector("stand_in", RANK_HUNG, StandInConfig, detect, every_pass=True)

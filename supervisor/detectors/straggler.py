@@ -23,7 +23,7 @@ on raw compute, as before.
 Two more guards against transient slowness: the first steps of an incarnation (warm-up,
 allocator, a restart's page faults) are not judged, and a suspect becomes a finding only
 once it has looked slow for `straggler_persist_steps` consecutive steps and
-`straggler_persist_seconds` (tracked in `History.straggler_since` by `advance_history`).
+`straggler_persist_seconds` (tracked in `History.straggler_since` by `track`).
 
 Accumulated excess (session 11). The median rule above misses a real 1.2x slowdown when
 its signal flickers: on CPU a peer's compute sometimes absorbs its wait for the straggler
@@ -45,6 +45,8 @@ by more than 3 steps.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,9 +65,12 @@ from .common import (
     positive,
     samples_of,
 )
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
+
+log = logging.getLogger("rankguard.supervisor.detectors")
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,36 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
         ):
             out.append(f)
     return out
+
+
+def track(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
+    """This observation's suspects (`suspects`, `suspects_at`: detect reads them instead of
+    judging every rank again); straggler_since[key]: when (time, step) a suspect was first
+    seen, kept while it stays suspect, dropped when it does not; preempted[key]: likewise
+    for a rank slow only by its run-queue wait, logged once an episode."""
+    found, preempted_now = judge(obs, cfg, history)
+    now_suspect = tuple(found)
+    stragglers = {
+        f.key: history.straggler_since.get(f.key, (obs.time, f.evidence["step"]))
+        for f in now_suspect
+    }
+    preempted = {}
+    for p in preempted_now:
+        since = history.preempted.get(p.key)
+        if since is None:  # once per episode: the rank's raw compute is not the rank's fault
+            log.info(
+                "job %s rank %d on %s is preempted, not a straggler: compute %.2fx its peers'"
+                " but own work %.2fx; run-queue wait %.3fs a step vs peers' %.3fs",
+                p.job, p.rank, p.node, p.ratio, p.own_ratio, p.wait, p.peers_wait,
+            )  # fmt: skip
+        preempted[p.key] = since or (obs.time, p.step)
+    return dataclasses.replace(
+        history,
+        straggler_since=stragglers,
+        preempted=preempted,
+        suspects=now_suspect,
+        suspects_at=obs.time,
+    )
 
 
 def suspects(obs: ClusterObs, cfg: DetectorConfig, history: History) -> list[Finding]:
@@ -495,3 +530,6 @@ def _slower_steps_fraction(
         if by_step[s] >= factor * _median_without(ordered, by_step[s])
     )
     return slower / len(peers_by_step)
+
+
+DETECTOR = Detector("straggler", STRAGGLER, StragglerConfig, detect, track=track)

@@ -6,12 +6,14 @@ by itself a reason to touch training.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import AGENT_UNREACHABLE, Finding, History
 from ..state import ClusterObs
 from .common import check_settings
+from .registration import Detector
 
 if TYPE_CHECKING:
     from . import DetectorConfig
@@ -56,3 +58,18 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
             )
         )
     return out
+
+
+def track(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
+    """unreachable_since[url]: the first poll that failed; dropped once the agent answers."""
+    unreachable = {
+        n.url: history.unreachable_since.get(n.url, n.observed_at)
+        for n in obs.nodes
+        if not n.reachable
+    }
+    return dataclasses.replace(history, unreachable_since=unreachable)
+
+
+DETECTOR = Detector(
+    "unreachable", AGENT_UNREACHABLE, UnreachableConfig, detect, track=track, every_pass=True
+)

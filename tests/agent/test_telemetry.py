@@ -108,6 +108,8 @@ def test_constants():
         "resume_skips",
         "compute_wait_seconds",
         "gpu_uuid",
+        "collectives",
+        "progress",
     ]
 
 
@@ -397,6 +399,27 @@ printable_chars = st.characters(
 nonneg = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False) | st.integers(0, 10**12)
 
 
+short = st.text("abcxyz019:_-[], ", max_size=12)
+
+
+def collectives():
+    """Process groups' wavefronts (short texts: a record must stay one datagram)."""
+    return st.lists(
+        st.builds(
+            tm.Collective,
+            pg=st.text("abc0123:", min_size=1, max_size=8),
+            desc=short,
+            enqueued=st.integers(-1, MAX_INT - 1),
+            completed=st.integers(-1, MAX_INT - 1),
+            op=st.none() | short.filter(bool),
+            shape=st.none() | short,
+            timeout_s=st.none() | st.floats(1e-3, 1e6) | st.integers(1, 10**6),
+        ),
+        max_size=3,
+        unique_by=lambda c: c.pg,
+    ).map(tuple)
+
+
 @st.composite
 def records(draw) -> TelemetryRecord:
     world_size = draw(st.integers(1, 64) | st.integers(1, MAX_INT - 1))
@@ -432,6 +455,8 @@ def records(draw) -> TelemetryRecord:
             )  # fmt: skip
         ),
         compute_wait_seconds=draw(st.none() | nonneg),
+        collectives=draw(st.none() | collectives()),
+        progress=draw(st.booleans()),
     )
 
 
@@ -722,6 +747,8 @@ def test_fast_path_takes_the_clients_error_counters():
                 "client_errors",
                 "resume_skips",
                 "compute_wait_seconds",
+                "collectives",
+                "progress",
             ]
         ),  # fmt: skip
         json_values
@@ -740,6 +767,30 @@ def test_fast_path_takes_the_clients_error_counters():
                 {"Queue-Full": 1},
                 [[3, 5]],
                 [[5, 3]],
+                False,
+                [],
+                [
+                    {
+                        "pg": "0",
+                        "desc": "",
+                        "enqueued": 2,
+                        "completed": 1,
+                        "op": None,
+                        "shape": None,
+                        "timeout_s": 60,
+                    }
+                ],
+                [
+                    {
+                        "pg": "0",
+                        "desc": "",
+                        "enqueued": -2,
+                        "completed": 1,
+                        "op": None,
+                        "shape": None,
+                        "timeout_s": None,
+                    }
+                ],
             ]
         ),  # fmt: skip
         max_size=3,

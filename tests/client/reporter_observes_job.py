@@ -1,14 +1,18 @@
 """A 4-rank gloo job (torchrun, CPU) for test_reporter_observes.py: every layout trained a
 few steps with and without the Reporter, from the same seed and data; each rank saves its
 parameters (local shards), the Reporter's per-step timings and its error counts to
-``OUT/rank<r>.pt``.
+``OUT/rank<r>.pt``. In case ``ddp_stall`` rank 0 is stuck for STALL_SLEEP seconds in step
+2 (its peers wait in DDP's all-reduce): the Reporter sends to a socket of the rank's own,
+its stall watch reads the flight recorder meanwhile, and what it sent is saved too.
 
     torchrun --standalone --nproc-per-node=4 reporter_observes_job.py OUT [CASE ...]
 """
 
 from __future__ import annotations
 
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,10 +29,13 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankguard.client import Reporter
+from rankguard.contract.telemetry import MAX_DATAGRAM_BYTES, decode
 
 STEPS = 3
 SEEDS = (1, 2)
 STRAGGLER_SLEEP = 0.3  # seconds rank 3 sleeps before each forward (case fsdp_straggler)
+STALL_SLEEP = 2.5  # seconds rank 0 is stuck in step 2 (case ddp_stall): a stall is 1 s
+ONE_SEED = ("fsdp_straggler", "ddp_stall")  # cases that take seconds: one seed
 
 
 def halving_hook(group, bucket):
@@ -57,7 +64,10 @@ def net(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
 
 
-def train(model, seed: int, data_key: int, rg: Reporter | None, sleep: float = 0.0) -> dict:
+def train(
+    model, seed: int, data_key: int, rg: Reporter | None, sleep: float = 0.0, stall: float = 0.0
+) -> dict:
+    """`sleep`: before every forward; `stall`: before step 2's forward."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1000 * seed + data_key)  # each data key its own data
     for n in range(1, STEPS + 1):
@@ -65,7 +75,7 @@ def train(model, seed: int, data_key: int, rg: Reporter | None, sleep: float = 0
         s = rg.step(n) if rg else None
         if s:
             s.phase("compute")
-        time.sleep(sleep)
+        time.sleep(sleep + (stall if n == 2 else 0.0))
         model(x).square().mean().backward()
         if s:
             s.phase("optimizer")
@@ -92,7 +102,37 @@ def reporter(model, variant: str = "reporter") -> Reporter | None:
     return Reporter(model, socket_path=None, heartbeat_seconds=0)
 
 
-def run_case(case: str, seed: int, rank: int, groups: dict, meshes: dict) -> dict:
+class Received:
+    """A socket of the rank's own, standing in for the agent's: every record sent to it."""
+
+    def __init__(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self.path, self.records = path, []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.05)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.records.append(decode(self.sock.recv(MAX_DATAGRAM_BYTES + 1)))
+            except TimeoutError:
+                continue
+
+    def close(self) -> list:
+        time.sleep(0.2)
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+        return self.records
+
+
+def run_case(
+    case: str, seed: int, rank: int, groups: dict, meshes: dict, out_dir: Path | None = None
+) -> dict:
     """{variant: result} for one layout and seed."""
     out = {}
     if case in ("ddp_groups", "ddp_groups3"):  # DDP over DP sub-groups, each its own data
@@ -133,6 +173,21 @@ def run_case(case: str, seed: int, rank: int, groups: dict, meshes: dict) -> dic
                 fully_shard(model, mesh=mesh["dp"])
             # the ranks of one TP group must see the same batch
             out[variant] = train(model, seed, mesh["dp"].get_local_rank(), reporter(model, variant))
+    elif case == "ddp_stall":  # rank 0 stuck in step 2: a stall watch reads the recorders
+        stall = STALL_SLEEP if rank == 0 else 0.0
+        for variant in ("plain", "reporter"):
+            ddp = DDP(net(seed))
+            if variant == "plain":
+                out[variant] = train(ddp, seed, rank, None, stall=stall)
+                continue
+            received = Received(out_dir / f"rank{rank}.sock")
+            rg = Reporter(ddp, socket_path=str(received.path), heartbeat_seconds=0)
+            out[variant] = train(ddp, seed, rank, rg, stall=stall)
+            out[variant]["evidence"] = [  # (the step it was in after, its wavefront)
+                (r.step, [c.to_json() for c in r.collectives or ()])
+                for r in received.close()
+                if not r.progress
+            ]
     elif case == "fsdp_straggler":  # rank 3 late to every step: its peers wait in forward
         model = net(seed)
         for layer in (model[0], model[2], model):
@@ -163,8 +218,8 @@ def main() -> None:
     }
     results = {}
     for case in cases:
-        for seed in SEEDS[:1] if case == "fsdp_straggler" else SEEDS:
-            results[(case, seed)] = run_case(case, seed, rank, groups, meshes)
+        for seed in SEEDS[:1] if case in ONE_SEED else SEEDS:
+            results[(case, seed)] = run_case(case, seed, rank, groups, meshes, out_dir)
     torch.save(results, out_dir / f"rank{rank}.pt")
     dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()

@@ -145,7 +145,7 @@ def test_disk_lost_resumes_from_backup_corrupt_copy_refused_nothing_deleted(tmp_
 def test_a_copy_that_reads_back_wrong_is_quarantined_never_validated(tmp_path, monkeypatch):
     disk, backup = tmp_path / "disk", tmp_path / "backup"
     final = make_ckpt(disk, 10)
-    real = cs._copy_one
+    real = cs.backup._copy_one
 
     def bad_target(src_fd, part_fd, entry, chunk):  # the target flips a bit after the write
         real(src_fd, part_fd, entry, chunk)
@@ -154,7 +154,7 @@ def test_a_copy_that_reads_back_wrong_is_quarantined_never_validated(tmp_path, m
             os.pwrite(fd, bytes([os.pread(fd, 1, 100)[0] ^ 0xFF]), 100)  # always a change
             os.close(fd)
 
-    monkeypatch.setattr(cs, "_copy_one", bad_target)
+    monkeypatch.setattr(cs.backup, "_copy_one", bad_target)
     with pytest.raises(cs.CheckpointError, match="backup copy of step-00000010 is wrong"):
         cs.backup_checkpoint(final, backup)
     assert [(s.state, s.original_state) for s in cs.scan(backup)] == [(cs.QUARANTINED, cs.CORRUPT)]

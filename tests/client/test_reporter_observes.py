@@ -23,8 +23,8 @@ from rankguard.client.timing import backend_for, reduce_op
 
 JOB = Path(__file__).with_name("reporter_observes_job.py")
 IDENTICAL = ("ddp_groups", "ddp_groups3", "fsdp", "fsdp_custom_comm", "hsdp", "tp_ddp",
-             "tp_fsdp")  # fmt: skip
-CASES = (*IDENTICAL, "ddp_user_hook", "fsdp_straggler")
+             "tp_fsdp", "ddp_stall")  # fmt: skip
+CASES = (*IDENTICAL, "ddp_user_hook", "fsdp_straggler")  # ddp_stall: the flight recorder
 RANKS = range(4)
 SEEDS = (1, 2)
 
@@ -67,8 +67,13 @@ def test_training_is_bit_identical_with_and_without_the_reporter(job, case):
     for rank, seed, v in runs(job, case):
         assert same(v["plain"], v["reporter"]), (case, rank, seed)
         seen += 1
-    assert seen == len(RANKS) * len(SEEDS)
-    if case.startswith("ddp"):  # each DP group trained on its own data: the groups differ
+    from reporter_observes_job import ONE_SEED
+
+    assert seen == len(RANKS) * (1 if case in ONE_SEED else len(SEEDS))
+    if case in (
+        "ddp_groups",
+        "ddp_groups3",
+    ):  # each DP group trained on its own data: the groups differ
         assert not same(job[0][(case, 1)]["plain"], job[3][(case, 1)]["plain"])
 
 
@@ -83,6 +88,7 @@ def test_the_reporter_still_times_the_communication(job, case):
         "hsdp": {"untimed_hsdp_all_reduce"},
         "tp_ddp": {"untimed_other_groups"},  # TP's collectives
         "tp_fsdp": {"untimed_other_groups"},
+        "ddp_stall": set(),  # the whole world's group; the stall watch failed nowhere
     }[case]
     for rank, seed, v in runs(job, case):
         r = v["reporter"]
@@ -91,6 +97,27 @@ def test_the_reporter_still_times_the_communication(job, case):
             assert len(r["comm"]) == 3
             continue
         assert len(r["comm"]) == 3 and all(c > 0 for c in r["comm"]), (case, rank, seed, r)
+
+
+@pytest.mark.slow
+def test_a_stall_sends_each_ranks_wavefront_and_changes_nothing(job):
+    """Rank 0 stuck outside any collective, its peers waiting in DDP's all-reduce: every
+    rank's stall watch sent its flight recorder's wavefront (the training stayed
+    bit-identical, test above), and the peers are one all-reduce ahead of rank 0 in the
+    world's group."""
+    fronts = {}
+    for rank, _, v in runs(job, "ddp_stall"):
+        # sent while stuck in step 2, after step 1 (one in a slow start may come before)
+        evidence = [front for step, front in v["reporter"]["evidence"] if step == 1]
+        assert evidence and all(evidence), (rank, v["reporter"]["evidence"])
+        fronts[rank] = {c["pg"]: c for c in evidence[0]}
+    world = fronts[0]["0"]
+    assert world["enqueued"] == world["completed"]  # rank 0 waits in nothing
+    for rank in (1, 2, 3):
+        mine = fronts[rank]["0"]
+        assert mine["enqueued"] == world["enqueued"] + 1, (rank, mine, world)
+        # DDP's own: the bucket order's broadcast (rebuilt at step 2) or the all-reduce
+        assert mine["completed"] == world["enqueued"] and mine["op"].startswith("gloo:")
 
 
 @pytest.mark.slow

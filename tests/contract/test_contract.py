@@ -36,6 +36,7 @@ from rankguard.contract import (
 from rankguard.contract.answers import (
     GPU_SOURCES,
     NODE_STATUSES,
+    CollectiveAnswer,
     MainThreadAnswer,
     RankGpuAnswer,
     StandInAnswer,
@@ -132,6 +133,8 @@ def rank_answers(draw, incremental: bool) -> RankAnswer:
         ),
         gpu=draw(optional(gpus())),
         main_thread=draw(optional(main_threads())),
+        collectives=draw(wavefronts()),
+        collectives_age_seconds=draw(optional(finite)),
         recent=tuple(draw(st.lists(samples(incremental), max_size=4))),
         recent_from=draw(optional(counts)) if incremental else None,
     )
@@ -148,6 +151,24 @@ def gpus():
         ecc_uncorrected=optional(counts),
         throttle=st.lists(st.sampled_from(("hw_slowdown", "sw_thermal")), max_size=2).map(tuple),
     )
+
+
+def wavefronts():
+    printable = st.text(st.characters(codec="utf-8", categories=("L", "N", "P")), max_size=64)
+    return st.lists(
+        st.builds(
+            CollectiveAnswer,
+            pg=printable.filter(bool),
+            desc=printable,
+            enqueued=st.integers(-1, 2**63 - 1),
+            completed=st.integers(-1, 2**63 - 1),
+            op=optional(st.sampled_from(("nccl:all_reduce", "gloo:broadcast"))),
+            shape=optional(st.sampled_from(("[[4]]", "[]", "[[2,3],[2,3]]"))),
+            timeout_s=optional(st.floats(1e-6, 1e9) | st.integers(1, 10**6)),
+        ),
+        max_size=3,
+        unique_by=lambda c: c.pg,
+    ).map(tuple)
 
 
 def main_threads():
@@ -449,6 +470,8 @@ def test_the_fast_path_reads_exactly_what_the_checked_read_reads(data, increment
             target = rank["recent"][0]
         elif "main_thread" in rank and data.draw(st.booleans()):
             target = rank["main_thread"]
+        elif rank.get("collectives") and data.draw(st.booleans()):
+            target = rank["collectives"][-1]
         name = data.draw(st.sampled_from(sorted(target)))
         target[name] = data.draw(json_values | st.integers(-1, 3) | finite)
     fast, checked = _read_both(RankAnswer, rank, incremental)

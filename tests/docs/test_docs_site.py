@@ -17,8 +17,6 @@ from rankguard.dashboards.rules import RUNBOOK_BASE, rule_file
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
-# Pages that other work still owns: listed here until their history is rewritten.
-HISTORY_PENDING = {"faults.md"}
 # How a development diary reads: numbered work sessions, issues, rounds, waves (not the
 # `--rounds N` option of a benchmark).
 HISTORY = re.compile(
@@ -77,8 +75,6 @@ def test_the_readme_is_a_front_door():
 
 @pytest.mark.parametrize("page", sorted([README, *DOCS.glob("*.md")]), ids=lambda p: p.name)
 def test_no_development_history(page):
-    if page.name in HISTORY_PENDING:
-        pytest.skip(f"{page.name}: history still to be rewritten by its owner")
     hits = [f"{page.name}:{n}: {line.strip()}" for n, line in enumerate(page.read_text().splitlines(), 1)
             if HISTORY.search(line)]  # fmt: skip
     assert not hits, "\n".join(hits)

@@ -11,7 +11,7 @@ import pytest
 from builders import CFG, T0, cluster, hung, nodeobs, rank, sample, samples, trained
 
 from rankguard.contract.answers import RankGpuAnswer
-from rankguard.supervisor import model
+from rankguard.supervisor import model, policy
 from rankguard.supervisor.detectors import (
     DETECTORS,
     DetectorConfig,
@@ -252,6 +252,30 @@ def test_no_hang_while_a_rank_still_progresses_or_is_dead():
     assert hang.detect(cluster(*ranks), History(), CFG) == []
     ranks[1] = dataclasses.replace(ranks[1], state="exited", exited_at=T0 - 10)
     assert hang.detect(cluster(*ranks), History(), CFG) == []  # the dead detector's business
+
+
+def test_survivors_stuck_behind_a_dead_rank_restart_the_job_through_one_of_them():
+    """A rank died and the others wait for it (NCCL's survivors spin until the watchdog;
+    a survivor whose node's launcher was stopped waits for good): past their budget after
+    the death, the job restarts through the lowest live rank; the dead rank is the culprit,
+    already reported, and none is named here."""
+    ranks = hung(3, age=12.0)
+    ranks[2] = dataclasses.replace(ranks[2], state="exited", state_since=T0 - 5.0)
+    [f] = hang.detect(cluster(*ranks), History(), CFG)
+    ev = f.evidence
+    assert f.rank is None and ev["decided_by"] == "survivors of a death", f
+    assert ev["dead_ranks"] == [2] and ev["restart_via"]["rank"] == 0, ev
+    assert ev["restart_via"]["pid"] == ranks[0].pid and ev["stacks_needed"] is False
+    assert "waiting for dead rank(s) 2" in f.summary, f.summary
+    [decision] = policy.decide([f], policy.PolicyView(), policy.PolicyConfig(), T0)
+    assert decision.action == model.ACT_KILL_RANK and decision.target["rank"] == 0, decision
+    # a death just now: torchrun and the peers' failing collectives get their chance first
+    ranks[2] = dataclasses.replace(ranks[2], state_since=T0 - 0.5)
+    assert hang.detect(cluster(*ranks), History(), CFG) == []
+    # a survivor still reporting is not stuck
+    ranks[2] = dataclasses.replace(ranks[2], state_since=T0 - 5.0)
+    ranks[1] = dataclasses.replace(ranks[1], heartbeat_age_seconds=0.05)
+    assert hang.detect(cluster(*ranks), History(), CFG) == []
 
 
 def test_hang_finding_evidence_and_occurred_at():
@@ -884,3 +908,19 @@ def test_an_accumulated_excess_is_named_once_its_steps_took_the_persistence_time
     assert f.rank == 1 and "excess" in f.summary
     # the same steps at 50 ms: 1.8 s, under persist_seconds (3): the pass persistence rules
     assert straggler.detect(obs(40, 0.05), History(), NO_WARMUP) == []
+
+
+def test_a_lone_busy_rank_among_idle_ones_is_the_culprit_but_not_one_of_two():
+    """Among three or more, the one rank at work while the others sleep in the collective
+    is stuck at work. With two, "the busy one" may be an NCCL waiter spinning in a CUDA
+    sync beside a culprit asleep: telemetry names no one, the stacks or the recorders do."""
+    ranks = [dataclasses.replace(r, cpu_utilization=0.01) for r in hung(3)]
+    ranks[1] = dataclasses.replace(ranks[1], cpu_utilization=0.98)
+    [f] = hang.detect(cluster(*ranks), History(), CFG)
+    assert f.rank == 1 and "busy at 0.98 cores" in f.evidence["culprit_reason"], f
+    two = [
+        dataclasses.replace(r, cpu_utilization=c)
+        for r, c in zip(hung(2), (0.98, 0.01), strict=True)
+    ]
+    [f] = hang.detect(cluster(*two), History(), CFG)
+    assert f.rank is None and f.evidence["stacks_needed"] is True, f

@@ -232,6 +232,60 @@ def test_corrupt_newest_checkpoint_at_restart_falls_back(rig, clean):
     )
 
 
+@pytest.mark.parametrize("wait_mode", ["block", "spin"])
+def test_a_collective_timeout_names_the_rank_waited_for_not_the_first_to_die(tmp_path, wait_mode):
+    """The watchdog decides here: the hang detector is off and the process groups time out
+    after 4 s (NCCL's watchdog aborts; gloo raises). Rank 0 dies first, of the timeout;
+    the incident names rank 1, which never enqueued the collective rank 0 waited in, from
+    the wavefronts the ranks sent while the job was stalled."""
+    config = tmp_path / "supervisor.toml"
+    config.write_text("[detectors.hang]\nenabled = false\n")
+    agent = start_agent(tmp_path)
+    sup = start_supervisor(tmp_path, [agent.url], extra=["--config", str(config)])
+    try:
+        proc = torchrun(
+            ["--steps", "60", *MODEL, "--job", "job", "--pg-timeout", "4", "--wait-mode",
+             wait_mode, "--fault", "hang:step=20:rank=1"], cwd=tmp_path,
+            env={"RANKGUARD_TELEMETRY_SOCKET": str(agent.socket)}, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode != 0, proc.stderr[-3000:]
+        # warned at start: a 4 s timeout leaves rankguard no time to decide first
+        assert "times out after 4s, sooner than rankguard can name" in proc.stderr
+
+        def found():
+            incs = http_json(sup.url + "/v1/incidents")["incidents"]
+            return next((i for i in incs if i["kind"] == "rank_dead"), None)
+
+        inc = wait_until(found, 10, "the death's incident")
+        ev = inc["evidence"]
+        assert inc["rank"] == 1 and ev.get("cause") == "nccl_timeout", inc
+        assert ev["first_to_die"]["rank"] == 0, inc
+        assert ev["wavefront"]["reached"]["1"] < ev["wavefront"]["reached"]["0"], inc
+    finally:
+        sup.stop()
+        agent.stop()
+
+
+def test_a_desync_stops_the_job_with_a_verdict_and_no_restart(rig):
+    """Rank 1 broadcasts where rank 0 all-reduces, at the same collective sequence id:
+    both wait for good. The flight recorders show the mismatch; the job is stopped with a
+    verdict naming both operations, never restarted (a restart would repeat the bug)."""
+    proc = rig.train("--fault", "desync:step=40:rank=1", max_restarts=3, timeout=120)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "sooner than rankguard can name" not in proc.stderr  # torch's 30 min timeout
+    (inc,) = rig.incidents("rank_hung")
+    ev = inc["evidence"]
+    assert ev.get("desync") is True and ev["wavefront"]["verdict"] == "desync", inc
+    assert "gloo:broadcast" in inc["summary"] and "gloo:all_reduce" in inc["summary"], inc
+    (act,) = inc["actions"]
+    assert act["kind"] == "stop_job" and "desync" in (inc["verdict"] or act["reason"]), inc
+    assert {r["restart"] for r in rig.ranks()} == {0}, rig.ranks()  # never restarted
+    cluster = http_json(rig.supervisor.url + "/v1/cluster")
+    assert cluster["jobs"]["job"]["state"] == "stopped", cluster
+    timeline = rig.cli("incidents").stdout  # the wavefront, for an operator
+    assert "flight recorder: desync in group 0, collective" in timeline, timeline
+
+
 def test_crash_loop_is_stopped_with_a_verdict(rig):
     proc = rig.train("--fault", "crash:step=25:rank=1:restart=any", max_restarts=10)
     assert proc.returncode != 0
