@@ -63,7 +63,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..contract.telemetry import (
@@ -146,13 +146,18 @@ class ProcessProgress:
 
     MIN_CPU_SECONDS = 0.002
 
-    def __init__(self) -> None:
+    def __init__(self, footprint: Callable[[], tuple[set[int], int]] | None = None) -> None:
+        """``footprint``: rankguard's own threads besides the looking one (the stall
+        watch) and the bytes they sent so far: neither is progress of the phase (a stall's
+        evidence sent every few seconds read as I/O, and the phase never fell silent)."""
+        self._footprint = footprint or (lambda: (set(), 0))
         self._own = 0  # bytes of our own /proc reads since the last sample
         self._last = self._read()
 
-    def _read(self) -> tuple[int, dict[int, int], set[int], int] | None:
-        """(process CPU ns, {thread id: its CPU ns}, the Python threads' ids, rchar +
-        wchar) now."""
+    def _read(self) -> tuple[int, dict[int, int], set[int], int, set[int]] | None:
+        """(process CPU ns, {thread id: its CPU ns}, the Python threads' ids, rchar + wchar
+        less the footprint's bytes, the footprint's threads) now."""
+        theirs, sent = self._footprint()
         own = 0
         threads: dict[int, int] = {}
         try:
@@ -171,9 +176,9 @@ class ProcessProgress:
         except (OSError, ValueError, IndexError):
             return None
         counters = dict(line.split(b":", 1) for line in io.splitlines() if b":" in line)
-        chars = int(counters.get(b"rchar", 0)) + int(counters.get(b"wchar", 0))
+        chars = int(counters.get(b"rchar", 0)) + int(counters.get(b"wchar", 0)) - sent
         self._own = own + len(io)
-        return total, threads, python, chars
+        return total, threads, python, chars, theirs
 
     def rebase(self) -> None:
         """Start the next look from now: what we did ourselves (a heartbeat's send, counted
@@ -186,12 +191,13 @@ class ProcessProgress:
         self._last = now
         if before is None or now is None:
             return True
-        me = threading.get_native_id()  # the looking thread's own CPU is not progress
+        # the looking thread's own CPU is not progress, nor rankguard's other threads'
+        ours = {threading.get_native_id()} | now[4]
         python = now[2] | before[2]  # a Python thread that just ended is still listed
         # native: seen at both looks and Python at neither (service threads live long; a
         # thread new since the last look counts as work, once)
         not_work = sum(ns - before[1].get(tid, 0) for tid, ns in now[1].items()
-                       if tid == me or (tid in before[1] and tid not in python))  # fmt: skip
+                       if tid in ours or (tid in before[1] and tid not in python))  # fmt: skip
         work = now[0] - before[0] - not_work
         return work >= self.MIN_CPU_SECONDS * 1e9 or now[3] - before[3] > own + self._own
 
@@ -412,6 +418,7 @@ class Reporter:
         self._progress_at = time.perf_counter()
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._evidence_sent = 0  # records the stall watch sent (ProcessProgress ignores them)
         self.heartbeat()
         if model is not None:
             self.attach(model)
@@ -504,6 +511,13 @@ class Reporter:
                     sent_at = now
             except Exception:
                 self._count("flight_recorder")
+
+    def _watch_footprint(self) -> tuple[set[int], int]:
+        """The stall watch's thread and the bytes its evidence records took (at most a
+        datagram each, counted as a whole one): not progress of a phase."""
+        w = self._watcher
+        ids = {w.native_id} if w is not None and w.native_id is not None else set()
+        return ids, self._evidence_sent * MAX_DATAGRAM_BYTES
 
     def _check_timeout(self) -> None:
         """Warn, once, when a process group of this job times out sooner than rankguard can
@@ -707,7 +721,7 @@ class Reporter:
 
     def _beat(self, name: str, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.heartbeat_limit_seconds
-        progress = ProcessProgress() if self.heartbeat_progress else None
+        progress = ProcessProgress(self._watch_footprint) if self.heartbeat_progress else None
         while not stop.wait(self.heartbeat_seconds) and time.monotonic() < deadline:
             if self.current_phase != name:
                 return
@@ -871,6 +885,7 @@ class Reporter:
             if collectives is not None:
                 record["progress"] = False
                 record["collectives"] = self._fitting(record, collectives)
+                self._evidence_sent += 1
         except Exception as exc:
             self._count("record")
             self.sender.count_drop("invalid", exc)

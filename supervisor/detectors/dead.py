@@ -86,63 +86,43 @@ def timed_out_behind(
 
 
 def _finding(r: RankObs, url: str | None, dead: list[RankObs], obs=None, ranks=()) -> Finding:
+    """The death of `r`, the first to die; named after the rank it waited for when it died
+    of a collective timeout (`timed_out_behind`)."""
     timeout = timed_out_behind(r, list(ranks), obs.time) if obs is not None else None
+    named, extra = r, {}
+    summary = (f"job {r.job} rank {r.rank} on {r.node} is {r.state} (pid {r.pid}, "
+               f"step {r.step}, phase {r.phase}, restart {r.restart})")  # fmt: skip
     if timeout is not None:
-        return _timeout_finding(r, dead, timeout, obs)
-    gpu, gpu_clause = gpu_note(r)
+        named, wave = timeout
+        url = node_url(obs, named.node)
+        summary = (
+            f"job {r.job} rank {r.rank} on {r.node} died ({r.state}) waiting in collective "
+            f"{wave.seq} of group {wave.pg}: a collective timeout ({NCCL_TIMEOUT}); culprit "
+            f"rank {named.rank} on {named.node}, which never enqueued it (step {named.step}, "
+            f"phase {named.phase})"
+        )
+        extra = {"cause": NCCL_TIMEOUT, "culprit_reason": f"flight recorder: {wave.detail}",
+                 "first_to_die": {"rank": r.rank, "node": r.node, "pid": r.pid},
+                 "wavefront": wave.to_json()}  # fmt: skip
+    gpu, gpu_clause = gpu_note(named)
     return Finding(
         kind=RANK_DEAD,
         key=f"rank_dead:{r.job}:{r.restart}",
         severity="critical",
-        summary=f"job {r.job} rank {r.rank} on {r.node} is {r.state} (pid {r.pid}, "
-        f"step {r.step}, phase {r.phase}, restart {r.restart}){gpu_clause}",
+        summary=summary + gpu_clause,
         job=r.job,
-        node=r.node,
-        rank=r.rank,
+        node=named.node,
+        rank=named.rank,
         occurred_at=r.exited_at,
         evidence={
             "state": r.state,
-            "pid": r.pid,
-            "step": r.step,
-            "phase": r.phase,
+            "pid": named.pid,
+            "step": named.step,
+            "phase": named.phase,
             "restart": r.restart,
             "node_url": url,
             "dead_ranks": {str(d.rank): {"state": d.state, "exited_at": d.exited_at} for d in dead},
-            **gpu,
-        },
-    )
-
-
-def _timeout_finding(
-    first: RankObs, dead: list[RankObs], timeout: tuple[RankObs, Wavefront], obs: ClusterObs
-) -> Finding:
-    """A death by collective timeout, named after the rank it waited for."""
-    culprit, wave = timeout
-    gpu, gpu_clause = gpu_note(culprit)
-    return Finding(
-        kind=RANK_DEAD,
-        key=f"rank_dead:{first.job}:{first.restart}",
-        severity="critical",
-        summary=f"job {first.job} rank {first.rank} on {first.node} died ({first.state}) "
-        f"waiting in collective {wave.seq} of group {wave.pg}: a collective timeout "
-        f"(nccl_timeout); culprit rank {culprit.rank} on {culprit.node}, which never "
-        f"enqueued it (step {culprit.step}, phase {culprit.phase}){gpu_clause}",
-        job=first.job,
-        node=culprit.node,
-        rank=culprit.rank,
-        occurred_at=first.exited_at,
-        evidence={
-            "cause": NCCL_TIMEOUT,
-            "first_to_die": {"rank": first.rank, "node": first.node, "pid": first.pid},
-            "state": first.state,
-            "pid": culprit.pid,
-            "step": culprit.step,
-            "phase": culprit.phase,
-            "restart": first.restart,
-            "node_url": node_url(obs, culprit.node),
-            "culprit_reason": f"flight recorder: {wave.detail}",
-            "wavefront": wave.to_json(),
-            "dead_ranks": {str(d.rank): {"state": d.state, "exited_at": d.exited_at} for d in dead},
+            **extra,
             **gpu,
         },
     )

@@ -205,6 +205,40 @@ def test_native_service_threads_are_not_a_phase_s_progress(tmp_path):
     del pgs
 
 
+def test_the_stall_watch_s_own_work_is_not_a_phase_s_progress(tmp_path):
+    """The stall watch reads the recorder and sends its evidence while a save is stuck:
+    that CPU and those bytes are rankguard's own, and a stuck save must still fall silent
+    (it beat every few seconds, and its hang was never found)."""
+    import threading
+
+    from rankguard.client.reporter import ProcessProgress
+
+    sent = [0]
+    go, done, end = threading.Event(), threading.Event(), threading.Event()
+
+    def watch():  # works and writes as the watch does, between two looks; lives on
+        go.wait()
+        sum(range(3_000_000))
+        (tmp_path / "evidence").write_bytes(b"x" * 3000)
+        sent[0] += 4096
+        done.set()
+        end.wait()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    progress = ProcessProgress(lambda: ({watcher.native_id}, sent[0]))
+    go.set()
+    done.wait()
+    assert not progress.moved()
+    end.set()
+    watcher.join()
+    plain = ProcessProgress()  # the same work, not declared: progress
+    busy = threading.Thread(target=lambda: sum(range(3_000_000)))
+    busy.start()
+    busy.join()
+    assert plain.moved()
+
+
 def test_heartbeats_during_a_long_phase_then_stop_at_the_limit(sock_dir):
     path = sock_dir / "t.sock"
     with TelemetrySink(path) as sink:
