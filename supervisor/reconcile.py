@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, BackgroundCalls, Poller
 from .detectors import REGISTRY, DetectorConfig, pick_culprit_from_stacks, run_all
+from .detectors.common import restart_via
 from .events import apply_deaths
 from .heap import HeapPacer
 from .history import History, advance, advance_every_pass
@@ -65,12 +66,11 @@ def _restart_through_any(obs: ClusterObs, ranks: list[RankObs], reason: object) 
     live = [r for r in ranks if r.state == "alive"]
     if not live:
         return {}
-    via = min(live, key=lambda r: r.rank)
-    url = next((n.url for n in obs.nodes if n.node == via.node), None)
+    via = restart_via(obs, live)
     return {
         "culprit_reason": f"{reason}; no stack singled out a rank either: restart the job "
-        f"through rank {via.rank}",
-        "restart_via": {"rank": via.rank, "node": via.node, "pid": via.pid, "node_url": url},
+        f"through rank {via['rank']}",
+        "restart_via": via,
     }
 
 

@@ -41,6 +41,13 @@ def node_url(obs: ClusterObs, node: str) -> str | None:
     return next((n.url for n in obs.nodes if n.node == node), None)
 
 
+def restart_via(obs: ClusterObs, ranks: list[RankObs]) -> dict:
+    """The lowest of `ranks`, as a hang's `restart_via`: the rank to end so that torchrun
+    re-forms the job, when no culprit can be ended itself (out of reach, dead, unnamed)."""
+    via = min(ranks, key=lambda r: r.rank)
+    return {"rank": via.rank, "node": via.node, "pid": via.pid, "node_url": node_url(obs, via.node)}
+
+
 # samples_of's answers, by the identity of the window they were cut from: several
 # detectors ask for the same rank's samples in one pass (and windows.py keeps a rank's
 # window object while no sample arrived), and at 8,192 ranks x 64 samples the repeated

@@ -49,6 +49,7 @@ from .common import (
     node_url,
     positive,
     quantile,
+    restart_via,
     samples_of,
 )
 from .registration import Detector
@@ -306,17 +307,13 @@ def _survivors_of(
         return None
     if not all(_overdue(r, budgets[r.rank].seconds, since_suspend) for r in judged):
         return None
-    via = min(judged, key=lambda r: r.rank)
+    via = restart_via(obs, judged)
     names = ", ".join(str(r.rank) for r in sorted(dead, key=lambda r: r.rank))
     reason = (
         f"waiting for dead rank(s) {names} for {since_death:.1f}s: restart the job through "
-        f"rank {via.rank}"
+        f"rank {via['rank']}"
     )
-    return reason, {
-        "dead_ranks": sorted(r.rank for r in dead),
-        "restart_via": {"rank": via.rank, "node": via.node, "pid": via.pid,
-                        "node_url": node_url(obs, via.node)},
-    }  # fmt: skip
+    return reason, {"dead_ranks": sorted(r.rank for r in dead), "restart_via": via}
 
 
 def _evidence(
@@ -409,17 +406,12 @@ def _behind_unreachable(obs: ClusterObs, ranks: list[RankObs]) -> tuple[str, dic
     live = [r for r in ranks if r.state in LIVE_STATES and r.state != "stopped"]
     if world <= len(ranks) or not unreachable or not live:
         return None
-    via = min(live, key=lambda r: r.rank)
     reason = (
         f"{world - len(ranks)} of {world} ranks out of view behind unreachable agent(s) "
         f"{', '.join(unreachable)}: restart the job without them"
     )
-    return reason, {
-        "missing_ranks": world - len(ranks),
-        "unreachable_nodes": unreachable,
-        "restart_via": {"rank": via.rank, "node": via.node, "pid": via.pid,
-                        "node_url": node_url(obs, via.node)},
-    }  # fmt: skip
+    return reason, {"missing_ranks": world - len(ranks), "unreachable_nodes": unreachable,
+                    "restart_via": restart_via(obs, live)}  # fmt: skip
 
 
 def _culprit_process(obs: ClusterObs, culprit: RankObs | None) -> dict:
