@@ -32,9 +32,11 @@ STEPS = 220  # the latest fault is at step 200: room to recover and finish
 # with the agent and the supervisor, a 12 ms step is one scheduler hiccup long, and the
 # straggler window would measure the scheduler rather than the ranks.
 MODEL = ["--d-model", "128", "--n-layer", "4", "--n-head", "4"]
-# The straggler tests go further (~135 ms a step): their verdict rests on a rank staying
-# slow for 2.5 s, longer than the bursts the shared cores produce.
-STRAGGLER_MODEL = ["--d-model", "192", "--n-layer", "4", "--n-head", "4"]
+# The straggler tests go further (~0.34 s a step). The detector counts a slowdown in steps
+# (its accumulated excess adds per step), host noise comes in bursts of seconds: the longer
+# the step, the fewer steps a burst spans. With ~0.2 s steps, CI's shared cores made one
+# rank 1.25-1.32x slower for 5-7 s, twice in one clean run, and each was named.
+STRAGGLER_MODEL = ["--d-model", "288", "--n-layer", "4", "--n-head", "4"]
 BASE = ["--steps", str(STEPS), "--ckpt-every", "10", "--keep", "0", *MODEL]
 
 
@@ -141,12 +143,13 @@ def test_query_commands_on_a_healthy_run(clean):
     assert gone.returncode == 2 and "unreachable" in gone.stderr
 
 
-def test_clean_500_steps_report_no_straggler(rig):
-    proc = torchrun(["--steps", "500", *STRAGGLER_MODEL, "--job", "long"], cwd=rig.tmp,
+def test_clean_run_reports_no_straggler(rig):
+    """300 steps, about 100 s of training (as long as 500 of the lighter step)."""
+    proc = torchrun(["--steps", "300", *STRAGGLER_MODEL, "--job", "long"], cwd=rig.tmp,
                     env={"RANKGUARD_TELEMETRY_SOCKET": str(rig.agent.socket)}, timeout=400)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     time.sleep(0.5)
-    assert http_json(rig.supervisor.url + "/v1/cluster")["jobs"]["long"]["max_step"] == 500
+    assert http_json(rig.supervisor.url + "/v1/cluster")["jobs"]["long"]["max_step"] == 300
     incidents = rig.incidents()
     assert incidents == [], json.dumps(incidents, indent=1)[:4000]
 
@@ -189,19 +192,17 @@ def test_hung_ranks_are_found_named_and_ended(rig, clean, wait_mode):
         assert "Thread" in stacks or "stacks" in stacks, "the culprit's stack must be captured"
 
 
-# Out of soak (issue 16) since session 11, with the accumulated-excess rule. With session
-# 12's settings (no usual-ratio credit, limit 2.2 over 3 s) it passed 3 runs of 3 under the
-# CPU lock beside the clean 500-step test (3 of 3 clean), and in the full suite; replayed,
-# 12 recorded slowed runs were named 9-26 steps after the slowdown (docs/architecture.md,
-# "Straggler: session 12").
-def test_straggler_named_within_30_steps(rig):
+# The target, named within 30 steps of a 1.2x slowdown, is measured over recorded runs in
+# bench/results/straggler_replay.md; here the bound is generous (Standards: only loose
+# bounds on detection times in tests), the rank named and nothing else raised are exact.
+def test_straggler_named_and_nothing_else_raised(rig):
     proc = torchrun(["--steps", "120", *STRAGGLER_MODEL, "--job", "job", "--fault",
                      "slow:step=60:rank=1:factor=1.2"], cwd=rig.tmp,
                     env={"RANKGUARD_TELEMETRY_SOCKET": str(rig.agent.socket)}, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (inc,) = rig.incidents("straggler")
     assert inc["rank"] == 1, inc
-    assert inc["step_at_detect"] - 60 <= 30, json.dumps(inc, indent=1)[:4000]
+    assert inc["step_at_detect"] - 60 <= 45, json.dumps(inc, indent=1)[:4000]
     assert rig.incidents("rank_hung") == [] and rig.incidents("rank_dead") == []
 
 
