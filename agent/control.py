@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from .procfs import ProcParseError, parse_pid_stat
+
 ALLOWED_SIGNALS = (
     "SIGTERM",
     "SIGKILL",
@@ -83,6 +85,10 @@ def send_signal(table, body: dict) -> dict:
             raise
         pid = None  # the rank has ended (finished, say) but torchrun cannot see it
     sig = getattr(signal, name)
+    # SIGKILL ends what the rank started too (its DataLoader workers: one blocked in a read
+    # never notices its parent's death and would outlive it), listed before the rank dies
+    # and they lose their parent link
+    children = descendants(pid) if pid is not None and name == "SIGKILL" else []
     if pid is not None:
         try:
             if stand_in is None:
@@ -103,10 +109,34 @@ def send_signal(table, body: dict) -> dict:
             pass  # it ended with its worker (the shim exits the way its worker did)
         except PermissionError:
             raise ControlError(403, f"not permitted to signal process {stand_in}") from None
+    for child in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
     out = {"job": job, "rank": rank, "pid": pid, "signal": name, "sent": True}
+    if children:
+        out["descendants"] = children
     if stand_in is not None:
         out["stand_in"] = stand_in
     return out
+
+
+def descendants(pid: int, proc_root: Path = Path("/proc")) -> list[int]:
+    """The processes `pid` started, and theirs, from one scan of /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = parse_pid_stat((entry / "stat").read_text())
+        except (OSError, ProcParseError):
+            continue  # gone meanwhile, or not ours to read
+        children.setdefault(stat.ppid, []).append(stat.pid)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 # How long a SIGKILL waits for a warm-started rank to be gone before its stand-in is

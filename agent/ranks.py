@@ -25,7 +25,10 @@ restart count.
 Evidence. A record with ``progress`` false (the Reporter's flight-recorder wavefront while
 the rank stalls, client/reporter.py) is not progress: it leaves the heartbeat, the history,
 the counters and the step as they were and only sets the rank's ``collectives`` and when
-they came (``collectives_age_seconds`` in ``/v1/ranks``).
+they came (``collectives_age_seconds`` in ``/v1/ranks``). Evidence from a torchrun worker
+found in /proc (a zero-code script's collective watch, ``client/collective_watch.py``) is
+matched by the sender's pid, whatever job and rank it names, and the rank stays a process
+rank.
 
 Time. Every ``now`` argument and every stored time is on the table's ``clock``:
 ``time.time`` by default, so callers pass ``now=time.time()`` and timestamps in the
@@ -770,6 +773,11 @@ class RankTable:
         now = self._now(now) - age
         key = (record.job, record.rank)
         with self._lock:
+            if not record.progress and (found := self._worker_of(sender_pid)) is not None:
+                # a zero-code worker's wavefront (client/collective_watch.py): evidence
+                # for the rank found in /proc, which stays a process rank
+                found.note_collectives(record, now)
+                return
             rank = self._ranks.get(key)
             if rank is None:
                 stat = self._stat(sender_pid)
@@ -801,6 +809,17 @@ class RankTable:
             events.append(self._settle(rank, now))
             self._drop_discovered(rank)
         self._emit(events)
+
+    def _worker_of(self, pid: int) -> _Rank | None:
+        """The live rank found in /proc (source "process") that ``pid`` still is."""
+        return next(
+            (
+                r
+                for r in self._ranks.values()
+                if r.source == "process" and r.pid == pid and r.state in LIVE_STATES
+            ),
+            None,
+        )
 
     def _take_over(self, rank: _Rank, pid: int, uid: int, now: float) -> RankEvent:
         """A new process speaks for a known rank: a restart by the rank's owner (same uid,

@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from ..client import flight_recorder
+from ..client import bootstrap, flight_recorder
 from ..client.checkpoint_store import KEY_FILE_ENV, CheckpointError, load_key
 from ..contract.secrets import new_secret_file, private_dir_problem
 from . import live_view as lv
@@ -420,6 +420,8 @@ def up(
     recorder = run_dir / "flight-recorder"
     _own_dir(recorder, "the flight recorder's folder", private=True)
     flight_recorder.enable(env, dump_to=str((recorder / "rank_").absolute()))
+    # zero-code scripts: the workers' collective watch reads those recorders live
+    bootstrap.put_on_path(env)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         starting = [

@@ -77,8 +77,14 @@ def _restart_through_any(obs: ClusterObs, ranks: list[RankObs], reason: object) 
 def _unnamed_process_hang(f: Finding) -> bool:
     """A hang of ranks without telemetry that neither the process table nor the stacks pin
     on one rank: idle CPU alone is weak evidence (ranks may all wait on I/O or sleep), so it
-    is not an incident until a culprit is named (detectors/process_hang.py)."""
-    return f.kind == RANK_HUNG and f.rank is None and f.evidence.get("source") == "process"
+    is not an incident until a culprit is named (detectors/process_hang.py). Their flight
+    recorders' agreement is strong evidence: that one stands, restarted through a rank."""
+    return (
+        f.kind == RANK_HUNG
+        and f.rank is None
+        and f.evidence.get("source") == "process"
+        and "wavefront" not in f.evidence
+    )
 
 
 def fault_point(name: str) -> None:

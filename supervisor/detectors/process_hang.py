@@ -14,6 +14,17 @@ is enough for two clear cases:
   waiting in a collective, as for telemetry ranks; without such a rank nothing is done and
   nothing is recorded (the loop drops the finding: idle CPU alone is weak evidence).
 
+* **collectives stand still** (the zero-code collective watch, client/collective_watch.py,
+  sends each worker's flight-recorder wavefront once its collectives have stood still):
+  every live rank has a fresh wavefront and together they say the same thing
+  (supervisor/wavefront.py) for ``wavefront_seconds``. A rank that never enqueued the
+  collective its peers wait in is the culprit; a desync is a code bug (the policy stops
+  the job); every member waiting in the same collective is a fault below the ranks, and
+  the stacks are read, then the job restarts through one rank. This is the rule that
+  holds on NCCL, where the waiting ranks spin and are never idle. Its budget is the
+  longest a rank may work alone while its peers wait in a collective (rank 0 writing a
+  checkpoint before a barrier): a job that does longer raises it.
+
 The idle budget is long (120 s by default) because without telemetry a detector cannot
 tell a hang from legitimate single-rank work (rank 0 writing a large checkpoint while the
 others wait in a barrier): the library's step times make the budget adaptive instead.
@@ -22,11 +33,13 @@ One finding per incarnation (torchrun's restart count), like the dead detector.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import RANK_HUNG, Finding, History
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
+from ..wavefront import BEHIND, DESYNC, Wavefront, read_wavefront
 from .common import check_settings, gpu_note, incarnation, node_url
 from .registration import Detector
 
@@ -42,6 +55,9 @@ class ProcessHangConfig:
     enabled: bool = True
     stopped_seconds: float = 2.0  # a rank (or its stand-in) stopped this long is hung
     idle_seconds: float = 120.0  # all but one rank without CPU progress this long
+    # the ranks' flight-recorder wavefronts agree on a stuck collective this long (on top
+    # of the 2 s a worker's collectives stand still before it sends one)
+    wavefront_seconds: float = 15.0
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -50,23 +66,74 @@ class ProcessHangConfig:
 BUSY_RECENT_SECONDS = 5.0  # "still using CPU": active within this long (or half the budget)
 
 
-def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
-    out = []
+def _jobs(obs: ClusterObs):
+    """(job, incarnation, live ranks) of each job run without telemetry, none dead (a death
+    explains the stop: the dead detector reports it)."""
     for job in obs.jobs():
         restart, ranks = incarnation(obs, job)
         if not ranks or any(r.source != "process" for r in ranks):
             continue
         if any(r.state in DEAD_STATES for r in ranks):
-            continue  # a death explains the stop: the dead detector reports it
-        live = [r for r in ranks if r.state in LIVE_STATES]
-        if not live:
             continue
-        finding = _stopped(obs, job, restart, live, cfg) or _no_progress(
-            obs, job, restart, live, cfg
+        live = [r for r in ranks if r.state in LIVE_STATES]
+        if live:
+            yield job, restart, live
+
+
+def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
+    out = []
+    held = history.state.get(DETECTOR.name, {})
+    for job, restart, live in _jobs(obs):
+        finding = (
+            _stopped(obs, job, restart, live, cfg)
+            or _collectives(obs, job, restart, live, cfg, held)
+            or _no_progress(obs, job, restart, live, cfg)
         )
         if finding is not None:
             out.append(finding)
     return out
+
+
+def _wave_key(job: str, restart: int, wave: Wavefront) -> str:
+    return f"{job}:{restart}:{wave.verdict}:{wave.pg}:{wave.seq}"
+
+
+def track(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
+    """state["process_hang"]: each job's wavefront verdict (keyed by job, incarnation,
+    verdict, group and sequence id) -> when it was first seen; kept while it holds."""
+    before = history.state.get(DETECTOR.name, {})
+    now = {}
+    for job, restart, live in _jobs(obs):
+        if (wave := read_wavefront(live)) is not None:
+            key = _wave_key(job, restart, wave)
+            now[key] = before.get(key, obs.time)
+    if now == before:
+        return history
+    return dataclasses.replace(history, state={**history.state, DETECTOR.name: now})
+
+
+def _collectives(
+    obs: ClusterObs,
+    job: str,
+    restart: int,
+    live: list[RankObs],
+    cfg: DetectorConfig,
+    held: dict[str, float],
+) -> Finding | None:
+    wave = read_wavefront(live)
+    if wave is None:
+        return None
+    since = held.get(_wave_key(job, restart, wave))
+    if since is None or obs.time - since < cfg.process_hang.wavefront_seconds:
+        return None
+    culprit = None
+    if wave.verdict in (BEHIND, DESYNC) and len(wave.ranks) == 1:
+        culprit = next(r for r in live if r.rank == wave.ranks[0])
+    extra = {"wavefront": wave.to_json(), "decided_by": "flight recorder"}
+    if wave.verdict == DESYNC:
+        extra["desync"] = True  # a code bug: the policy stops the job with a verdict
+    reason = f"flight recorder: {wave.detail}"
+    return _finding(obs, job, restart, live, culprit, reason, since, obs.time - since, extra)
 
 
 def _stopped_for(obs: ClusterObs, r: RankObs) -> float | None:
@@ -131,6 +198,7 @@ def _finding(
     reason: str,
     occurred_at: float,
     quiet: float,
+    extra: dict | None = None,
 ) -> Finding:
     blame = f"culprit rank {culprit.rank} ({reason})" if culprit else f"no culprit yet: {reason}"
     evidence = {
@@ -147,6 +215,7 @@ def _finding(
         "culprit_reason": reason,
         "stacks_needed": culprit is None,
     }
+    evidence.update(extra or {})
     if culprit is not None:
         evidence.update(pid=culprit.pid, node_url=node_url(obs, culprit.node))
     gpu, gpu_clause = gpu_note(culprit)
@@ -165,4 +234,6 @@ def _finding(
     )
 
 
-DETECTOR = Detector("process_hang", RANK_HUNG, ProcessHangConfig, detect, every_pass=True)
+DETECTOR = Detector(
+    "process_hang", RANK_HUNG, ProcessHangConfig, detect, track=track, every_pass=True
+)

@@ -4,6 +4,7 @@ grouping on literal data, the scanner on a fixture /proc tree), the rank table t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from rankguard.agent.discovery import (
     worker_from_environ,
 )
 from rankguard.agent.ranks import RankTable, describe_exit, parse_proc_stat, read_proc_stat
-from rankguard.contract.telemetry import TelemetryRecord
+from rankguard.contract.telemetry import Collective, TelemetryRecord
 from rankguard.supervisor.detectors import DetectorConfig, hang, process_hang
 from rankguard.supervisor.model import RANK_HUNG, History
 from rankguard.supervisor.state import ClusterObs, NodeObs, RankObs
@@ -266,6 +267,30 @@ def test_table_a_found_worker_that_sends_telemetry_is_one_rank():
             # later scans leave it alone: its pid speaks telemetry
             assert table.adopt(_found(proc, job="uuid-1")) == 0
             assert len(table.snapshot()) == 1
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def test_table_a_found_workers_wavefront_is_its_evidence_and_it_stays_a_process_rank():
+    """A zero-code worker's collective watch (client/collective_watch.py) names the job by
+    torchrun's run id, which the table may hold under another name: the record is matched
+    by the kernel-verified sender pid, and the worker stays a process rank."""
+    front = (Collective("0", "default_pg", 13, 12, "gloo:all_reduce", "[[4]]", 1800.0),)
+    evidence = dataclasses.replace(_telemetry(1, job="run-id"), step=0, progress=False,
+                                   collectives=front)  # fmt: skip
+    with RankTable() as table:
+        proc = _child()
+        try:
+            table.adopt(_found(proc, job="run-id@7"))
+            table.update(dataclasses.replace(evidence, pid=proc.pid), sender_pid=proc.pid)
+            rows = table.snapshot()
+            assert [(r["job"], r["source"]) for r in rows] == [("run-id@7", "process")]
+            (answer,) = table.answers()
+            assert answer.collectives == front and answer.step is None
+            # from a process it does not know, evidence registers a rank as before
+            table.update(dataclasses.replace(evidence, pid=os.getpid()), sender_pid=os.getpid())
+            assert len(table.snapshot()) == 2
         finally:
             proc.kill()
             proc.wait()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from builders import CFG, T0, cluster, hung
+from builders import CFG, T0, cluster, hung, trained
 
 from rankguard.contract.answers import CollectiveAnswer
 from rankguard.supervisor import model, policy
-from rankguard.supervisor.detectors import dead, hang
+from rankguard.supervisor.detectors import dead, hang, process_hang
 from rankguard.supervisor.model import History
 from rankguard.supervisor.wavefront import BEHIND, BELOW, DESYNC, read_wavefront
 
@@ -144,3 +144,58 @@ def test_a_desync_behind_a_second_bucket_is_still_a_desync():
     [f] = hang.detect(cluster(*ranks), History(), CFG)
     assert f.rank is None and f.evidence["desync"] is True and not f.evidence["stacks_needed"]
     assert "desync, a code bug" in f.summary, f.summary
+
+
+# -- zero-code ranks (process_hang): the workers' collective watch sends the wavefronts ----
+
+
+def zero_code(n=2):
+    """Ranks found in /proc: no steps, no heartbeat, busy (a spinning NCCL waiter)."""
+    return [
+        dataclasses.replace(r, source="process", step=None, phase=None, recent=(),
+                            heartbeat_age_seconds=None, cpu_utilization=1.0,
+                            cpu_active_at=T0)  # fmt: skip
+        for r in trained(n)
+    ]
+
+
+def test_zero_code_ranks_behind_a_stuck_collective_are_named_once_it_held_its_budget():
+    ranks = with_waves(zero_code(2), [coll(enqueued=11)], [coll()])
+    budget = CFG.process_hang.wavefront_seconds
+    history = History()
+    for t in (T0, T0 + budget - 1):
+        history = process_hang.track(history, cluster(*ranks, time=t), CFG)
+        assert process_hang.detect(cluster(*ranks, time=t), history, CFG) == []
+    obs = cluster(*ranks, time=T0 + budget)
+    history = process_hang.track(history, obs, CFG)
+    [f] = process_hang.detect(obs, history, CFG)
+    assert f.rank == 1 and f.evidence["wavefront"]["verdict"] == BEHIND, f
+    assert f.evidence["decided_by"] == "flight recorder" and not f.evidence["stacks_needed"]
+    assert f.occurred_at == T0
+    # the ranks moved on (another collective is stuck): its own budget starts again
+    moved = with_waves(zero_code(2), [coll(enqueued=12, completed=11)], [coll(enqueued=11, completed=11)])
+    history = process_hang.track(history, cluster(*moved, time=T0 + budget + 1), CFG)
+    assert process_hang.detect(cluster(*moved, time=T0 + budget + 1), history, CFG) == []
+
+
+def test_zero_code_waves_that_name_nobody_or_are_incomplete():
+    late = T0 + CFG.process_hang.wavefront_seconds + 1
+
+    def judged(ranks):
+        history = process_hang.track(History(), cluster(*ranks, time=T0), CFG)
+        return process_hang.detect(cluster(*ranks, time=late), history, CFG)
+
+    # every member waits alike: below the ranks, the stacks are read (and then a restart)
+    [below] = judged(with_waves(zero_code(2), [coll(enqueued=11)], [coll(enqueued=11)]))
+    assert below.rank is None and below.evidence["stacks_needed"]
+    assert below.evidence["wavefront"]["verdict"] == BELOW
+    # a desync stops the job with a verdict
+    [desync] = judged(
+        with_waves(zero_code(2), [coll(enqueued=11)], [coll(enqueued=11, op="gloo:broadcast")])
+    )
+    assert desync.evidence["desync"] is True
+    [d] = policy.decide([desync], policy.PolicyView(), policy.PolicyConfig(), T0)
+    assert d.action == model.ACT_STOP_JOB, d
+    # one rank without a wavefront (its watch cannot run): nothing is concluded
+    ranks = with_waves(zero_code(2), [coll(enqueued=11)], [coll()])
+    assert judged([ranks[0], dataclasses.replace(ranks[1], collectives=())]) == []

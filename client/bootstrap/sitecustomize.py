@@ -1,0 +1,62 @@
+"""rankguard's bootstrap, run by Python at the start of every process that has this
+folder on its ``PYTHONPATH`` (`rankguard up` and the Slurm script put it there for the
+torchrun workers). In a torchrun worker (``RANK``, ``LOCAL_RANK`` and
+``TORCHELASTIC_RUN_ID`` set; ``RANKGUARD_COLLECTIVE_WATCH=0`` turns it off) it starts one
+daemon thread that waits, with the standard library alone, for the script's process group,
+then runs the collective watch (``rankguard.client.collective_watch``): nothing is
+imported at start-up and nothing runs in the script's thread. Then it runs the
+``sitecustomize`` this one shadows (the user's, a distribution's), as Python would have.
+Nothing here may fail the script: every error is swallowed."""
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+
+def _group_ready():
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and dist.is_available() and dist.is_initialized()
+    except Exception:
+        return False
+
+
+def _watch(environ):
+    while not _group_ready():
+        time.sleep(0.5)
+    try:
+        from rankguard.client import collective_watch
+
+        collective_watch.run(environ)
+    except Exception:
+        pass
+
+
+def _start():
+    env = os.environ
+    worker = all(env.get(n) for n in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"))
+    if worker and env.get("RANKGUARD_COLLECTIVE_WATCH") != "0":
+        args = (dict(env),)
+        threading.Thread(
+            target=_watch, args=args, name="rankguard-collectives", daemon=True
+        ).start()
+
+
+def _chain():
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None and spec.origin != __file__:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+with contextlib.suppress(Exception):
+    _start()
+with contextlib.suppress(Exception):
+    _chain()
