@@ -11,7 +11,9 @@ trainer's tiny preset), rank 1 made to hang at --fault-step:
 - native-stall: stuck in native code, spinning (as a rank whose CUDA sync waits on a stuck
   kernel);
 - data-stall: stuck waiting for its data (a loader that never delivers);
-- stop: SIGSTOPped from outside.
+- stop: SIGSTOPped from outside;
+- clean (not in the default --kinds): no fault, CLEAN_STEPS steps to the end; right when
+  the supervisor raised no incident at all.
 
 Modes (the trainer's `--wait-mode`): block, the peer waits asleep in gloo; spin, the peer
 busy-polls its collectives as an NCCL rank spins in a CUDA sync.
@@ -37,18 +39,21 @@ from pathlib import Path
 from rankguard.cli.local_stack import end_launcher, http_json, start_agent, start_supervisor
 
 KINDS = ("hang", "native-stall", "data-stall", "stop")
+CLEAN_STEPS = 500
 MODES = ("block", "spin")
 HANG_KINDS = ("rank_hung", "data_stall")
 
 
 def trainer_cmd(tmp: Path, kind: str, mode: str, step: int) -> list[str]:
-    fault = []
-    if kind != "stop":
+    fault, steps = [], "100000"
+    if kind == "clean":
+        steps = str(CLEAN_STEPS)
+    elif kind != "stop":
         seconds = ":seconds=600" if kind == "data-stall" else ""
         fault = ["--fault", f"{kind}:step={step}:rank=1{seconds}"]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=0", "-m", "rankguard.trainer", "--preset", "tiny", "--steps", "100000",
+        "--max-restarts=0", "-m", "rankguard.trainer", "--preset", "tiny", "--steps", steps,
         "--log-every", "0", "--job", "soak", "--wait-mode", mode, *fault,
     ]  # fmt: skip
 
@@ -74,7 +79,20 @@ def one_run(kind: str, mode: str, step: int, wait: float) -> dict:
             agent.stop()
 
 
+def _clean(sup_url: str, proc) -> dict:
+    """A run without a fault, to its end: right when nothing was raised."""
+    started = time.monotonic()
+    code = proc.wait(timeout=900)
+    time.sleep(1.0)  # one more pass after the end
+    incs = http_json(sup_url + "/v1/incidents")["incidents"]
+    return {"ok": code == 0 and not incs, "rank": None, "detect": None,
+            "note": f"exit {code} after {time.monotonic() - started:.0f} s, "
+                    f"incidents {[i['kind'] for i in incs]}"}  # fmt: skip
+
+
 def _watch(kind: str, step: int, wait: float, agent_url: str, sup_url: str, proc) -> dict:
+    if kind == "clean":
+        return _clean(sup_url, proc)
     deadline = time.monotonic() + wait + 120  # start-up and the steps before the fault
     stopped = False
     while time.monotonic() < deadline and proc.poll() is None:

@@ -350,10 +350,13 @@ def up(
     refused with a script; --nproc, --max-restarts, --run-dir and --inject kill/stop apply.
 
     Zero-code (no library) gives: a dead rank (an incident within a second; torchrun
-    restarts the group), a hung rank by process state (stopped, e.g. SIGSTOP: about 2 s)
-    or by CPU progress (every rank but one without CPU for --process-idle-seconds; py-spy
-    stacks name the culprit when none is busy, else nothing is done): its stack is
-    captured and it is killed, and torchrun restarts the group. Needs the telemetry library (the bundled trainer has it): steps
+    restarts the group), a hung rank by process state (stopped, e.g. SIGSTOP: about 2 s),
+    by the workers' flight recorders (the rank that never reached the collective its
+    peers wait in, on NCCL too: about 18 s; rankguard's bootstrap on the workers'
+    PYTHONPATH reads them) or by CPU progress (every rank but one without CPU for
+    --process-idle-seconds; py-spy stacks name the culprit when none is busy, else nothing
+    is done): its stack is captured and it is killed, and torchrun restarts the group.
+    Needs the telemetry library (the bundled trainer has it): steps
     and loss, hangs judged against the job's own step time, stragglers by step time, NaN
     loss, the communication share, checkpoint progress for the crash-loop guard.
 

@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ProcessHangConfig:
-    """[detectors.process_hang]: hangs of ranks without telemetry (zero-code: process state
-    and CPU time only). stopped_seconds also applies to stand-ins (detectors/stand_in.py)."""
+    """[detectors.process_hang]: hangs of ranks without telemetry (zero-code: process state,
+    CPU time, the workers' flight recorders). stopped_seconds also applies to stand-ins
+    (detectors/stand_in.py)."""
 
     enabled: bool = True
     stopped_seconds: float = 2.0  # a rank (or its stand-in) stopped this long is hung
