@@ -12,11 +12,7 @@ from dataclasses import dataclass, field
 
 from ..contract.answers import NODE_STATUSES as SEVERITIES  # a verdict is its worst reason
 from ..contract.answers import NodeWarning  # leaves the verdict as it is
-
-# XIDs that mean the GPU or its memory can no longer be trusted (NVIDIA's XID catalogue):
-# 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fell off the bus,
-# 92 high single-bit ECC rate, 94/95 contained/uncontained ECC, 119/120 GSP errors.
-CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
+from ..contract.xids import HARDWARE_ACTIONS, meaning
 
 DISK_UNHEALTHY_RATIO = 0.05
 DISK_DEGRADED_RATIO = 0.10
@@ -52,7 +48,9 @@ def gpu_reasons(facts: dict | None, expected: int | None) -> list[Reason]:
     if not facts.get("available"):
         why = facts.get("reason") or "NVML unavailable"
         if expected:
-            return [Reason("nvml_unavailable", "unhealthy", f"{expected} GPUs expected but {why}")]
+            # the agent cannot see the GPUs (a sandbox, a driver upgrade, persistenced
+            # restarting): its own fault, shared by many nodes at once, not the GPUs'
+            return [Reason("nvml_unavailable", "degraded", f"{expected} GPUs expected but {why}")]
         return []  # a CPU node: nothing expected, nothing wrong
     out = []
     gpus = facts.get("gpus", [])
@@ -65,10 +63,13 @@ def gpu_reasons(facts: dict | None, expected: int | None) -> list[Reason]:
         name = f"GPU {g.get('index')} ({g.get('uuid', '?')})"
         if g.get("lost"):
             out.append(Reason("gpu_lost", "unhealthy", f"{name} is lost (GPU_IS_LOST)"))
-        for code, count in sorted((g.get("xid") or {}).items(), key=lambda kv: int(kv[0])):
+        # XIDs by meaning (contract/xids.py), on the events of the last XID_RECENT_SECONDS
+        for code, count in sorted((g.get("xid_recent") or {}).items(), key=lambda kv: int(kv[0])):
             if count:
-                severity = "unhealthy" if int(code) in CRITICAL_XIDS else "degraded"
-                out.append(Reason(f"xid_{code}", severity, f"{name}: XID {code} seen {count}x"))
+                x = meaning(int(code))
+                severity = "unhealthy" if x.action in HARDWARE_ACTIONS else "degraded"
+                out.append(Reason(f"xid_{code}", severity,
+                                  f"{name}: XID {code} ({x.what}) {count}x lately: {x.action}"))  # fmt: skip
         if g.get("ecc_uncorrected"):
             out.append(
                 Reason(

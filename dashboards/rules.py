@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..contract.xids import hardware_codes
 from .common import AGENT_JOB, SUPERVISOR_JOB, live
 
 NODE_INFO = "rankguard:agent_node:info"
-# XIDs that make the agent call a node unhealthy (agent/health.py); others are warnings.
-CRITICAL_XIDS = (48, 63, 64, 74, 79, 92, 94, 95, 119, 120)
+# XIDs that make the agent call a node unhealthy (their meaning takes the node out of the
+# job: contract/xids.py); others are warnings.
+CRITICAL_XIDS = hardware_codes()
 THROTTLE_REASONS = "sw_power_cap|hw_slowdown|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake"
 RUNNING = 'rankguard_supervisor_job_state{state=~"running|recovering"} == 1'
 # Every alert links its runbook: the alert's own section of docs/operations.md, whose
@@ -263,11 +265,15 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
         Alert("GpuXidCritical",
               named_node(f'increase(rankguard_gpu_xid_errors_total{{xid=~"{xids}"}}[10m]) > 0'),
               "critical", "XID {{ $labels.xid }} on GPU {{ $labels.gpu }} of node {{ $labels.node }}",
-              "An XID that makes the node unhealthy (memory, NVLink, fallen off the bus, ...)."),
+              "An XID that takes the node out of the job: the GPU must be reset (double-bit or "
+              "uncontained ECC, NVLink, GSP, a failed row remap) or the node drained (fallen "
+              "off the bus)."),
         Alert("GpuXid",
               named_node(f'increase(rankguard_gpu_xid_errors_total{{xid!~"{xids}"}}[10m]) > 0'),
               "warning", "XID {{ $labels.xid }} on GPU {{ $labels.gpu }} of node {{ $labels.node }}",
-              "An XID error (often an application fault); repeated ones point at the GPU."),
+              "An XID that leaves the node in the job: an application's fault (it restarts), or "
+              "one to watch (a row remap recorded, a high single-bit ECC rate); repeated ones "
+              "point at the GPU."),
         Alert("GpuEccDoubleBit",
               named_node('increase(rankguard_gpu_ecc_errors_total{type="uncorrected"}[10m]) > 0'),
               "critical", "Uncorrected (double-bit) ECC errors on GPU {{ $labels.gpu }} of node {{ $labels.node }}",

@@ -629,6 +629,7 @@ class GpuCollector(Collector):
         self, readings: list[GpuReading], count: int, xids: dict[tuple[int, int], int]
     ) -> dict[str, Any]:
         watcher = self.watcher
+        recent = self.xids.recent(XID_RECENT_SECONDS)  # what health is judged on
         gpus = []
         for r in readings:
             ecc = r.ecc or {}
@@ -649,6 +650,9 @@ class GpuCollector(Collector):
                     "remapped_rows": r.remapped_rows,
                     "gpm_supported": r.gpm_supported,
                     "xid": {str(code): n for (g, code), n in sorted(xids.items()) if g == r.index},
+                    "xid_recent": {
+                        str(code): n for (g, code), n in sorted(recent.items()) if g == r.index
+                    },  # fmt: skip
                     "clock_events": clock_event_names(r.clock_event_mask or 0),
                 }
             )

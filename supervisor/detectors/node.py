@@ -1,9 +1,11 @@
 """NODE_FAULT: what a reachable node's agent says is wrong with its GPUs or disks.
 
 One finding per (node, code), straight from the agent's verdict (agent/health.py), so
-the agent stays the one place that knows what an XID or a low disk means. GPU, XID and
-ECC codes are hardware (`evidence["hardware"]`: the policy may exclude the node); disk
-codes are not (the operator frees space, the node stays).
+the agent stays the one place that judges GPUs and disks. GPU state, ECC and the XIDs
+whose meaning takes the node out of the job (contract/xids.py: reset the GPU, drain) are
+hardware (`evidence["hardware"]`: the policy may exclude the node); an application's XID,
+one to watch, NVML unavailable (the agent's own fault) and disk codes are not (reported;
+the operator frees space, the node stays).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ...contract.xids import HARDWARE_ACTIONS, meaning
 from ..model import NODE_FAULT, Finding, History
 from ..state import ClusterObs, NodeObs
 from .registration import Detector
@@ -26,18 +29,25 @@ class NodeConfig:
     enabled: bool = True
 
 
-HARDWARE_CODES = frozenset({"gpu_lost", "gpus_missing", "nvml_unavailable", "ecc_uncorrected"})
+# NVML unavailable is not among them: on its own it is the agent's fault (a sandbox, a
+# driver upgrade), often of many nodes at once; a GPU really gone shows as lost or missing
+HARDWARE_CODES = frozenset({"gpu_lost", "gpus_missing", "ecc_uncorrected"})
 DISK_CODES = frozenset({"checkpoint_disk_low", "data_disk_low"})
+AGENT_CODES = frozenset({"nvml_unavailable"})  # reported, never acted on
 
 
 def is_hardware(code: str) -> bool:
-    return code in HARDWARE_CODES or code.startswith("xid_")
+    """A fault of the node's hardware: GPU state, or an XID whose meaning takes the node out
+    of the job (contract/xids.py); an application's XID or one to watch is not."""
+    if code.startswith("xid_") and code[4:].isdigit():
+        return meaning(int(code[4:])).action in HARDWARE_ACTIONS
+    return code in HARDWARE_CODES
 
 
 def relevant(code: str) -> bool:
     """Codes that bear on training; collector failures and the like are the agent's own
     health, visible on its dashboards."""
-    return is_hardware(code) or code in DISK_CODES
+    return is_hardware(code) or code.startswith("xid_") or code in DISK_CODES | AGENT_CODES
 
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:

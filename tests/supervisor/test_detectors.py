@@ -776,7 +776,7 @@ def test_node_reasons_map_to_findings():
     assert lost.evidence["hardware"] is True and lost.evidence["reason"] == reasons[0]
     assert len(found["node_fault:gpu7:xid_79"].evidence["messages"]) == 2
     assert found["node_fault:gpu7:xid_13"].severity == "warning"
-    assert found["node_fault:gpu7:xid_13"].evidence["hardware"] is True
+    assert found["node_fault:gpu7:xid_13"].evidence["hardware"] is False  # the application's
     disk = found["node_fault:gpu7:checkpoint_disk_low"]
     assert disk.severity == "warning" and disk.evidence["hardware"] is False
     assert found["node_fault:gpu7:data_disk_low"].severity == "critical"
@@ -786,10 +786,15 @@ def test_healthy_and_unreachable_nodes_give_no_node_fault():
     down = NodeObs.unreachable("http://n1:9400", "refused", T0)
     obs = ClusterObs(T0, (nodeobs(name="n0"), down))
     assert node.detect(obs, History(), CFG) == []
-    for code in ("gpus_missing", "nvml_unavailable", "ecc_uncorrected"):
+    for code in ("gpus_missing", "ecc_uncorrected", "xid_48", "xid_79"):
         bad = ClusterObs(T0, (nodeobs(reasons=[{"code": code, "severity": "unhealthy"}]),))
         [f] = node.detect(bad, History(), CFG)
         assert f.evidence["hardware"] is True and f.severity == "critical"
+    # the agent's own blindness, a row remap recorded, a contained ECC error: reported only
+    for code in ("nvml_unavailable", "xid_63", "xid_94", "xid_12345"):
+        seen = ClusterObs(T0, (nodeobs(reasons=[{"code": code, "severity": "degraded"}]),))
+        [f] = node.detect(seen, History(), CFG)
+        assert f.evidence["hardware"] is False and f.severity == "warning", code
 
 
 # -- unreachable and history ----------------------------------------------------------------

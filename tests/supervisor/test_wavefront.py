@@ -152,9 +152,16 @@ def test_a_desync_behind_a_second_bucket_is_still_a_desync():
 def zero_code(n=2):
     """Ranks found in /proc: no steps, no heartbeat, busy (a spinning NCCL waiter)."""
     return [
-        dataclasses.replace(r, source="process", step=None, phase=None, recent=(),
-                            heartbeat_age_seconds=None, cpu_utilization=1.0,
-                            cpu_active_at=T0)  # fmt: skip
+        dataclasses.replace(
+            r,
+            source="process",
+            step=None,
+            phase=None,
+            recent=(),
+            heartbeat_age_seconds=None,
+            cpu_utilization=1.0,
+            cpu_active_at=T0,
+        )  # fmt: skip
         for r in trained(n)
     ]
 
@@ -173,7 +180,9 @@ def test_zero_code_ranks_behind_a_stuck_collective_are_named_once_it_held_its_bu
     assert f.evidence["decided_by"] == "flight recorder" and not f.evidence["stacks_needed"]
     assert f.occurred_at == T0
     # the ranks moved on (another collective is stuck): its own budget starts again
-    moved = with_waves(zero_code(2), [coll(enqueued=12, completed=11)], [coll(enqueued=11, completed=11)])
+    moved = with_waves(
+        zero_code(2), [coll(enqueued=12, completed=11)], [coll(enqueued=11, completed=11)]
+    )
     history = process_hang.track(history, cluster(*moved, time=T0 + budget + 1), CFG)
     assert process_hang.detect(cluster(*moved, time=T0 + budget + 1), history, CFG) == []
 
