@@ -142,12 +142,12 @@ def _cases(t: Targets) -> list[dict]:
                     incident("rank_dead", "0", "1x4")],
          "expect": {"SupervisorLostAgent": [("1m", []), ("3m", [alert(
              "warning", "The supervisor cannot reach the agent of node node-2", node="node-2")])]}},
-        {"name": "NVML down on one node; a healthy node is silent",
+        {"name": "NVML down on two nodes: one alert for the fleet; a healthy node is silent",
          "series": [node_info(), node_info(AGENT2, "node-2", "1x30"),
-                    s("rankguard_gpu_nvml_up", AGENT, "1 1 0x28"), s("rankguard_gpu_nvml_up", AGENT2, "1x30")],
+                    s("rankguard_gpu_nvml_up", AGENT, "1 1 0x28"), s("rankguard_gpu_nvml_up", AGENT2, "1x30"),
+                    s("rankguard_gpu_nvml_up", {"job": "rankguard-agent", "instance": "n3:9407"}, "1 1 0x28")],
          "expect": {"NvmlDown": [("4m", []), ("10m", [alert(
-             "critical", "NVML does not answer on node node-1: its GPUs are not watched",
-             **AGENT, node="node-1")])]}},
+             "warning", "NVML does not answer on 2 node(s): their GPUs are not watched")])]}},
         {"name": "GPUs missing: one of two on a node, all on another; a full node is silent",
          "series": [node_info(values="1x10"), node_info(AGENT2, "node-2", "1x10"),
                     node_info({"job": "rankguard-agent", "instance": "n3:9407"}, "node-3", "1x10"),

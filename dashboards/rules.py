@@ -312,11 +312,15 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               "tier are unaffected, but a lost checkpoint filesystem would now lose the run. "
               "`rankguard checkpoints list CKPT_DIR` shows the last error.", "5m"),
         Alert("NvmlDown",
-              named_node("rankguard_gpu_nvml_up == 0"),
-              "critical", "NVML does not answer on node {{ $labels.node }}: its GPUs are not watched",
-              "The agent cannot read the GPUs (driver not loaded, NVML library missing or a "
-              "driver/library mismatch). It retries by itself; `rankguard health` gives the reason. "
-              "On a node without GPUs, turn the gpu collector off in the agent's config.", "5m"),
+              # one alert for the fleet: a driver upgrade or a sandboxed agent blinds many
+              # nodes at once, and the cause is the agents', not the GPUs' (never a drain)
+              "count(rankguard_gpu_nvml_up == 0) > 0",
+              "warning", "NVML does not answer on {{ $value }} node(s): their GPUs are not watched",
+              "The agents cannot read the GPUs (driver not loaded, NVML library missing or a "
+              "driver/library mismatch): the agents' fault, not the GPUs', so no node is "
+              "excluded for it. They retry by themselves; `rankguard health` names the nodes "
+              "and the reason. On a node without GPUs, turn the gpu collector off in the "
+              "agent's config.", "5m"),
         Alert("GpusMissing",
               named_node("rankguard_gpus_expected - on (instance) count by (instance) (rankguard_gpu_info) > 0 "
                          "or on (instance) (rankguard_gpus_expected > 0 unless on (instance) rankguard_gpu_info)"),

@@ -135,7 +135,8 @@ def transitions(
     1. an action's outcome: failed -> failed; a restart done -> recovering (the loop then
        follows the new incarnation); a stop done -> stopped; anything else -> resolved;
     2. a settled decision to do nothing about an open incident: recovering for faults
-       torchrun recovers from by itself, reported for the rest;
+       torchrun recovers from by itself, reported for the rest; a deferred one leaves it
+       open with the reason it waits (a backoff, the fleet brake);
     3. a recovering incident whose job shows a newer incarnation: restarted (once); its
        first timed step (or, without telemetry, every new rank alive) resolves it;
     4. a reported incident whose finding is no longer seen is resolved;
@@ -167,7 +168,11 @@ def transitions(
 
     for d in decisions:  # 2
         inc = by_key.get(d.finding.key)
-        if d.action != ACT_NONE or d.deferred or inc is None or state[inc.id] != OPEN:
+        if d.action != ACT_NONE or inc is None or state[inc.id] != OPEN:
+            continue
+        if d.deferred:  # decided again later; meanwhile the incident says why it waits
+            if d.reason != inc.action_reason:
+                move(inc, OPEN, {"action_reason": d.reason})
             continue
         new = RECOVERING if inc.kind in RECOVERING_KINDS else REPORTED
         move(inc, new, {"action": ACT_NONE, "action_reason": d.reason})

@@ -25,7 +25,11 @@ Rules, per finding kind:
   step is only reported.
 - STRAGGLER: reported; its node is excluded only if `cfg.exclude_stragglers`.
 - NODE_FAULT: a critical hardware fault (`evidence["hardware"]`) excludes the node; other
-  node faults (disk, memory pressure, ...) are reported.
+  node faults (disk, memory pressure, ...) are reported. Exclusions pass the fleet brake
+  first: at most `max_exclusions` (and `max_exclusion_share` of the nodes) within
+  `exclusion_window_seconds`, cluster-wide; past it the fault is recorded, not acted on.
+- Dry run: an action kind named in `dry_run` is recorded as what would have been done
+  (ACT_NONE, "dry run: would ..."), never carried out.
 - AGENT_UNREACHABLE, CHECKPOINT_STALE: always reported. Monitoring faults never kill training.
 
 Restart-causing actions (kill_rank, exclude_node: both make torchrun restart the group) of a
@@ -48,6 +52,7 @@ from .model import (
     ACT_KILL_RANK,
     ACT_NONE,
     ACT_STOP_JOB,
+    ACTIONS,
     AGENT_UNREACHABLE,
     BAD_NUMERICS,
     CHECKPOINT_STALE,
@@ -78,6 +83,16 @@ class PolicyConfig:
     crash_loop_progress_seconds: float = 600.0
     exclude_stragglers: bool = False
     stop_on_budget_exhausted: bool = True  # else defer (ACT_NONE) until the window frees up
+    # The fleet brake: nodes excluded across the cluster within `exclusion_window_seconds`,
+    # at most `max_exclusions` and at most `max_exclusion_share` of the nodes in view (one
+    # at least). Past it a node fault is recorded and alerted, not acted on: one cause
+    # across the fleet (a driver upgrade, a bad rule) must not take the cluster down.
+    max_exclusions: int = 4
+    max_exclusion_share: float = 0.25
+    exclusion_window_seconds: float = 3600.0
+    # action kinds recorded as what would have been done, never carried out (a new rule
+    # measured before it acts): comma-separated, of kill_rank, stop_job, exclude_node
+    dry_run: str = ""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 1:
@@ -95,6 +110,26 @@ class PolicyConfig:
             raise ValueError(
                 f"crash_loop_progress_seconds must be > 0, got {self.crash_loop_progress_seconds}"
             )
+        if self.max_exclusions < 0:
+            raise ValueError(f"max_exclusions must be >= 0, got {self.max_exclusions}")
+        if not 0 <= self.max_exclusion_share <= 1:
+            raise ValueError(
+                f"max_exclusion_share must be in [0, 1], got {self.max_exclusion_share}"
+            )
+        if not self.exclusion_window_seconds > 0:
+            raise ValueError(
+                f"exclusion_window_seconds must be > 0, got {self.exclusion_window_seconds}"
+            )
+        unknown = set(self.dry_runs) - (set(ACTIONS) - {ACT_NONE})
+        if unknown:
+            raise ValueError(
+                f"dry_run: unknown action {', '.join(sorted(unknown))} (known: kill_rank, "
+                "stop_job, exclude_node)"
+            )
+
+    @property
+    def dry_runs(self) -> frozenset[str]:
+        return frozenset(a.strip() for a in self.dry_run.split(",") if a.strip())
 
 
 @dataclass(frozen=True)
@@ -131,6 +166,9 @@ class JobView:
 class PolicyView:
     incidents: Mapping[str, IncidentInfo] = field(default_factory=dict)  # by Finding.key
     jobs: Mapping[str, JobView] = field(default_factory=dict)
+    # (requested_at, node) of the cluster's exclude_node actions in the exclusion window
+    exclusions: tuple[tuple[float, str], ...] = ()
+    nodes: int = 0  # nodes in view (the brake's share is of these)
 
     def job(self, job: str | None) -> JobView:
         return self.jobs.get(job or "", JobView())
@@ -151,7 +189,14 @@ def decide(
         if info is not None and info.acted:
             continue  # idempotent: this fault was already acted on
         out.append(ctx.gate(_wanted(f, ctx.view, cfg)))
-    return out + list(ctx.crash_loops.values())
+    return [_dry(d, cfg) for d in out + list(ctx.crash_loops.values())]
+
+
+def _dry(d: Decision, cfg: PolicyConfig) -> Decision:
+    """A decision whose action runs dry: recorded as what would have been done."""
+    if d.action not in cfg.dry_runs:
+        return d
+    return Decision(d.finding, ACT_NONE, f"dry run: would {d.action}: {d.reason}", d.target)
 
 
 def _wanted(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
@@ -239,9 +284,12 @@ class _Pass:
         self.planned: set[str] = set()  # jobs with a restart decided in this pass
         self.stopping: set[str] = set()  # jobs stopped in this pass
         self.crash_loops: dict[str, Decision] = {}  # CRASH_LOOP key -> decision
+        self.excluded: set[str] = set()  # nodes whose exclusion was decided in this pass
 
     def gate(self, d: Decision) -> Decision:
         f, job = d.finding, d.finding.job
+        if d.action == ACT_EXCLUDE_NODE and (braked := self._brake(d)) is not None:
+            return braked
         if job is None:
             return d  # node-level (no job): no job budget to charge
         if f.kind == RANK_DEAD:  # the restart already happened: only the guard applies
@@ -253,6 +301,22 @@ class _Pass:
         if d.action not in RESTART_ACTIONS:
             return d
         return self._gate_restart(job, d)
+
+    def _brake(self, d: Decision) -> Decision | None:
+        """The fleet brake on exclusions (a deferral past it; None: go on)."""
+        cfg, view = self.cfg, self.view
+        limit = cfg.max_exclusions
+        if view.nodes:
+            limit = min(limit, max(1, math.floor(cfg.max_exclusion_share * view.nodes)))
+        since = self.now - cfg.exclusion_window_seconds
+        done = {n for t, n in view.exclusions if t > since} | self.excluded
+        node = str(d.target.get("node"))
+        if node not in done and len(done) >= limit:  # a node already out costs nothing
+            return _defer(d, f"fleet brake: {len(done)} nodes excluded within "
+                             f"{cfg.exclusion_window_seconds:g}s (at most {limit}): recorded, "
+                             f"not acted on ({d.reason})")  # fmt: skip
+        self.excluded.add(node)
+        return None
 
     def _gate_restart(self, job: str, d: Decision) -> Decision:
         f, jv, cfg = d.finding, self.view.job(job), self.cfg

@@ -331,7 +331,8 @@ class Supervisor:
         if any(f.kind in RECOVERING_KINDS for f in findings):
             fault_point("mid_pass")  # a fault seen and recorded, not yet decided
         checkpoints = {j: self._checkpoint_step(obs, j) for j in obs.jobs()}
-        view = build_policy_view(self.store, findings, self.cfg.policy, now, checkpoints)
+        view = build_policy_view(self.store, findings, self.cfg.policy, now, checkpoints,
+                                 len(obs.nodes))  # fmt: skip
         decisions = decide(findings, view, self.cfg.policy, now)  # decide
         outcomes += [o for d in decisions if (o := self._act(d, obs, now)) is not None]  # act
         moves = transitions(self.store.open_incidents(), decisions, outcomes, findings, obs)
@@ -732,11 +733,13 @@ def build_policy_view(
     cfg: PolicyConfig,
     now: float,
     checkpoint_steps: Mapping[str, int | None] | None = None,
+    nodes: int = 0,
 ) -> PolicyView:
     """The policy's plain-data picture, read from the store's queries: the incident (and
     its actions) of every finding key, plus, for every job the findings touch, its restart
     history, the restart actions within the budget window, its last stop and its newest
-    validated checkpoint step now (`checkpoint_steps`, from the observation)."""
+    validated checkpoint step now (`checkpoint_steps`, from the observation); the cluster's
+    exclusions within the brake's window and its `nodes` in view."""
     checkpoint_steps = checkpoint_steps or {}
     incidents: dict[str, IncidentInfo] = {}
     for key in sorted({f.key for f in findings}):
@@ -753,4 +756,6 @@ def build_policy_view(
             stopped_at=store.stopped_at(job),
             checkpoint_step=checkpoint_steps.get(job),
         )
-    return PolicyView(incidents=incidents, jobs=jobs)
+    since = now - cfg.exclusion_window_seconds
+    return PolicyView(incidents=incidents, jobs=jobs, exclusions=tuple(store.exclusions(since)),
+                      nodes=nodes)  # fmt: skip

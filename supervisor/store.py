@@ -29,7 +29,7 @@ from typing import Any
 
 from ..contract.numbers import json_safe
 from .lifecycle import JobProgress, Transition
-from .model import ACT_NONE, ACT_STOP_JOB, CRASH_LOOP, RANK_DEAD, Finding
+from .model import ACT_EXCLUDE_NODE, ACT_NONE, ACT_STOP_JOB, CRASH_LOOP, RANK_DEAD, Finding
 from .policy import RESTART_ACTIONS, RestartRecord
 
 SCHEMA_VERSION = 2  # 2: the jobs table (state, verdict, goodput survive a restart)
@@ -643,6 +643,16 @@ class IncidentStore:
             (job, since, *kinds),
         )
         return [r[0] for r in rows]
+
+    def exclusions(self, since: float) -> list[tuple[float, str]]:
+        """(requested_at, node) of every exclude_node action after `since`, cluster-wide,
+        oldest first: the fleet brake."""
+        rows = self._read(
+            """SELECT a.requested_at, a.target FROM actions a
+               WHERE a.kind = ? AND a.requested_at > ? ORDER BY a.requested_at""",
+            (ACT_EXCLUDE_NODE, since),
+        )
+        return [(t, str(json.loads(target or "{}").get("node"))) for t, target in rows]
 
     def stopped_at(self, job: str) -> float | None:
         rows = self._read(

@@ -114,10 +114,13 @@ def test_nothing_to_do_recovers_what_torchrun_restarts_and_reports_the_rest():
     assert moves[1].values == {"action": "none", "action_reason": "report only: straggler"}
 
 
-def test_a_deferred_decision_leaves_the_incident_open():
+def test_a_deferred_decision_leaves_the_incident_open_saying_why_it_waits():
     inc = incident()
     d = Decision(finding(key=inc.key), "none", "culprit unknown", deferred=True)
-    assert transitions([inc], [d], [], [d.finding], cluster(rank(0), rank(1))) == []
+    t = only(transitions([inc], [d], [], [d.finding], cluster(rank(0), rank(1))))
+    assert (t.state, t.values) == ("open", {"action_reason": "culprit unknown"})
+    said = dataclasses.replace(inc, action_reason="culprit unknown")  # said once, not again
+    assert transitions([said], [d], [], [d.finding], cluster(rank(0), rank(1))) == []
 
 
 # -- recovery ---------------------------------------------------------------------------

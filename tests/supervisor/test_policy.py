@@ -134,6 +134,41 @@ def test_node_fault(severity, evidence, action):
         assert d.target == {"node": "n1", "node_url": "http://n1"}
 
 
+def xid79(node: str) -> Finding:
+    return finding(NODE_FAULT, f"node_fault:{node}:xid_79", job=None, node=node, hardware=True,
+                   code="xid_79", url=f"http://{node}")  # fmt: skip
+
+
+def test_the_fleet_brake_caps_exclusions_by_number_and_share():
+    """XID 79 on 5 of 8 nodes with a cap of 2: two are excluded, the rest recorded only;
+    a node already excluded within the window counts, and costs nothing again."""
+    cfg = PolicyConfig(max_exclusions=2, max_exclusion_share=1.0)
+    view = PolicyView(nodes=8)
+    out = decide([xid79(f"n{i}") for i in range(5)], view, cfg, 1000.0)
+    assert [d.action for d in out] == [ACT_EXCLUDE_NODE] * 2 + [ACT_NONE] * 3
+    assert all("fleet brake: 2 nodes excluded within 3600s (at most 2)" in d.reason
+               for d in out[2:])  # fmt: skip
+    # a pass later, with the two on record: still braked; a second fault of an excluded
+    # node goes through, and so does a node once the window has let the old ones go
+    done = PolicyView(nodes=8, exclusions=((990.0, "n0"), (990.0, "n1")))
+    assert one(xid79("n2"), done, cfg).action == ACT_NONE
+    again = finding(NODE_FAULT, "node_fault:n1:gpu_lost", job=None, node="n1", hardware=True)
+    assert one(again, done, cfg).action == ACT_EXCLUDE_NODE
+    assert one(xid79("n2"), done, cfg, now=990.0 + 3601).action == ACT_EXCLUDE_NODE
+    # the share: a quarter of 8 nodes is 2, of 2 nodes still one
+    assert [d.action for d in decide([xid79("a"), xid79("b")], PolicyView(nodes=2), CFG, 0.0)] == [
+        ACT_EXCLUDE_NODE, ACT_NONE]  # fmt: skip
+
+
+def test_a_dry_run_action_is_recorded_as_what_would_have_been_done():
+    cfg = PolicyConfig(dry_run="exclude_node, kill_rank")
+    d = one(xid79("n3"), cfg=cfg)
+    assert d.action == ACT_NONE and d.reason.startswith("dry run: would exclude_node: ")
+    assert d.target["node"] == "n3"
+    with pytest.raises(ValueError, match="dry_run: unknown action drain"):
+        PolicyConfig(dry_run="drain")
+
+
 @pytest.mark.parametrize("kind", [AGENT_UNREACHABLE, CHECKPOINT_STALE])
 def test_monitoring_faults_never_kill(kind):
     d = one(finding(kind, rank=0, culprit=0, hardware=True, nonfinite=True))
