@@ -63,6 +63,10 @@ def gpu_reasons(facts: dict | None, expected: int | None) -> list[Reason]:
         name = f"GPU {g.get('index')} ({g.get('uuid', '?')})"
         if g.get("lost"):
             out.append(Reason("gpu_lost", "unhealthy", f"{name} is lost (GPU_IS_LOST)"))
+        if g.get("unresponsive_seconds") is not None:  # a GPU whose driver calls hang
+            out.append(Reason("gpu_unresponsive", "unhealthy",
+                              f"{name}: NVML has not answered for "
+                              f"{g['unresponsive_seconds']:.0f}s"))  # fmt: skip
         # XIDs by meaning (contract/xids.py), on the events of the last XID_RECENT_SECONDS
         for code, count in sorted((g.get("xid_recent") or {}).items(), key=lambda kv: int(kv[0])):
             if count:

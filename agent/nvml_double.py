@@ -22,6 +22,10 @@ can flip `"lost": true` on a GPU or append to `"xid_events"`; each appended even
 delivered once through `nvmlEventSetWait_v2`. Write the file with `write_state` (atomic
 rename, strictly newer mtime) so that no change is missed or read half-written.
 In-process tests can call `inject_xid`, `set_lost` and `update_gpu` instead.
+
+A GPU's `"delay_s"` makes every call on it take that many seconds (-1: hang until it is
+changed), outside the double's lock, as a failing GPU's NVML calls block their caller
+only: the collector's deadlines are tested against it.
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ def _api(fn: Callable) -> Callable:
 
     @wraps(fn)
     def wrapper(self: NvmlDouble, *args: Any, **kwargs: Any) -> Any:
+        if args:  # a call on a GPU whose state says it answers slowly, or hangs
+            self._answer_late(args[0])
         with self._lock:
             self.calls[name] += 1
             if reloads:
@@ -253,6 +259,24 @@ class NvmlDouble:
     def _unavailable_error(self) -> int:
         reason = str(self._state.get("unavailable"))
         return UNAVAILABLE_ERRORS.get(reason, pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    def _answer_late(self, handle: Any) -> None:
+        """A GPU's `delay_s` (seconds each call on it takes) before the call, outside the
+        lock as a real driver's slow call would block only its caller: a failing GPU whose
+        NVML calls block for seconds, or forever while `delay_s` is -1."""
+        try:
+            index = self._handle_index.get(_address(handle) or 0)
+        except (TypeError, ctypes.ArgumentError):
+            return  # not a handle (a count, an event set)
+        if index is None:
+            return
+        deadline = time.monotonic()
+        while True:
+            with self._lock:
+                delay = float(self._state["gpus"][index].get("delay_s") or 0)
+            if delay >= 0 and time.monotonic() >= deadline + delay:
+                return
+            time.sleep(0.05)
 
     def _gpu(self, handle: Any) -> dict:
         index = self._handle_index.get(_address(handle) or 0)

@@ -148,8 +148,13 @@ class GpuConfig:
     pcie_interval: float = 10.0  # seconds between PCIe throughput reads
     init_retry_interval: float = 60.0  # seconds between nvmlInit attempts while down
     event_timeout_ms: int = 500  # XID wait; bounds how long close() waits for the thread
+    # a GPU whose NVML reads take longer is unresponsive: the collection goes on without
+    # it, and it is not called again until its call returns
+    read_deadline_seconds: float = 2.0
 
     def __post_init__(self) -> None:
+        if not self.read_deadline_seconds > 0:
+            raise ValueError("GpuConfig.read_deadline_seconds must be > 0")
         for name in ("gpm_interval", "pcie_interval", "init_retry_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"GpuConfig.{name} must be >= 0")
@@ -202,10 +207,36 @@ class GpuReading:
     gpm_supported: bool | None = None
     pcie: tuple[float, float] | None = None
     processes: dict[int, int] = field(default_factory=dict)  # pid -> bytes
+    unresponsive_seconds: float | None = None  # its NVML read has not returned for this long
 
 
 class _GpuLost(Exception):
     pass
+
+
+class _Call:
+    """One GPU's read, in a daemon thread of its own: a call that never returns holds
+    that thread only, not the collection nor the agent's exit."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(fn, args), name="rankguard-nvml",
+                         daemon=True).start()  # fmt: skip
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._result = fn(*args)
+        except BaseException as exc:  # handed to the collection, as a direct call would
+            self._error = exc
+        finally:
+            self.done.set()
+
+    def get(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 # --- XID events --------------------------------------------------------------------------
@@ -327,6 +358,10 @@ class GpuCollector(Collector):
         self._next_gpm = float("-inf")
         self._next_pcie = float("-inf")
         self._clock_reasons_fn = "nvmlDeviceGetCurrentClocksEventReasons"
+        # Each GPU is read in a thread of its own, waited for up to read_deadline_seconds:
+        # a hung NVML call (a failing GPU, a stuck driver) must not stop the agent's loop,
+        # its /metrics and its watchdog ping. index -> (its read still running, since when)
+        self._stuck: dict[int, tuple[_Call, float]] = {}
 
     # --- lifecycle ---
 
@@ -586,12 +621,44 @@ class GpuCollector(Collector):
         if do_pcie:
             self._next_pcie = now + self.config.pcie_interval
         ranks = self._rank_pids()
-        readings = [self._read(gpu, do_gpm, do_pcie, bool(ranks)) for gpu in self.gpus]
+        readings = self._read_all(do_gpm, do_pcie, bool(ranks), now)
         xids = self.xids.snapshot()
         rank_gpus = self._tie_ranks(readings)
         metrics = build_metrics(readings, self.driver, count, self.ctx.expected_gpus, xids, ranks,
                                 rank_gpus)  # fmt: skip
         return CollectorResult(metrics, self._facts(readings, count, xids))
+
+    def _read_all(self, do_gpm: bool, do_pcie: bool, want_procs: bool, now: float) -> list:
+        """Every GPU's reading, each read in the pool and waited for up to the deadline; a
+        GPU whose read has not returned is reported unresponsive (and not read again
+        until it returns)."""
+        for index, (call, _) in list(self._stuck.items()):
+            if call.done.is_set():
+                del self._stuck[index]
+                log.warning("gpu %d answers again", index)
+        started = {
+            gpu.index: _Call(self._read, gpu, do_gpm, do_pcie, want_procs)
+            for gpu in self.gpus
+            if gpu.index not in self._stuck
+        }
+        deadline = time.monotonic() + self.config.read_deadline_seconds
+        for call in started.values():
+            call.done.wait(max(0.0, deadline - time.monotonic()))
+        readings = []
+        for gpu in self.gpus:
+            call = started.get(gpu.index)
+            if call is not None and call.done.is_set():
+                readings.append(call.get())
+                continue
+            if call is not None:
+                self._stuck[gpu.index] = (call, now)
+                log.warning("gpu %d (%s): NVML read past %gs: unresponsive", gpu.index, gpu.uuid,
+                            self.config.read_deadline_seconds)  # fmt: skip
+            since = self._stuck[gpu.index][1]
+            waited = self.ctx.clock() - since + self.config.read_deadline_seconds
+            readings.append(GpuReading(gpu.index, gpu.uuid, gpu.name, unresponsive_seconds=waited,
+                                       error=f"NVML read not returned for {waited:.0f}s"))  # fmt: skip
+        return readings
 
     def _tie_ranks(self, readings: list[GpuReading]) -> list[tuple[str, int, str]]:
         """Tell the rank table which GPU each process is on and each GPU's faults; the
@@ -640,6 +707,7 @@ class GpuCollector(Collector):
                     "name": r.name,
                     "lost": r.lost,
                     "error": r.error,
+                    "unresponsive_seconds": r.unresponsive_seconds,
                     "utilization": r.utilization,
                     "memory_used": r.memory_used,
                     "memory_total": r.memory_total,

@@ -31,7 +31,7 @@ class NodeConfig:
 
 # NVML unavailable is not among them: on its own it is the agent's fault (a sandbox, a
 # driver upgrade), often of many nodes at once; a GPU really gone shows as lost or missing
-HARDWARE_CODES = frozenset({"gpu_lost", "gpus_missing", "ecc_uncorrected"})
+HARDWARE_CODES = frozenset({"gpu_lost", "gpu_unresponsive", "gpus_missing", "ecc_uncorrected"})
 DISK_CODES = frozenset({"checkpoint_disk_low", "data_disk_low"})
 AGENT_CODES = frozenset({"nvml_unavailable"})  # reported, never acted on
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,9 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pynvml
 import pytest
+from harness import wait_until
 
 from rankguard.agent.collectors import CollectorContext, CollectorResult
 from rankguard.agent.collectors.gpu import (
@@ -25,6 +28,7 @@ from rankguard.agent.collectors.gpu import (
     mw_to_watts,
     percent_to_ratio,
 )
+from rankguard.agent.health import gpu_reasons
 from rankguard.agent.nvml_double import ENV_VAR, NvmlDouble, load_nvml, make_double, write_state
 from rankguard.agent.ranks import RankTable
 from rankguard.contract.telemetry import TelemetryRecord
@@ -737,3 +741,70 @@ def test_recent_xids_age_out():
     clock.t += 200
     assert counts.recent(600) == {(0, 48): 1}
     assert counts.snapshot() == {(0, 79): 1, (0, 48): 1}  # the lifetime counters stay
+
+
+def test_a_gpu_whose_nvml_calls_hang_is_unresponsive_and_the_collection_goes_on(make):
+    """GPU 1's calls block (the double's delay_s -1, as a failing GPU's driver calls do):
+    each collection still returns by the deadline, GPU 0 is read as usual, GPU 1 is
+    reported unresponsive and not called again until its call returns."""
+    collector, nvml, clock = make(make_double(2), read_deadline_seconds=0.3)
+    collector.collect()  # handles resolved, both answer
+    nvml.update_gpu(1, delay_s=-1)
+    for _ in range(3):
+        started = time.monotonic()
+        r = collector.collect()
+        assert time.monotonic() - started < 1.5
+        gpu0, gpu1 = r.facts["gpus"]
+        assert gpu0["utilization"] is not None and gpu0["unresponsive_seconds"] is None
+        assert gpu1["unresponsive_seconds"] is not None and gpu1["utilization"] is None
+    calls = sum(nvml.calls.values())
+    collector.collect()
+    assert sum(nvml.calls.values()) - calls < calls  # GPU 1 not called while its call hangs
+    reasons = gpu_reasons(r.facts, 2)
+    assert [x.code for x in reasons] == ["gpu_unresponsive"] and reasons[0].severity == "unhealthy"
+    nvml.update_gpu(1, delay_s=0)  # the driver answers again
+    wait_until(lambda: collector.collect().facts["gpus"][1]["utilization"] is not None, 10,
+               "GPU 1 read again")  # fmt: skip
+
+
+def test_the_agent_answers_and_feeds_its_watchdog_while_a_gpus_calls_hang(tmp_path):
+    """The agent as systemd runs it, on the file-backed double: GPU 1's NVML calls start to
+    hang. /metrics and /v1/node still answer at once, the watchdog pings keep their pace,
+    and the node shows GPU 1 unresponsive within 10 s."""
+    import socket
+
+    from harness import http_json
+
+    from rankguard.cli.local_stack import start_agent
+
+    state = tmp_path / "nvml.json"
+    write_state(state, make_double(2))
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(1.0)
+    env = {ENV_VAR: str(state), "NOTIFY_SOCKET": str(tmp_path / "notify.sock")}
+    agent = start_agent(tmp_path, extra=["--expected-gpus", "2"], env=env)
+    try:
+        wait_until(lambda: http_json(agent.url + "/v1/node")["status"] == "healthy", 30, "healthy")
+        hanging = make_double(2)
+        hanging["gpus"][1]["delay_s"] = -1
+        write_state(state, hanging)
+        hung_at, pings = time.monotonic(), []
+        while time.monotonic() - hung_at < 8:
+            with contextlib.suppress(TimeoutError):
+                if b"WATCHDOG=1" in notify.recv(4096):
+                    pings.append(time.monotonic())
+        # --interval 1 plus the 2 s read deadline: a ping every 3 s at the worst
+        gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
+        assert len(pings) >= 2 and max(gaps) < 4.5, pings
+        started = time.monotonic()
+        node = http_json(agent.url + "/v1/node")
+        metrics = urllib.request.urlopen(agent.url + "/metrics", timeout=5).read()
+        assert time.monotonic() - started < 1.0 and b"rankguard_gpu_nvml_up" in metrics
+        codes = [r["code"] for r in node["reasons"]]
+        assert "gpu_unresponsive" in codes and node["status"] == "unhealthy", node["reasons"]
+        assert time.monotonic() - hung_at < 10 + 1.0
+    finally:
+        write_state(state, make_double(2))  # the hung calls return
+        agent.stop()
+        notify.close()
