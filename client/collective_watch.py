@@ -8,7 +8,8 @@ process group, the thread imports this module and runs :func:`run`: it looks eve
 ``LOOK_SECONDS`` at the process groups' sequence ids (``flight_recorder.read_status``: a
 few hundred bytes) and, while they move, does nothing else. Once they have stood still
 ``STILL_SECONDS``, it reads the wavefront and sends it as evidence (a record with
-``progress`` false): again when it changes, and every ``REPEAT_SECONDS`` while it holds.
+``progress`` false): again when it changes, and every ``REPEAT_SECONDS`` while it holds;
+once they move again, an empty one takes it back.
 The agent attaches it to the worker it found in /proc, by the kernel-verified sender pid
 (agent/ranks.py), and ``supervisor/detectors/process_hang.py`` compares the job's
 wavefronts: the rank that never enqueued the collective its peers wait in is the culprit.
@@ -68,17 +69,23 @@ class CollectiveWatch:
         self.sent_at = 0.0
 
     def look(self, now: float) -> tuple[Collective, ...] | None:
+        """The wavefront to send now; ``()`` once collectives move again after one was
+        sent (the agent then drops it: a stall that ended is no evidence); None: nothing."""
         status = self._read_status()
         if status is None or status != self.status:  # no group yet, or collectives move
+            moved = self.sent is not None
             self.status, self.still_since, self.sent = status, now, None
-            return None
+            return () if moved else None
         if now - self.still_since < STILL_SECONDS:
             return None
         if status == self.sent and now - self.sent_at < REPEAT_SECONDS:
             return None
         self.sent, front = self._read()
         self.sent_at = now
-        return front or None
+        if not front:
+            self.sent = None  # nothing went out: nothing to take back
+            return None
+        return front
 
 
 def run(environ: Mapping[str, str]) -> None:

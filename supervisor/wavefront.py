@@ -19,7 +19,7 @@ member waits in:
   share.
 
 A rank without a fresh wavefront (its recorder off, its Reporter thread unable to run, an
-older client) makes the reading incomplete: nothing is concluded from the others alone,
+older client, or one taken before its last progress) makes the reading incomplete: nothing is concluded from the others alone,
 since the missing rank may be the one behind.
 """
 
@@ -61,8 +61,14 @@ class Wavefront:
 
 
 def fresh(rank: RankObs, max_age: float = FRESH_SECONDS) -> bool:
+    """A wavefront that says where the rank is: recent, and taken since its last progress
+    (one from an earlier stall, a start-up wait say, is where it was: a rank that stalls
+    again within `max_age` must not be judged by it before it sends a new one)."""
     age = rank.collectives_age_seconds
-    return bool(rank.collectives) and age is not None and age <= max_age
+    if not rank.collectives or age is None or age > max_age:
+        return False
+    beat = rank.heartbeat_age_seconds
+    return beat is None or age <= beat
 
 
 def read_wavefront(live: Sequence[RankObs], max_age: float = FRESH_SECONDS) -> Wavefront | None:

@@ -38,8 +38,9 @@ def test_the_wavefront_is_sent_once_collectives_stand_still_then_again_when_it_r
     assert watch.look(STILL_SECONDS) == FRONT
     assert watch.look(STILL_SECONDS + 1) is None  # sent: not again at once
     assert watch.look(STILL_SECONDS + REPEAT_SECONDS) == FRONT  # ... but to keep it fresh
-    rec.status = ["ids 2"]  # collectives moved: the job is not stuck
-    assert watch.look(20.0) is None and watch.look(20.0 + STILL_SECONDS - 0.1) is None
+    rec.status = ["ids 2"]  # collectives moved: the stall is over, its evidence taken back
+    assert watch.look(20.0) == ()
+    assert watch.look(20.1) is None and watch.look(20.0 + STILL_SECONDS - 0.1) is None
     assert rec.reads == 2  # the whole dump is read only to send it
 
 

@@ -146,6 +146,21 @@ def test_a_desync_behind_a_second_bucket_is_still_a_desync():
     assert "desync, a code bug" in f.summary, f.summary
 
 
+def test_a_wavefront_taken_before_the_ranks_last_progress_is_not_read():
+    """Soak, spin mode: a start-up wait had sent both ranks' wavefronts (rank 0 behind at
+    collective 2); the ranks trained on, and when rank 1 hung a few seconds later the
+    detector, within a second, read those and named rank 0. A wavefront older than the
+    rank's last record is where it was, not where it is."""
+    stale = with_waves(hung(2, age=1.2), [coll(enqueued=1, completed=1)], [coll(enqueued=2, completed=1)],
+                       age=6.0)  # fmt: skip
+    assert read_wavefront(stale) is None
+    [f] = hang.detect(cluster(*stale), History(), CFG)
+    assert "wavefront" not in f.evidence, f.evidence
+    taken_since = with_waves(hung(2, age=1.2), [coll(enqueued=1, completed=1)],
+                             [coll(enqueued=2, completed=1)], age=0.2)  # fmt: skip
+    assert read_wavefront(taken_since).ranks == (0,)
+
+
 # -- zero-code ranks (process_hang): the workers' collective watch sends the wavefronts ----
 
 
