@@ -115,6 +115,7 @@ def _watch(kind: str, step: int, wait: float, agent_url: str, sup_url: str, proc
                 "step_seconds": ev.get("p99_step_seconds"),
                 "decided_by": ev.get("decided_by"),
                 "culprit_reason": ev.get("culprit_reason"),
+                "wavefront": (ev.get("wavefront") or {}).get("verdict"),
             }
         time.sleep(0.2)
     return {"ok": False, "rank": None, "detect": None, "note": "no culprit named in time"}
@@ -135,6 +136,7 @@ def summarise(kind: str, mode: str, runs: list[dict]) -> dict:
     return {
         "kind": kind, "mode": mode, "runs": len(runs), "right": len(right),
         "within_bound": sum(1 for t in detect if t <= bound), "bound": bound,
+        "wavefront": sum(1 for r in right if r.get("wavefront")),
         "median_detect": statistics.median(detect) if detect else None,
         "max_detect": max(detect) if detect else None,
         "how": sorted({str(r.get("culprit_reason", ""))[:60] for r in right}),
@@ -143,12 +145,13 @@ def summarise(kind: str, mode: str, runs: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> str:
     out = ["| hang | wait mode | right rank | within bound | bound s | median detect s "
-           "| max detect s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| max detect s | with a wavefront |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         med = "-" if r["median_detect"] is None else f"{r['median_detect']:.2f}"
         top = "-" if r["max_detect"] is None else f"{r['max_detect']:.2f}"
         out.append(f"| {r['kind']} | {r['mode']} | {r['right']} of {r['runs']} "
-                   f"| {r['within_bound']} of {r['runs']} | {r['bound']:.1f} | {med} | {top} |")  # fmt: skip
+                   f"| {r['within_bound']} of {r['runs']} | {r['bound']:.1f} | {med} | {top} "
+                   f"| {r.get('wavefront', 0)} of {r['runs']} |")  # fmt: skip
     return "\n".join(out)
 
 

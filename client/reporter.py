@@ -36,9 +36,9 @@ which collectives are timed is in :mod:`rankguard.client.timing` and ``docs/clie
 
 Stalls (``flight_recorder=True``, the default): built before the process group, the
 Reporter turns torch's flight recorder on (:func:`~.flight_recorder.enable`). A daemon
-thread, ``rankguard-wavefront``, looks every 0.5 s at how long the rank has shown no
+thread, ``rankguard-wavefront``, looks every 0.25 s at how long the rank has shown no
 progress (a step begun or reported, a phase announced, a heartbeat sent): one clock read
-while steps flow, nothing else. Once that exceeds ``max(1, 2 x the median of the last 20
+while steps flow, nothing else. Once that exceeds ``max(0.5, 2 x the median of the last 20
 step times)`` seconds, it reads the rank's wavefront (each process group's last enqueued
 and completed collective, :mod:`rankguard.client.flight_recorder`) and sends it in a
 record with ``progress`` false (the current phase and step, as a heartbeat has them):
@@ -94,8 +94,9 @@ CLOSE_PATIENCE = 1.0
 # The stall watch (rankguard-wavefront): how often it looks at the clock, the shortest
 # stall it reports, how many step times its median takes, how often it reads the recorder
 # while stalled, and how often it repeats an unchanged wavefront.
-STALL_LOOK_SECONDS = 0.5
-STALL_MIN_SECONDS = 1.0
+STALL_LOOK_SECONDS = 0.25
+# half the hang detector's 1 s floor: the wavefront is in before a hang is decided
+STALL_MIN_SECONDS = 0.5
 STALL_STEPS = 20
 STALL_READ_SECONDS = 1.0
 # After this many steps the watch reads the groups' collective timeouts once (a warning when
