@@ -2,8 +2,8 @@
 "resolution bucket (immediate action)", in the four answers rankguard acts on.
 
 An XID is an event, not a state. Health is judged on the events of the last
-`XID_RECENT_SECONDS` (contract/answers.py; the agent keeps each event's time), never on counts since the
-agent started: a row remap recorded last week says nothing about the node today, and a
+`XID_RECENT_SECONDS` (contract/answers.py; the agent keeps each event's time), never on
+counts since the agent started: a row remap recorded last week says nothing about the node today, and a
 GPU that stays broken shows so by its state (lost, remap pending), which is judged on its
 own.
 
