@@ -17,7 +17,17 @@ import sys
 import time
 from pathlib import Path
 
-from .procfs import ProcParseError, parse_pid_stat
+from . import processes
+from .processes import (
+    REFUSED,
+    RankLookupError,
+    descendants,
+    launcher_identity,
+    launcher_pid,
+    process_uid,
+    signal_exact,
+    still_launcher,
+)
 
 ALLOWED_SIGNALS = (
     "SIGTERM",
@@ -29,14 +39,6 @@ ALLOWED_SIGNALS = (
     "SIGUSR2",
     "SIGABRT",
 )
-
-
-# Processes control refused to treat as a rank's stand-in or launcher, by reason (a
-# bounded label set; exported on /metrics as rankguard_control_refused_total{reason}):
-#   foreign_stand_in  a process the rank holds a pidfd on that runs as another uid
-#   stale_launcher    a remembered launcher whose pid now has another start time, another
-#                     uid, or is no torchrun: never signalled
-REFUSED: dict[str, int] = {"foreign_stand_in": 0, "stale_launcher": 0}
 
 
 def refused_counts() -> dict[str, int]:
@@ -61,8 +63,6 @@ def parse_target(body: dict) -> tuple[str, int]:
 
 
 def resolve_pid(table, job: str, rank: int) -> int:
-    from .ranks import RankLookupError
-
     try:
         return table.verified_pid(job, rank)
     except RankLookupError as exc:
@@ -120,25 +120,6 @@ def send_signal(table, body: dict) -> dict:
     return out
 
 
-def descendants(pid: int, proc_root: Path = Path("/proc")) -> list[int]:
-    """The processes `pid` started, and theirs, from one scan of /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in proc_root.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = parse_pid_stat((entry / "stat").read_text())
-        except (OSError, ProcParseError):
-            continue  # gone meanwhile, or not ours to read
-        children.setdefault(stat.ppid, []).append(stat.pid)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 # How long a SIGKILL waits for a warm-started rank to be gone before its stand-in is
 # killed. The rank first: torchrun reacts to the stand-in's death by tearing the peers
 # down, so a stand-in killed first let a peer die (SIGTERM through its own shim) before
@@ -176,15 +157,13 @@ def dump_stacks(table, body: dict, timeout: float = 20.0) -> dict:
     show. `--native` pauses the process while it unwinds (py-spy has no non-blocking native
     mode), so a stopped rank, which must stay stopped, and a failed or slow native read get
     the plain non-blocking dump instead: a capture never fails because of --native."""
-    from .ranks import read_proc_stat
-
     job, rank = parse_target(body)
     pid = resolve_pid(table, job, rank)
     tool = py_spy_path()
     if tool is None:
         raise ControlError(501, "py-spy is not installed on this node")
     deadline = time.monotonic() + timeout
-    stat = read_proc_stat(pid)
+    stat = processes.read_proc_stat(pid)
     if stat is not None and stat.state not in "Tt":
         # half the time at most, so that the plain dump keeps the rest
         done = _py_spy(tool, pid, "--native", timeout / 2)
@@ -210,99 +189,6 @@ def _py_spy(tool: str, pid: int, mode: str, timeout: float) -> subprocess.Comple
         return None
 
 
-def _is_launcher(pid: int) -> bool:
-    """Whether `pid`'s command line is a torchrun / torch.distributed.run elastic agent.
-
-    Never how a launcher is found (that is the rank's real parent, by pid and start time,
-    see `launcher_identity`): only a guard, so that stop-job does not SIGTERM the shell or
-    test runner a rank was started from directly."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return False
-    return b"torch.distributed.run" in cmdline or b"torchrun" in cmdline
-
-
-def process_uid(pid: int, proc_root: Path = Path("/proc")) -> int | None:
-    """The real uid of a process (/proc/<pid>/status), None if it is gone or unreadable."""
-    try:
-        text = (proc_root / str(pid) / "status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("Uid:"):
-            parts = line.split()
-            return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
-    return None
-
-
-def launcher_identity(pid: int | None) -> tuple[int, int] | None:
-    """(pid, start ticks) of a launcher, or None if it is gone: what stop-job checks
-    before signalling, so that a recycled pid is never signalled."""
-    from .ranks import read_proc_stat
-
-    if pid is None or pid <= 1:
-        return None
-    try:
-        stat = read_proc_stat(pid)
-    except (OSError, ValueError):
-        return None
-    return (pid, stat.start_ticks) if stat is not None else None
-
-
-def launcher_pid(pid: int, ppid: int | None) -> int | None:
-    """The launcher of a rank process: its real parent; or, for a warm-started worker
-    (trainer/warm.py, forked by the warm server), the parent of the shim torchrun started,
-    which the worker watches through a pidfd. The shim must run as the worker's uid:
-    anyone may open a pidfd on any process, and a foreign one must not become this
-    rank's stand-in or lead to its launcher."""
-    from .ranks import read_proc_stat
-
-    shim = stand_in_pid(pid, ppid)
-    stat = read_proc_stat(shim) if shim is not None else None
-    return stat.ppid if stat is not None else ppid
-
-
-def stand_in_pid(pid: int, ppid: int | None) -> int | None:
-    """The process torchrun started in place of a rank that runs elsewhere: the warm-start
-    shim, a process the rank holds a pidfd on, of the same uid, whose parent is a launcher
-    (agent/stand_ins.py). None for a rank that torchrun started itself."""
-    if ppid is None or _is_launcher(ppid):
-        return None
-    from .ranks import read_proc_stat
-
-    uid = process_uid(pid)
-    for shim in _pidfd_targets(pid):
-        stat = read_proc_stat(shim)
-        if stat is None or not _is_launcher(stat.ppid):
-            continue
-        if uid is not None and process_uid(shim) == uid and process_uid(stat.ppid) == uid:
-            return shim
-        REFUSED["foreign_stand_in"] += 1
-    return None
-
-
-def _pidfd_targets(pid: int) -> list[int]:
-    """Processes `pid` holds pidfds of (the kernel names them in fdinfo's `Pid:` line)."""
-    out = []
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return out
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[pidfd]":
-                continue
-            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
-        except OSError:
-            continue
-        for line in info.splitlines():
-            key, _, value = line.partition(":")
-            if key == "Pid" and value.strip().isdigit():
-                out.append(int(value))
-    return out
-
-
 def stop_job(table, body: dict) -> dict:
     """End a job on this node: SIGTERM its torchrun launcher(s), so the elastic agent tears
     the workers down and does not restart them; live ranks without a launcher get SIGTERM.
@@ -312,15 +198,11 @@ def stop_job(table, body: dict) -> dict:
     A launcher is a rank's real parent remembered by pid and start time, and it is
     signalled only while that pid still has that start time and the rank owner's uid
     (a recycled pid, or a process of another user, is never signalled)."""
-    from .ranks import read_proc_stat
-
     job = body.get("job")
     if not isinstance(job, str) or not job:
         raise ControlError(400, "body needs 'job' (a non-empty string)")
     remembered = table.launchers(job)
-    launchers = {
-        pid for (pid, start), uid in remembered.items() if _still_launcher(pid, start, uid)
-    }
+    launchers = {pid for (pid, start), uid in remembered.items() if still_launcher(pid, start, uid)}
     REFUSED["stale_launcher"] += len(remembered) - len(launchers)
     starts = {pid: start for pid, start in remembered}
     orphans = []
@@ -332,53 +214,18 @@ def stop_job(table, body: dict) -> dict:
         except ControlError:
             continue  # gone since the listing (torchrun tore it down): the remembered
             # launchers cover it, and a rank that ended needs no signal
-        stat = read_proc_stat(verified)
+        stat = processes.read_proc_stat(verified)
         launcher = launcher_pid(verified, stat.ppid) if stat is not None else None
         ident = launcher_identity(launcher)
-        if ident is not None and _still_launcher(*ident, process_uid(verified)):
+        if ident is not None and still_launcher(*ident, process_uid(verified)):
             launchers.add(ident[0])
             starts[ident[0]] = ident[1]
         else:
             orphans.append(verified)
     if not launchers and not orphans:
         raise ControlError(404, f"no launcher or live rank of job {job} on this node")
-    launchers = {pid for pid in launchers if _signal_exact(pid, starts[pid], signal.SIGTERM)}
+    launchers = {pid for pid in launchers if signal_exact(pid, starts[pid], signal.SIGTERM)}
     for pid in orphans:
         with contextlib.suppress(ProcessLookupError):  # already gone: that is the goal
             os.kill(pid, signal.SIGTERM)
     return {"job": job, "launchers": sorted(launchers), "ranks_signalled": orphans}
-
-
-def _signal_exact(pid: int, start: int, sig: int) -> bool:
-    """Signal `pid` only if it is still the process that started at `start`: through a
-    pidfd opened first and checked after, so the pid cannot be recycled in between."""
-    from .ranks import read_proc_stat
-
-    try:
-        fd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
-        return False
-    try:
-        stat = read_proc_stat(pid)
-        if stat is None or stat.start_ticks != start:
-            return False
-        signal.pidfd_send_signal(fd, sig)
-        return True
-    except (OSError, ValueError):
-        return False
-    finally:
-        os.close(fd)
-
-
-def _still_launcher(pid: int, start: int, uid: int | None) -> bool:
-    """`pid` still names the launcher remembered (same start time), runs as the rank
-    owner's uid, and is a torchrun (not the shell a rank was started from)."""
-    from .ranks import read_proc_stat
-
-    try:
-        stat = read_proc_stat(pid)
-    except (OSError, ValueError):
-        return False
-    if stat is None or stat.start_ticks != start or stat.state in "ZXx":
-        return False
-    return uid is not None and process_uid(pid) == uid and _is_launcher(pid)

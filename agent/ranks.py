@@ -62,7 +62,16 @@ from ..contract.cursor import Since, answer_fields, new_incarnation, since
 from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
 from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
 from ..contract.telemetry import SPLIT_FIELDS, Collective, TelemetryRecord
-from .control import launcher_identity, launcher_pid, process_uid, stand_in_pid
+from .processes import (
+    ProcStat,
+    RankLookupError,
+    launcher_identity,
+    launcher_pid,
+    parse_proc_stat,
+    process_uid,
+    read_proc_stat,
+    stand_in_pid,
+)
 from .procfs import ThreadState, read_thread
 from .rank_counters import RankCounters
 from .stand_ins import StandIn, stand_in_state
@@ -84,7 +93,6 @@ __all__ = [
 
 log = logging.getLogger("rankguard.agent.ranks")
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # A process using at least this share of a core over a CPU window is making progress
 # (cpu_active_at); a rank asleep in a collective stays far below it.
 ACTIVE_CPU_CORES = 0.05
@@ -100,10 +108,6 @@ _LETTER_STATES: dict[str, tuple[str, str | None]] = {
 }
 
 
-class RankLookupError(LookupError):
-    """No live, verified process behind a (job, rank): control actions must not proceed."""
-
-
 class RankTableFullError(RuntimeError):
     """The table holds max_ranks ranks and none of them is dead: a new rank is refused."""
 
@@ -117,39 +121,6 @@ class RankQuotaError(RankTableFullError):
 
 
 # --------------------------------------------------------------------------- /proc
-
-
-class ProcStat(NamedTuple):
-    state: str  # the one-letter kernel state
-    ppid: int
-    cpu_seconds: float  # user + system
-    start_ticks: int  # clock ticks after boot at which the process started
-    exit_code: int | None = None  # field 52 (waitpid status; meaningful for a zombie)
-
-
-def parse_proc_stat(text: str) -> ProcStat:
-    """Parse a ``/proc/<pid>/stat`` line (ValueError if it is not one).
-
-    The command name (field 2) may hold spaces and parentheses, so split after the
-    last ``)``.
-    """
-    _, sep, rest = text.rpartition(")")
-    fields = rest.split()
-    if not sep or len(fields) < 20:
-        raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
-    # fields[0] is field 3 (state); field n of proc(5) is fields[n - 3].
-    cpu_ticks = int(fields[11]) + int(fields[12])  # utime + stime
-    exit_code = int(fields[49]) if len(fields) >= 50 else None
-    return ProcStat(fields[0], int(fields[1]), cpu_ticks / CLOCK_TICKS, int(fields[19]), exit_code)
-
-
-def read_proc_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
-    """The process's stat, or None if there is no such process (any more)."""
-    try:
-        text = (proc_root / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return parse_proc_stat(text)
 
 
 def describe_exit(status: int) -> str:

@@ -280,11 +280,11 @@ def test_stack_dump_has_native_frames_and_falls_back_without_them(agent, rank_ch
     assert "clock_nanosleep (libc" in payload["result"]["stacks"]  # time.sleep, natively
     assert _proc_state(rank_child.pid) != "T"  # paused for the dump only
 
-    from rankguard.agent import ranks
+    from rankguard.agent import processes
 
-    real = ranks.read_proc_stat
+    real = processes.read_proc_stat
     monkeypatch.setattr(  # the agent sees it running ...
-        ranks, "read_proc_stat", lambda pid, *a: (s := real(pid, *a)) and s._replace(state="S")
+        processes, "read_proc_stat", lambda pid, *a: (s := real(pid, *a)) and s._replace(state="S")
     )
     os.kill(rank_child.pid, signal.SIGSTOP)  # ... py-spy --native finds it stopped and fails
     _wait_state(rank_child.pid, "T")

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rankguard.agent.config import AgentConfigError, load_config
-from rankguard.agent.control import _signal_exact, process_uid
+from rankguard.agent.processes import process_uid, signal_exact
 from rankguard.agent.ranks import ForeignOwnerError, RankQuotaError, RankTable, read_proc_stat
 from rankguard.agent.receiver import RECEIVER_REASONS, Quota, TelemetryReceiver
 from rankguard.contract.telemetry import TelemetryRecord, encode
@@ -508,10 +508,10 @@ def test_receiver_counts_quota_refusals_before_decoding(tmp_path):
 def test_a_recycled_launcher_pid_is_never_signalled(launchers):
     p, _ = launchers(1)
     start = read_proc_stat(p.pid).start_ticks
-    assert not _signal_exact(p.pid, start + 1, signal.SIGTERM)  # another start time
+    assert not signal_exact(p.pid, start + 1, signal.SIGTERM)  # another start time
     time.sleep(0.2)
     assert p.poll() is None
-    assert _signal_exact(p.pid, start, signal.SIGTERM)
+    assert signal_exact(p.pid, start, signal.SIGTERM)
     assert p.wait(timeout=5) == -signal.SIGTERM
     assert process_uid(os.getpid()) == os.getuid()
 

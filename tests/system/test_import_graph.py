@@ -41,9 +41,6 @@ def test_no_import_cycle_inside_supervisor(graph):
     assert ig.cycles(ig.inside(graph, "supervisor")) == []
 
 
-@pytest.mark.xfail(
-    strict=True, reason="agent/control.py and agent/ranks.py import each other: being untangled"
-)
 def test_no_import_cycle_inside_agent(graph):
     assert ig.cycles(ig.inside(graph, "agent")) == []
 
