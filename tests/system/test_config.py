@@ -196,14 +196,16 @@ def test_a_collector_turned_off_is_not_run_and_gpu_off_leaves_the_verdict_alone(
         assert storage.statvfs_timeout_s == 0.5
         runs = agent.collect_once()
         assert {r.name for r in runs} == {"backup", "host", "ranks", "snapshots", "storage"}
-        # 8 GPUs expected and no NVML here: unhealthy if the gpu collector ran, but it is off
+        # 8 GPUs expected and no NVML here: degraded if the gpu collector ran, but it is off
         assert agent.node_view()["status"] == "healthy", agent.node_view()["reasons"]
     finally:
         agent.close()
     on = Agent(dataclasses.replace(cfg, collectors=settings_for(None)))
     try:
         on.collect_once()
-        assert on.node_view()["status"] == "unhealthy"  # the same node with the gpu collector
+        view = on.node_view()  # the same node with the gpu collector: NVML unavailable,
+        assert view["status"] == "degraded", view  # the agent's own fault, not the GPUs'
+        assert [r["code"] for r in view["reasons"]] == ["nvml_unavailable"], view
     finally:
         on.close()
 
