@@ -60,8 +60,8 @@ from ..contract.answers import (
 )
 from ..contract.cursor import Since, answer_fields, new_incarnation, since
 from ..contract.states import ENDED_STATES, LIVE_STATES, RANK_STATES
+from ..contract.telemetry import NO_STEP, SPLIT_FIELDS, Collective, TelemetryRecord
 from ..contract.telemetry import SCHEMA_VERSION as TELEMETRY_VERSION
-from ..contract.telemetry import SPLIT_FIELDS, Collective, TelemetryRecord
 from .processes import (
     ProcStat,
     RankLookupError,
@@ -344,11 +344,8 @@ def _process_record(job: str, w: Any) -> TelemetryRecord:
     """The identity fields of a worker found in /proc, in the shape the table keeps."""
     return TelemetryRecord(
         v=TELEMETRY_VERSION, job=job, rank=w.rank, local_rank=w.local_rank,
-        world_size=w.world_size, pid=w.pid, restart=w.restart, step=0, phase="init",
-        time=time.time(), step_seconds=0.0, data_wait_seconds=0.0, compute_seconds=0.0,
-        comm_seconds=0.0, comm_exposed_seconds=0.0, optimizer_seconds=0.0,
-        checkpoint_block_seconds=0.0, tokens_per_second=0.0, mfu=0.0, peak_memory_bytes=0,
-        loss=None, checkpoint_step=None,
+        world_size=w.world_size, pid=w.pid, restart=w.restart, phase="init", time=time.time(),
+        **NO_STEP,
     )  # fmt: skip
 
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..contract.telemetry import SCHEMA_VERSION, Collective, socket_path_from_env
+from ..contract.telemetry import NO_STEP, SCHEMA_VERSION, Collective, socket_path_from_env
 from . import flight_recorder
 from .sender import TelemetrySender
 
@@ -45,11 +45,7 @@ def evidence_record(environ: Mapping[str, str], front: tuple[Collective, ...]) -
         v=SCHEMA_VERSION, job=environ["TORCHELASTIC_RUN_ID"], rank=int(environ["RANK"]),
         local_rank=int(environ["LOCAL_RANK"]), world_size=int(environ.get("WORLD_SIZE", "1")),
         pid=os.getpid(), restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        step=0, phase="train", time=time.time(), step_seconds=0.0, data_wait_seconds=0.0,
-        compute_seconds=0.0, comm_seconds=0.0, comm_exposed_seconds=0.0,
-        optimizer_seconds=0.0, checkpoint_block_seconds=0.0, tokens_per_second=0.0, mfu=0.0,
-        peak_memory_bytes=0, loss=None, checkpoint_step=None, collectives=front,
-        progress=False,
+        phase="train", time=time.time(), collectives=front, progress=False, **NO_STEP,
     )  # fmt: skip
 
 

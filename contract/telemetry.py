@@ -66,6 +66,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from .errors import REASONS, ContractError
@@ -73,6 +74,7 @@ from .numbers import decode_float, encode_float
 
 __all__ = [
     "DEFAULT_SOCKET_PATH",
+    "NO_STEP",
     "MAX_CLIENT_ERRORS",
     "MAX_COLLECTIVES",
     "MAX_DATAGRAM_BYTES",
@@ -103,6 +105,13 @@ SCHEMA_VERSION = 1
 MAX_DATAGRAM_BYTES = 4096
 PHASES = ("init", "train", "checkpoint_save", "checkpoint_load", "eval", "done")
 SOCKET_ENV = "RANKGUARD_TELEMETRY_SOCKET"
+# The fields of a record that reports no step, only who sends it: a worker found in /proc,
+# a trainer's start-up announcement, a zero-code worker's wavefront.
+NO_STEP: Mapping[str, Any] = MappingProxyType(dict(
+    step=0, step_seconds=0.0, data_wait_seconds=0.0, compute_seconds=0.0, comm_seconds=0.0,
+    comm_exposed_seconds=0.0, optimizer_seconds=0.0, checkpoint_block_seconds=0.0,
+    tokens_per_second=0.0, mfu=0.0, peak_memory_bytes=0, loss=None, checkpoint_step=None,
+))  # fmt: skip
 DEFAULT_SOCKET_PATH = "/run/rankguard/telemetry.sock"
 
 MAX_JOB_CHARS = 128

@@ -51,7 +51,7 @@ def _announce(argv: list[str] | None, environ: Mapping[str, str]) -> None:
 
     from ..client.reporter import ProcessProgress
     from ..client.sender import TelemetrySender
-    from ..contract.telemetry import SCHEMA_VERSION
+    from ..contract.telemetry import NO_STEP, SCHEMA_VERSION
     from .config import config_from_args
 
     # argparse prints and exits on a bad command line: quiet here, main() reports it
@@ -68,10 +68,7 @@ def _announce(argv: list[str] | None, environ: Mapping[str, str]) -> None:
     record = dict(
         v=SCHEMA_VERSION, job=cfg.job[:128], rank=rank,
         local_rank=int(environ.get("LOCAL_RANK", rank)), world_size=world, pid=os.getpid(),
-        restart=restart, step=0, phase="init", step_seconds=0.0, data_wait_seconds=0.0,
-        compute_seconds=0.0, comm_seconds=0.0, comm_exposed_seconds=0.0,
-        optimizer_seconds=0.0, checkpoint_block_seconds=0.0, tokens_per_second=0.0, mfu=0.0,
-        peak_memory_bytes=0, loss=None, checkpoint_step=None,
+        restart=restart, phase="init", **NO_STEP,
     )  # fmt: skip
     sender = TelemetrySender(cfg.telemetry_socket)
     stop, lock = threading.Event(), threading.Lock()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..model import RANK_HUNG, Finding, History
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
@@ -87,7 +87,7 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
     for job, restart, live in _jobs(obs):
         finding = (
             _stopped(obs, job, restart, live, cfg)
-            or _collectives(obs, job, restart, live, cfg, held)
+            or _collectives(obs, job, restart, live, cfg, held.get(job))
             or _no_progress(obs, job, restart, live, cfg)
         )
         if finding is not None:
@@ -95,20 +95,29 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
     return out
 
 
-def _wave_key(job: str, restart: int, wave: Wavefront) -> str:
-    return f"{job}:{restart}:{wave.verdict}:{wave.pg}:{wave.seq}"
+class _Held(NamedTuple):
+    """A job's wavefront verdict of the newest observation, and since when it holds."""
+
+    restart: int
+    wave: Wavefront
+    since: float
+
+
+def _same(a: Wavefront, b: Wavefront) -> bool:
+    return (a.verdict, a.pg, a.seq) == (b.verdict, b.pg, b.seq)
 
 
 def track(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
-    """state["process_hang"]: each job's wavefront verdict (keyed by job, incarnation,
-    verdict, group and sequence id) -> when it was first seen; kept while it holds."""
+    """state["process_hang"]: job -> its wavefront verdict (read once per observation, here)
+    and when it was first seen; kept while the same verdict (group, sequence id) holds."""
     before = history.state.get(DETECTOR.name, {})
     now = {}
     for job, restart, live in _jobs(obs):
         if (wave := read_wavefront(live)) is not None:
-            key = _wave_key(job, restart, wave)
-            now[key] = before.get(key, obs.time)
-    if now == before:
+            old = before.get(job)
+            same = old is not None and old.restart == restart and _same(old.wave, wave)
+            now[job] = _Held(restart, wave, old.since if same else obs.time)
+    if not now and not before:
         return history
     return dataclasses.replace(history, state={**history.state, DETECTOR.name: now})
 
@@ -119,17 +128,16 @@ def _collectives(
     restart: int,
     live: list[RankObs],
     cfg: DetectorConfig,
-    held: dict[str, float],
+    held: _Held | None,
 ) -> Finding | None:
-    wave = read_wavefront(live)
-    if wave is None:
+    if held is None or held.restart != restart:
         return None
-    since = held.get(_wave_key(job, restart, wave))
-    if since is None or obs.time - since < cfg.process_hang.wavefront_seconds:
+    wave, since = held.wave, held.since
+    if obs.time - since < cfg.process_hang.wavefront_seconds:
         return None
     culprit = None
     if wave.verdict in (BEHIND, DESYNC) and len(wave.ranks) == 1:
-        culprit = next(r for r in live if r.rank == wave.ranks[0])
+        culprit = next((r for r in live if r.rank == wave.ranks[0]), None)
     extra = {"wavefront": wave.to_json(), "decided_by": "flight recorder"}
     if wave.verdict == DESYNC:
         extra["desync"] = True  # a code bug: the policy stops the job with a verdict
