@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .causes import GPU, GPU_MEMORY, NVLINK, UNKNOWN, USER_CODE
+
 APPLICATION, WATCH, RESET_GPU, DRAIN = "application", "watch", "reset_gpu", "drain"
 ACTIONS = (APPLICATION, WATCH, RESET_GPU, DRAIN)
 # the actions that take the node out of the job (a critical hardware fault)
@@ -35,38 +37,44 @@ class Xid:
     code: int
     what: str
     action: str
+    cause: str  # contract/causes.py: the class of interruption it stands for
 
 
 XIDS = {
     x.code: x
     for x in (
-        Xid(8, "GPU stopped processing (channel idle timeout)", APPLICATION),
-        Xid(13, "graphics engine exception", APPLICATION),
-        Xid(31, "GPU memory page fault", APPLICATION),
-        Xid(43, "GPU stopped processing (the application's channel)", APPLICATION),
-        Xid(45, "preemptive cleanup after an earlier error", WATCH),
-        Xid(48, "double-bit ECC error", RESET_GPU),
-        Xid(61, "internal micro-controller breakpoint", RESET_GPU),
-        Xid(62, "internal micro-controller halt", RESET_GPU),
-        Xid(63, "row remapping recorded (reset when convenient)", WATCH),
-        Xid(64, "row remapping failed", RESET_GPU),
-        Xid(68, "video decoder exception", APPLICATION),
-        Xid(69, "graphics engine class error", APPLICATION),
-        Xid(74, "NVLink error", RESET_GPU),
-        Xid(79, "GPU fell off the bus", DRAIN),
-        Xid(92, "high single-bit ECC error rate", WATCH),
-        Xid(94, "contained ECC error (only the application using that memory is hit)", APPLICATION),
-        Xid(95, "uncontained ECC error", RESET_GPU),
-        Xid(119, "GSP RPC timeout", RESET_GPU),
-        Xid(120, "GSP error", RESET_GPU),
-        Xid(140, "unrecovered ECC error", RESET_GPU),
+        Xid(8, "GPU stopped processing (channel idle timeout)", APPLICATION, USER_CODE),
+        Xid(13, "graphics engine exception", APPLICATION, USER_CODE),
+        Xid(31, "GPU memory page fault", APPLICATION, USER_CODE),
+        Xid(43, "GPU stopped processing (the application's channel)", APPLICATION, USER_CODE),
+        Xid(45, "preemptive cleanup after an earlier error", WATCH, UNKNOWN),
+        Xid(48, "double-bit ECC error", RESET_GPU, GPU_MEMORY),
+        Xid(61, "internal micro-controller breakpoint", RESET_GPU, GPU),
+        Xid(62, "internal micro-controller halt", RESET_GPU, GPU),
+        Xid(63, "row remapping recorded (reset when convenient)", WATCH, GPU_MEMORY),
+        Xid(64, "row remapping failed", RESET_GPU, GPU_MEMORY),
+        Xid(68, "video decoder exception", APPLICATION, USER_CODE),
+        Xid(69, "graphics engine class error", APPLICATION, USER_CODE),
+        Xid(74, "NVLink error", RESET_GPU, NVLINK),
+        Xid(79, "GPU fell off the bus", DRAIN, GPU),
+        Xid(92, "high single-bit ECC error rate", WATCH, GPU_MEMORY),
+        Xid(
+            94,
+            "contained ECC error (only the application using that memory is hit)",
+            APPLICATION,
+            GPU_MEMORY,
+        ),
+        Xid(95, "uncontained ECC error", RESET_GPU, GPU_MEMORY),
+        Xid(119, "GSP RPC timeout", RESET_GPU, GPU),
+        Xid(120, "GSP error", RESET_GPU, GPU),
+        Xid(140, "unrecovered ECC error", RESET_GPU, GPU_MEMORY),
     )
 }
 
 
 def meaning(code: int) -> Xid:
     """The table's entry, or ``watch`` for a code it does not hold."""
-    return XIDS.get(code) or Xid(code, "an XID not in rankguard's table", WATCH)
+    return XIDS.get(code) or Xid(code, "an XID not in rankguard's table", WATCH, UNKNOWN)
 
 
 def hardware_codes() -> tuple[int, ...]:

@@ -47,6 +47,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..contract.causes import LOW, UNKNOWN
+from .causes import Cause, classify
 from .model import (
     ACT_EXCLUDE_NODE,
     ACT_KILL_RANK,
@@ -81,6 +83,9 @@ class PolicyConfig:
     # a job that reports no checkpoint (a zero-code script): an incarnation that lived this
     # long before its death is progress, or every third restart, however rare, stopped it
     crash_loop_progress_seconds: float = 600.0
+    # restarts in a row with one known cause (an XID, a desync, a full disk) -> stop, even
+    # with progress between them: restarting again will meet the same fault (0: never)
+    same_cause_restarts: int = 5
     exclude_stragglers: bool = False
     stop_on_budget_exhausted: bool = True  # else defer (ACT_NONE) until the window frees up
     # The fleet brake: nodes excluded across the cluster within `exclusion_window_seconds`,
@@ -110,6 +115,8 @@ class PolicyConfig:
             raise ValueError(
                 f"crash_loop_progress_seconds must be > 0, got {self.crash_loop_progress_seconds}"
             )
+        if self.same_cause_restarts < 0:
+            raise ValueError(f"same_cause_restarts must be >= 0, got {self.same_cause_restarts}")
         if self.max_exclusions < 0:
             raise ValueError(f"max_exclusions must be >= 0, got {self.max_exclusions}")
         if not 0 <= self.max_exclusion_share <= 1:
@@ -152,6 +159,7 @@ class RestartRecord:
     at: float  # detected_at, supervisor clock
     restart: int | None  # torchrun restart count when detected (same count = same restart)
     checkpoint_step: int | None  # the job's newest validated checkpoint step at detection
+    cause: str | None = None  # its cause when known and not a guess (supervisor/causes.py)
 
 
 @dataclass(frozen=True)
@@ -357,22 +365,31 @@ class _Pass:
 
     def _crash_loop(self, job: str, f: Finding) -> bool:
         """Count this restart (done or about to be) on top of the recorded ones; stop the
-        job when the last `crash_loop_restarts` of them saw no checkpoint progress."""
+        job when the last `crash_loop_restarts` of them saw no checkpoint progress, or the
+        last `same_cause_restarts` had one known cause."""
         records = _carry_checkpoints_forward(self._history(job, f))
         stuck = _restarts_without_progress(records, self.cfg.crash_loop_progress_seconds)
-        if len(stuck) < self.cfg.crash_loop_restarts:
+        same = _same_cause(records, self.cfg.same_cause_restarts)
+        if len(stuck) >= self.cfg.crash_loop_restarts:
+            step = stuck[-1].checkpoint_step
+            shown = "none" if step is None else str(step)
+            key = f"crash_loop:{job}:{shown}"
+            past = "(no validated checkpoint)" if step is None else f"past step {step}"
+            verdict = f"crash loop: {len(stuck)} restarts without checkpoint progress {past}"
+            if step is None:  # progress was judged by the incarnations' life
+                limit = self.cfg.crash_loop_progress_seconds
+                verdict += f", the incarnations between them each under {limit:g} s"
+        elif same:
+            stuck, step, cause = same, same[-1].checkpoint_step, classify(f)
+            key = f"crash_loop:{job}:cause:{f.key}"
+            verdict = (f"crash loop: {len(same)} restarts in a row for one cause, {cause.cause} "
+                       f"({cause.why}): restarting again meets the same fault")  # fmt: skip
+        else:
             return False
-        step = stuck[-1].checkpoint_step
-        shown = "none" if step is None else str(step)
-        key = f"crash_loop:{job}:{shown}"
         info = self.view.incidents.get(key)
         if info is not None and info.acted:
             return False  # already stopped for this loop
-        past = "(no validated checkpoint)" if step is None else f"past step {step}"
-        verdict = f"crash loop: {len(stuck)} restarts without checkpoint progress {past}"
-        if step is None:  # progress was judged by the incarnations' life
-            limit = self.cfg.crash_loop_progress_seconds
-            verdict += f", the incarnations between them each under {limit:g} s"
+        cause = classify(f)
         loop = Finding(
             kind=CRASH_LOOP,
             key=key,
@@ -384,6 +401,12 @@ class _Pass:
                 "restarts": [r.key for r in stuck],
                 "checkpoint_step": step,
                 "trigger": f.key,
+                # the loop's cause, where its restarts share one (supervisor/causes.py)
+                **(
+                    {"cause": cause.to_json()}
+                    if all(r.cause == cause.cause for r in stuck) and cause.confidence != LOW
+                    else {}
+                ),  # fmt: skip
             },
         )
         self.crash_loops[key] = Decision(loop, ACT_STOP_JOB, verdict, {"job": job})
@@ -403,6 +426,7 @@ class _Pass:
                 at=self.now,
                 restart=_int(f.evidence.get("restart")),
                 checkpoint_step=ckpt if ckpt is not None else jv.checkpoint_step,
+                cause=known_cause(classify(f)),
             )
         return sorted(records, key=lambda r: r.at) + [current]
 
@@ -446,6 +470,26 @@ def _restarts_without_progress(
             break  # the incarnation between this restart and the next trained long
         run.append(r)
     return run[::-1]
+
+
+def _same_cause(records: list[RestartRecord], n: int) -> list[RestartRecord]:
+    """The last `n` distinct restarts, when they all had the same known cause (else [])."""
+    run: list[RestartRecord] = []
+    seen: set[int] = set()
+    for r in reversed(records):
+        if r.cause is None or (run and r.cause != run[0].cause):
+            break
+        if r.restart is not None:
+            if r.restart in seen:
+                continue
+            seen.add(r.restart)
+        run.append(r)
+    return run[::-1] if n and len(run) >= n else []
+
+
+def known_cause(c: Cause) -> str | None:
+    """A cause that counts toward a same-cause loop: named, and more than a guess."""
+    return None if c.cause == UNKNOWN or c.confidence == LOW else c.cause
 
 
 def _lived_long(earlier: RestartRecord, later: RestartRecord, progress_seconds: float) -> bool:

@@ -88,6 +88,7 @@ class RankObs:
     # () and None when it sent none (supervisor/wavefront.py)
     collectives: tuple[CollectiveAnswer, ...] = ()
     collectives_age_seconds: float | None = None
+    exit_code: int | None = None  # its waitpid status, when the agent read it (a zombie)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -116,7 +117,7 @@ class RankObs:
             stand_in_state=shim.state if shim else None,
             stand_in_since=shim.state_since if shim else None, resume_skips=a.resume_skips,
             gpu=a.gpu, main_thread=a.main_thread, collectives=a.collectives,
-            collectives_age_seconds=a.collectives_age_seconds,
+            collectives_age_seconds=a.collectives_age_seconds, exit_code=a.exit_code,
         )  # fmt: skip
 
 

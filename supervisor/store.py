@@ -27,12 +27,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..contract.causes import LOW, UNKNOWN
 from ..contract.numbers import json_safe
+from .causes import Cause, classify
 from .lifecycle import JobProgress, Transition
 from .model import ACT_EXCLUDE_NODE, ACT_NONE, ACT_STOP_JOB, CRASH_LOOP, RANK_DEAD, Finding
-from .policy import RESTART_ACTIONS, RestartRecord
+from .policy import RESTART_ACTIONS, RestartRecord, known_cause
 
-SCHEMA_VERSION = 2  # 2: the jobs table (state, verdict, goodput survive a restart)
+# 2: the jobs table (state, verdict, goodput survive a restart); 3: each incident's cause
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT_MS = 5000
 
 OPEN, ACTING, RECOVERING, RESOLVED, REPORTED, FAILED, STOPPED = (
@@ -69,6 +72,11 @@ CREATE TABLE jobs (
 );
 """
 
+# supervisor/causes.py; an older store's incidents are classified when it is upgraded
+_CAUSE_COLUMNS = """cause            TEXT NOT NULL DEFAULT 'unknown',
+    cause_confidence TEXT NOT NULL DEFAULT 'low',
+    cause_why        TEXT NOT NULL DEFAULT ''"""
+
 _SCHEMA = f"""
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
@@ -99,7 +107,8 @@ CREATE TABLE incidents (
     resumed_step    INTEGER,
     lost_steps      INTEGER,
     verdict         TEXT,
-    updated_at      REAL NOT NULL
+    updated_at      REAL NOT NULL,
+    {_CAUSE_COLUMNS}
 );
 CREATE INDEX incidents_job_detected ON incidents (job, detected_at);
 CREATE INDEX incidents_state ON incidents (state);
@@ -175,6 +184,9 @@ class Incident:
     lost_steps: int | None
     verdict: str | None
     updated_at: float
+    cause: str = UNKNOWN  # contract/causes.py, from the evidence (supervisor/causes.py)
+    cause_confidence: str = LOW
+    cause_why: str = ""
 
     @property
     def time_to_detect(self) -> float | None:
@@ -323,6 +335,16 @@ class IncidentStore:
             for statement in _JOBS.split(";"):
                 if statement.strip():
                     c.execute(statement)
+        if version < 3:  # causes: every incident so far classified from its evidence
+            for column in _CAUSE_COLUMNS.split(","):
+                c.execute(f"ALTER TABLE incidents ADD COLUMN {column.strip()}")
+            old = "SELECT id, key, kind, severity, summary, evidence FROM incidents"
+            for row in c.execute(old).fetchall():
+                finding = Finding(row["kind"], row["key"], row["severity"], row["summary"],
+                                  evidence=_loads(row["evidence"]) or {})  # fmt: skip
+                c.execute("UPDATE incidents SET cause = ?, cause_confidence = ?, cause_why = ? "
+                          "WHERE id = ?", (*_cause_values(finding), row["id"]))  # fmt: skip
+        if version < SCHEMA_VERSION:
             c.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'",
                       (str(SCHEMA_VERSION),))  # fmt: skip
 
@@ -383,17 +405,19 @@ class IncidentStore:
         step_at_detect = _first(step_at_detect, ev.get("step"))
         checkpoint_step = _first(checkpoint_step, ev.get("checkpoint_step"))
         evidence = _dumps(ev)
+        cause = _cause_values(finding)
         with self._write() as c:
             row = c.execute("SELECT * FROM incidents WHERE key = ?", (finding.key,)).fetchone()
             if row is None:
                 cur = c.execute(
                     """INSERT INTO incidents (key, kind, severity, job, node, rank, summary,
                        evidence, state, detected_at, occurred_at, restart_before,
-                       step_at_detect, checkpoint_step, updated_at)
-                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                       step_at_detect, checkpoint_step, updated_at, cause, cause_confidence,
+                       cause_why)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                     (finding.key, finding.kind, finding.severity, finding.job, finding.node,
                      finding.rank, finding.summary, evidence, OPEN, now, finding.occurred_at,
-                     restart_before, step_at_detect, checkpoint_step, now),
+                     restart_before, step_at_detect, checkpoint_step, now, *cause),
                 )  # fmt: skip
                 detail = {"kind": finding.kind, "summary": finding.summary}
                 self._event(c, cur.lastrowid, now, "detected", detail)
@@ -410,13 +434,14 @@ class IncidentStore:
                 node, rank = finding.node, finding.rank
             if earlier:
                 occurred = finding.occurred_at
-            new = (finding.summary, finding.severity, evidence, node, rank, occurred)
+            new = (finding.summary, finding.severity, evidence, node, rank, occurred, *cause)
             old = tuple(row[k] for k in ("summary", "severity", "evidence", "node", "rank",
-                                         "occurred_at"))  # fmt: skip
+                                         "occurred_at", *_CAUSE_NAMES))  # fmt: skip
             if new != old:
                 c.execute(
                     """UPDATE incidents SET summary = ?, severity = ?, evidence = ?, node = ?,
-                       rank = ?, occurred_at = ?, updated_at = ? WHERE id = ?""",
+                       rank = ?, occurred_at = ?, cause = ?, cause_confidence = ?,
+                       cause_why = ?, updated_at = ? WHERE id = ?""",
                     (*new, now, row["id"]),
                 )
             return self._get(c, row["id"]), False
@@ -622,14 +647,15 @@ class IncidentStore:
         or excluded a node for), oldest first, with the checkpoint step at each."""
         kinds = tuple(sorted(RESTART_ACTIONS))
         rows = self._read(
-            f"""SELECT key, detected_at, restart_before, checkpoint_step FROM incidents i
+            f"""SELECT key, detected_at, restart_before, checkpoint_step, cause,
+                cause_confidence FROM incidents i
                 WHERE job = ? AND (kind = ? OR EXISTS (
                     SELECT 1 FROM actions a WHERE a.incident_id = i.id
                     AND a.kind IN ({", ".join("?" * len(kinds))})))
                 ORDER BY detected_at DESC, id DESC LIMIT ?""",
             (job, RANK_DEAD, *kinds, int(limit)),
         )
-        records = [RestartRecord(r[0], r[1], r[2], r[3]) for r in rows]
+        records = [RestartRecord(*r[:4], known_cause(Cause(r[4], r[5], ""))) for r in rows]
         return records[::-1]
 
     def restart_action_times(self, job: str, since: float) -> list[float]:
@@ -691,6 +717,14 @@ class IncidentStore:
             (incident_id, at, what, _dumps(dict(detail))),
         )
         return int(cur.lastrowid)
+
+
+_CAUSE_NAMES = ("cause", "cause_confidence", "cause_why")
+
+
+def _cause_values(finding: Finding) -> tuple[str, str, str]:
+    c = classify(finding)
+    return c.cause, c.confidence, c.why
 
 
 def _first(*values: Any) -> Any:

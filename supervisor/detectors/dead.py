@@ -116,6 +116,7 @@ def _finding(r: RankObs, url: str | None, dead: list[RankObs], obs=None, ranks=(
         occurred_at=r.exited_at,
         evidence={
             "state": r.state,
+            "exit_code": r.exit_code,  # the first to die's waitpid status (supervisor/causes.py)
             "pid": named.pid,
             "step": named.step,
             "phase": named.phase,

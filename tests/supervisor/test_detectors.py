@@ -93,6 +93,7 @@ def test_dead_rank_reported_with_exit_time_and_evidence():
     assert f.occurred_at == T0 - 2
     assert f.evidence == {
         "state": "exited",
+        "exit_code": None,  # the agent read no waitpid status (the process was reaped)
         "pid": 1001,
         "step": 7,
         "phase": "train",

@@ -440,3 +440,49 @@ def test_straggler_exclusion_is_a_config_file_setting_off_by_default(tmp_path):
     on = load(path).runtime().policy
     d = one(f, cfg=on)
     assert d.action == ACT_EXCLUDE_NODE and d.target == {"node": "n1", "job": "j"}
+
+
+def test_the_same_known_cause_on_every_restart_stops_the_job_even_with_progress():
+    """A GPU whose memory keeps failing kills the job every so often; the checkpoints
+    advance between the deaths, so only the shared cause shows the loop."""
+    xid = {"gpu": {"uuid": "GPU-1", "xid_recent": {"48": 1}}}
+    records = tuple(RestartRecord(f"dead:j:{i}", 100.0 * (i + 1), i, 10 * (i + 1), "gpu_memory")
+                    for i in range(4))  # fmt: skip
+    view = jobs(j=JobView(restarts=records, checkpoint_step=40))
+    fifth = finding(RANK_DEAD, key="dead:j:4", restart=4, **xid)
+    dead_d, loop = decide([fifth], view, CFG, 1000.0)
+    assert dead_d.action == ACT_NONE and loop.action == ACT_STOP_JOB
+    assert loop.finding.key == "crash_loop:j:cause:dead:j:4"
+    assert loop.reason.startswith("crash loop: 5 restarts in a row for one cause, gpu_memory "
+                                  "(XID 48 on its GPU: double-bit ECC error)")  # fmt: skip
+    assert loop.finding.evidence["cause"]["cause"] == "gpu_memory"
+    # another cause in between, an unknown one, or the guard off: the job goes on
+    mixed = records[:2] + (RestartRecord("dead:j:2", 300.0, 2, 30, "user_code"),) + records[3:]
+    assert len(decide([fifth], jobs(j=JobView(restarts=mixed)), CFG, 1000.0)) == 1
+    assert len(decide([finding(RANK_DEAD, key="dead:j:4", restart=4)], view, CFG, 1e3)) == 1
+    off = PolicyConfig(same_cause_restarts=0)
+    assert len(decide([fifth], view, off, 1000.0)) == 1
+
+
+def test_a_guess_never_counts_toward_a_same_cause_loop(tmp_path):
+    """Through the store: five deaths by SIGKILL (host, a low-confidence guess: the OOM
+    killer or an operator) leave the job running; five with an XID 48 stop it."""
+    from rankguard.contract.causes import HOST
+
+    def deaths(store, n, **evidence):
+        for i in range(n):
+            store.upsert_finding(finding(RANK_DEAD, key=f"dead:j:{i}", restart=i,
+                                         checkpoint_step=10 * (i + 1), **evidence),
+                                 now=100.0 * (i + 1))  # fmt: skip
+
+    with IncidentStore(tmp_path / "a.db") as store:
+        deaths(store, 4, exit_code=9)
+        assert store.list_incidents()[0].cause == HOST
+        assert all(r.cause is None for r in store.restart_history("j"))
+        sixth = finding(RANK_DEAD, key="dead:j:5", restart=5, exit_code=9)
+        assert len(decide([sixth], build_view(store, [sixth], CFG, now=1e3), CFG, 1e3)) == 1
+    with IncidentStore(tmp_path / "b.db") as store:
+        xid = {"gpu": {"uuid": "GPU-1", "xid_recent": {"48": 1}}}
+        deaths(store, 4, **xid)
+        fifth = finding(RANK_DEAD, key="dead:j:5", restart=5, **xid)
+        assert len(decide([fifth], build_view(store, [fifth], CFG, now=1e3), CFG, 1e3)) == 2

@@ -301,9 +301,11 @@ def test_jobs_survive_a_restart_and_a_version_1_file_is_migrated(tmp_path):
         s.save_job(dataclasses.replace(p, max_step=41, useful_seconds=3.6), now=151.0)
     with IncidentStore(path) as s:  # a restarted supervisor reads where it was
         assert s.jobs() == {"j": JobProgress("j", 100.0, 41, 3.6, "stopped", "crash loop")}
-    raw = sqlite3.connect(path)  # as version 1 left it: no jobs table
+    raw = sqlite3.connect(path)  # as version 1 left it: no jobs table, no causes
     with raw:
         raw.execute("DROP TABLE jobs")
+        for column in ("cause", "cause_confidence", "cause_why"):
+            raw.execute(f"ALTER TABLE incidents DROP COLUMN {column}")
         raw.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     raw.close()
     with IncidentStore(path) as s:
@@ -312,7 +314,31 @@ def test_jobs_survive_a_restart_and_a_version_1_file_is_migrated(tmp_path):
         assert list(s.jobs()) == ["j"]
     with sqlite3.connect(path) as raw:
         version = raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    assert int(version[0]) == SCHEMA_VERSION == 2
+    assert int(version[0]) == SCHEMA_VERSION == 3
+
+
+def test_a_version_2_store_gets_a_cause_for_every_incident_it_holds(tmp_path):
+    path = tmp_path / "incidents.db"
+    with IncidentStore(path) as s:
+        s.upsert_finding(hang(wavefront={"verdict": "behind", "pg": "0", "seq": 7}), now=1.0)
+        s.upsert_finding(dead("dead:j:0"), now=2.0)
+    with sqlite3.connect(path) as raw:  # as version 2 left it: no cause columns
+        for column in ("cause", "cause_confidence", "cause_why"):
+            raw.execute(f"ALTER TABLE incidents DROP COLUMN {column}")
+        raw.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    with IncidentStore(path) as s:
+        got = {i.key: (i.cause, i.cause_confidence) for i in s.list_incidents()}
+        assert got == {"hang:j:0:3": ("collective", "medium"), "dead:j:0": ("unknown", "low")}
+        assert "collective 7 of group 0" in s.by_key("hang:j:0:3").cause_why
+
+
+def test_the_cause_follows_the_evidence_until_the_incident_ends(store):
+    inc, _ = store.upsert_finding(hang(), now=1.0)
+    assert inc.cause == "unknown"
+    named = hang(gpu={"uuid": "GPU-1", "xid_recent": {"48": 1}})  # the next pass sees the XID
+    inc, _ = store.upsert_finding(named, now=2.0)
+    assert (inc.cause, inc.cause_confidence) == ("gpu_memory", "high")
+    assert inc.cause_why == "XID 48 on its GPU: double-bit ECC error"
 
 
 def test_a_transition_writes_state_columns_and_events_at_once(store):
