@@ -260,17 +260,32 @@ def incidents(
         Path,
         Opt(help="read a supervisor's database instead (e.g. RUN_DIR/rankguard.db after `up`)"),
     ] = None,
+    by_cause: Annotated[
+        bool,
+        Opt(
+            "--by-cause",
+            help="the interruptions table: incidents, time lost and steps done "
+            "again per cause, over every incident recorded",
+        ),
+    ] = False,
 ) -> None:
-    """The incident timeline: what was detected, what was done, and each recovery's phases."""
-    view = read_incidents_db(db) if db is not None else fetch(url, "/v1/incidents")
-    if as_json:
-        typer.echo(json.dumps(view, indent=2))
+    """The incident timeline: what was detected, its cause, what was done, and each
+    recovery's phases."""
+    what = "causes" if by_cause else "incidents"
+    view = read_incidents_db(db, what) if db is not None else fetch(url, f"/v1/{what}")
+    if as_json or by_cause:
+        typer.echo(json.dumps(view, indent=2) if as_json else cause_table(view["causes"]))
         return
+    if not view["incidents"]:
+        typer.echo("no incidents recorded")
     for inc in view["incidents"]:
         when = time.strftime("%H:%M:%S", time.localtime(inc["detected_at"]))
         typer.echo(f"#{inc['id']} {when} {inc['kind']} job={inc['job']} rank={_fmt(inc['rank'])} "
                    f"node={inc['node']} [{inc['state']}] action={inc['action']}")  # fmt: skip
         typer.echo(f"    {inc['summary']}")
+        if inc.get("cause"):
+            typer.echo(f"    cause: {inc['cause']} ({inc.get('cause_confidence')} confidence): "
+                       f"{inc.get('cause_why')}")  # fmt: skip
         phases = [(k, v) for k, v in (inc.get("phases") or {}).items() if v is not None]
         if inc.get("time_to_recover") is not None:
             phases.append(("fault to first step", inc["time_to_recover"]))
@@ -290,6 +305,16 @@ def incidents(
             typer.echo(f"    verdict: {inc['verdict']}")
 
 
+def cause_table(causes: list[dict]) -> str:
+    """The fleet's interruptions by cause, as the published tables print them: each
+    cause's share of the incidents, the time lost and the steps done again."""
+    total = sum(c["incidents"] for c in causes) or 1
+    rows = [[c["cause"], c["incidents"], f"{100 * c['incidents'] / total:.1f}%",
+             f"{c['lost_seconds']:.1f}", c["lost_steps"], c["restarts"]]
+            for c in causes]  # fmt: skip
+    return table(rows, ["CAUSE", "INCIDENTS", "SHARE", "LOST_S", "LOST_STEPS", "RESTARTS"])
+
+
 def _wavefront_line(wave: object) -> str | None:
     """The flight recorders' reading of a hang, in one line: the verdict, the group and
     collective the others wait in, and how far each rank got (supervisor/wavefront.py)."""
@@ -301,12 +326,12 @@ def _wavefront_line(wave: object) -> str | None:
             f"{wave.get('seq')}: {reached}")  # fmt: skip
 
 
-def read_incidents_db(db: Path) -> dict:
-    """What `/v1/incidents` would answer, read from the database file itself."""
+def read_incidents_db(db: Path, what: str = "incidents") -> dict:
+    """What `/v1/incidents` (or `/v1/causes`) would answer, read from the database itself."""
     from types import SimpleNamespace
 
     from rankguard.supervisor.store import IncidentStore, StoreError
-    from rankguard.supervisor.views import incidents_view
+    from rankguard.supervisor.views import causes_view, incidents_view
 
     if not db.is_file():
         typer.echo(f"rankguard: {db}: no such database", err=True)
@@ -317,6 +342,7 @@ def read_incidents_db(db: Path) -> dict:
         typer.echo(f"rankguard: {db}: {exc}", err=True)
         raise typer.Exit(2) from None
     try:
-        return incidents_view(SimpleNamespace(store=store))
+        view = causes_view if what == "causes" else incidents_view
+        return view(SimpleNamespace(store=store))
     finally:
         store.close()

@@ -49,7 +49,3 @@ CAUSES = tuple(c.name for c in CAUSE_CLASSES)
  UNKNOWN) = CAUSES  # fmt: skip
 CONFIDENCES = ("low", "medium", "high")
 LOW, MEDIUM, HIGH = CONFIDENCES
-
-
-def cause_class(name: str) -> CauseClass:
-    return next(c for c in CAUSE_CLASSES if c.name == name)

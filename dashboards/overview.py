@@ -20,6 +20,11 @@ from .common import (
 UID = "rankguard-overview"
 
 
+def _over_range(name: str) -> str:
+    """A by-cause counter's increase over the dashboard's range, largest first."""
+    return f"sort_desc(sum by (cause) (increase({name}[$__range])))"
+
+
 def _mean_time(name: str) -> str:
     """Mean of a supervisor time histogram per incident kind over the last hour (kinds with
     no incident in it are dropped, not shown as NaN): a recent regression shows, where a
@@ -117,6 +122,19 @@ def build():
               rename={"Value #A": "open", "Value #B": "detected s ago"},
               description="Open (under recovery) or detected in the last 15 minutes; details "
                           "with `rankguard incidents`."),
+        # the published interruption tables' view: what the fleet loses to each cause
+        table("Interruptions by cause", [
+                  Query(_over_range("rankguard_supervisor_incidents_by_cause_total"),
+                        instant=True, table=True),
+                  Query(_over_range("rankguard_supervisor_lost_seconds_by_cause_total"),
+                        instant=True, table=True)],
+              "none", width=8, hide_columns=("Time",),
+              rename={"Value #A": "incidents", "Value #B": "seconds lost"},
+              description="Incidents over the dashboard's time range by cause (GPU, GPU memory, "
+                          "NVLink, network, storage, host, collective, data, user code, "
+                          "rankguard, unknown), and the seconds from each fault to the first "
+                          "step after its restart; the whole history with "
+                          "`rankguard incidents --by-cause`."),
         timeseries("Time to detect (mean, last hour)", [Query(_mean_time("rankguard_supervisor_time_to_detect_seconds"),
                                                    "{{kind}}")], "s",
                    description="From the fault (exit, last heartbeat) to the supervisor's finding."),

@@ -14,7 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from ..service import sdnotify
 from ..service.httpd import Raw, ServeError, Service, serve
 from .reconcile import Supervisor
-from .views import cluster_view, incidents_view, make_registry, ranks_view
+from .views import causes_view, cluster_view, incidents_view, make_registry, ranks_view
 
 log = logging.getLogger("rankguard.supervisor")
 
@@ -54,6 +54,7 @@ def supervisor_service(sup: Supervisor) -> Service:
         "/v1/cluster": lambda: cluster_view(sup),
         "/v1/ranks": lambda: ranks_view(sup),
         "/v1/incidents": lambda: incidents_view(sup),
+        "/v1/causes": lambda: causes_view(sup),
         "/healthz": lambda: {"ok": True},
     })  # fmt: skip
     return service

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..contract.causes import LOW, UNKNOWN
+from ..contract.causes import CAUSES, LOW, UNKNOWN
 from ..contract.numbers import json_safe
 from .causes import Cause, classify
 from .lifecycle import JobProgress, Transition
@@ -237,6 +237,18 @@ class Event:
     at: float
     what: str
     detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CauseTotals:
+    cause: str
+    incidents: int = 0
+    lost_seconds: float = 0.0  # fault to the first step after the restart, summed
+    lost_steps: int = 0  # steps done again from the checkpoint the restart resumed
+    restarts: int = 0  # incidents after which the job trained again
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -687,6 +699,23 @@ class IncidentStore:
             (job, ACT_STOP_JOB),
         )
         return rows[0][0]
+
+    def by_cause(self) -> list[CauseTotals]:
+        """Every cause class with its incidents, the time the job trained nothing (from the
+        fault to the first step after the restart) and the steps it did again: the fleet's
+        own interruptions-by-cause table, most incidents first."""
+        rows = self._read(
+            """SELECT cause, COUNT(*), SUM(first_step_at - COALESCE(occurred_at, detected_at)),
+                      SUM(lost_steps), SUM(first_step_at IS NOT NULL) FROM incidents
+               GROUP BY cause"""
+        )
+        found = {r[0]: CauseTotals(r[0], r[1], r[2] or 0.0, r[3] or 0, r[4]) for r in rows}
+        totals = [found.get(c, CauseTotals(c)) for c in CAUSES] + [
+            t
+            for c, t in sorted(found.items())
+            if c not in CAUSES  # a newer store's class
+        ]
+        return sorted(totals, key=lambda t: -t.incidents)
 
     def crash_loops(self, job: str) -> list[Incident]:
         rows = self._read(

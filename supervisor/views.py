@@ -151,6 +151,11 @@ def incidents_view(sup, limit: int = 200) -> dict:
     return {"incidents": out}
 
 
+def causes_view(sup) -> dict:
+    """The interruptions-by-cause table (supervisor/causes.py), over every incident."""
+    return {"causes": [t.to_dict() for t in sup.store.by_cause()]}
+
+
 class SupervisorCollector:
     """Prometheus families built fresh from the store and the last pass on every scrape."""
 
@@ -187,6 +192,7 @@ class SupervisorCollector:
                 [kind], sum(1 for i in mine if i.state not in ("resolved", "stopped", "failed"))
             )
         yield from (total, restarts, open_)
+        yield from _by_cause(sup.store.by_cause())
         service = sup.service  # None until the supervisor serves HTTP
         yield _by_reason(
             "rankguard_supervisor_malformed_answers",
@@ -305,6 +311,23 @@ def _by_reason(name: str, help_text: str, reasons, counts) -> CounterMetricFamil
     for reason in reasons:
         family.add_metric([reason], counts.get(reason, 0))
     return family
+
+
+def _by_cause(totals) -> tuple[CounterMetricFamily, ...]:
+    """Incidents, time lost and steps done again by cause: the interruptions table."""
+    families = (
+        ("incidents_by_cause", "Incidents by cause (supervisor/causes.py).", "incidents"),
+        ("lost_seconds_by_cause", "Seconds from a fault to the first step after its restart, "
+         "by cause.", "lost_seconds"),
+        ("lost_steps_by_cause", "Steps done again after a restart, by cause.", "lost_steps"),
+    )  # fmt: skip
+    out = []
+    for name, help_text, attr in families:
+        family = CounterMetricFamily(f"rankguard_supervisor_{name}", help_text, labels=["cause"])
+        for t in totals:
+            family.add_metric([t.cause], getattr(t, attr))
+        out.append(family)
+    return tuple(out)
 
 
 def _named(i) -> tuple[str, str, str, str]:

@@ -184,6 +184,7 @@ def test_up_names_the_full_checkpoint_filesystem_and_training_completes(tmp_path
     assert "training completed: step 1500" in out
     assert str(small_fs) in incident["summary"] and "(tmpfs)" in incident["summary"]
     assert incident["severity"] == "critical" and incident["action"] == "none"
+    assert incident["cause"] == "storage", incident
     with sqlite3.connect(run / "rankguard.db") as db:
         state, kinds = (
             db.execute("SELECT state FROM incidents WHERE id = ?", (incident["id"],)).fetchone()[0],

@@ -37,6 +37,7 @@ def test_a_stalled_loader_is_named_with_rank_phase_and_step(stalled):
     (inc,) = [i for i in stalled if i["kind"] == "data_stall"]
     ev = inc["evidence"]
     assert inc["rank"] == 1 and ev["phase"] == "train", inc
+    assert inc["cause"] == "data", inc
     assert ev["first_slow_step"] == FAULT_STEP, inc
     # the bound: the detector's window (3 steps: a median of two slow steps of three)
     # plus the agent's and supervisor's polls (a step or two at this speed)

@@ -190,6 +190,7 @@ def test_hung_ranks_are_found_named_and_ended(rig, clean, wait_mode):
     assert_exact(rig, clean)
     hangs = sorted(rig.incidents("rank_hung"), key=lambda i: i["detected_at"])
     assert len(hangs) == 4, hangs
+    assert hangs[0]["cause"] == "host", hangs[0]  # stopped from outside (SIGSTOP)
     for inc, step in zip(hangs, (60, 120, 180, 200), strict=True):
         assert inc["rank"] == 1 and inc["state"] == "resolved", inc
         assert step <= (inc["step_at_detect"] or 0) + 1, inc
@@ -221,6 +222,7 @@ def test_nan_loss_resumes_from_a_checkpoint_before_it(rig, clean):
     assert_exact(rig, clean)
     (inc,) = rig.incidents("bad_numerics")
     assert inc["resumed_step"] is not None and inc["resumed_step"] < 155, inc
+    assert inc["cause"] == "data", inc
 
 
 def test_corrupt_newest_checkpoint_at_restart_falls_back(rig, clean):
@@ -269,6 +271,7 @@ def test_a_collective_timeout_names_the_rank_waited_for_not_the_first_to_die(tmp
         inc = wait_until(found, 10, "the death's incident")
         ev = inc["evidence"]
         assert inc["rank"] == 1 and ev.get("cause") == "nccl_timeout", inc
+        assert (inc["cause"], inc["cause_confidence"]) == ("collective", "high"), inc
         assert ev["first_to_die"]["rank"] == 0, inc
         assert ev["wavefront"]["reached"]["1"] < ev["wavefront"]["reached"]["0"], inc
     finally:
@@ -286,6 +289,7 @@ def test_a_desync_stops_the_job_with_a_verdict_and_no_restart(rig):
     (inc,) = rig.incidents("rank_hung")
     ev = inc["evidence"]
     assert ev.get("desync") is True and ev["wavefront"]["verdict"] == "desync", inc
+    assert inc["cause"] == "user_code", inc  # ranks that call different collectives
     assert "gloo:broadcast" in inc["summary"] and "gloo:all_reduce" in inc["summary"], inc
     (act,) = inc["actions"]
     assert act["kind"] == "stop_job" and "desync" in (inc["verdict"] or act["reason"]), inc

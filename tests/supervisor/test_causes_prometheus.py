@@ -1,0 +1,123 @@
+"""A cause on every incident, counted and drawn: real agents (in process, GPUs from the
+NVML double: no GPU here) on a fault of each node-level cause class, the real reconcile
+loop and HTTP service, and a real Prometheus scraping the supervisor. The overview's
+"Interruptions by cause" query returns every class, and `rankguard incidents --by-cause`
+prints the same table from the database.
+
+The classes a training process causes (collective, user code, data, host) are driven by
+the trainer's faults in test_supervisor_faults.py, storage under `rankguard up` also in
+tests/client/test_checkpoint_full_disk.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+
+import pytest
+from builders import small_tmpfs
+from harness import wait_until
+from prometheus_harness import Prometheus, prometheus_bin
+
+from rankguard.agent.config import AgentConfig
+from rankguard.agent.daemon import Agent
+from rankguard.agent.nvml_double import NvmlDouble, make_double
+from rankguard.contract.secrets import write_secret_file
+from rankguard.dashboards import build, promql, yamlout
+from rankguard.service.httpd import serve
+from rankguard.supervisor.daemon import supervisor_service
+from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
+from rankguard.supervisor.store import IncidentStore
+
+pytestmark = pytest.mark.slow
+
+# node -> (how its fault is made, the cause it must be counted under)
+XIDS = {"n0": (79, "gpu"), "n1": (48, "gpu_memory"), "n2": (74, "nvlink")}
+BLIND, FULL = "n3", "n4"  # NVML cannot load (rankguard); a full checkpoint disk (storage)
+NODE_CAUSES = {**{n: c for n, (_, c) in XIDS.items()}, BLIND: "rankguard", FULL: "storage"}
+
+
+def _panel_query(title: str) -> str:
+    """The overview panel's first query, over a range that holds the whole test."""
+    dash = json.loads(build.render_all()["grafana/rankguard-overview.json"])
+    panel = next(p for p in dash["panels"] if p.get("title") == title)
+    return promql.substitute_variables(panel["targets"][0]["expr"], interval="10m")
+
+
+def test_each_cause_is_labelled_counted_and_drawn(tmp_path):
+    prometheus_bin()
+    token = tmp_path / "token"
+    write_secret_file(token, "a-token-for-the-cause-tests-0123")
+    with contextlib.ExitStack() as stack:
+        full = stack.enter_context(small_tmpfs(tmp_path / "ckfs", "4m"))
+        with open(full / "filler", "wb") as f:  # all but nothing left: unhealthy
+            f.write(b"\0" * (4 * 1024 * 1024 - 64 * 1024))
+        agents, nvmls, urls = [], {}, []
+        for node in (*XIDS, BLIND, FULL):
+            nvml = NvmlDouble(make_double(n_gpus=2))
+            if node == BLIND:
+                nvml.set_unavailable("NVML_ERROR_LIBRARY_NOT_FOUND")
+            cfg = AgentConfig(bind="127.0.0.1:0", interval=0.2, token_file=token,
+                              expected_gpus=2, telemetry_socket=str(tmp_path / f"{node}.sock"),
+                              node=node, ckpt_dir=full if node == FULL else None)  # fmt: skip
+            agent = Agent(cfg, nvml=nvml)
+            stack.callback(agent.close)
+            host, port = agent.start_http()
+            agents.append(agent)
+            nvmls[node] = nvml
+            urls.append(f"http://{host}:{port}")
+        db = tmp_path / "db.sqlite"
+        store = IncidentStore(db)
+        stack.callback(store.close)
+        sup = Supervisor(store, lambda: urls, agents[0].token, SupervisorConfig())
+        stack.callback(sup.close)
+        server = serve(supervisor_service(sup), "127.0.0.1", 0)
+        stack.callback(server.shutdown)
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yamlout.dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "rankguard-supervisor", "static_configs": [
+                {"targets": [f"127.0.0.1:{server.server_address[1]}"]}]}],
+        }))  # fmt: skip
+        prom = Prometheus(config, tmp_path)
+        stack.callback(prom.stop)
+        incidents = _panel_query("Interruptions by cause")
+
+        def passes() -> list:
+            for agent in agents:
+                agent.collect_once()
+            sup.reconcile_once()
+            return store.list_incidents()
+
+        # the counters scraped at zero first, so their increase counts every incident
+        wait_until(lambda: prom.query("rankguard_supervisor_incidents_by_cause_total"), 30,
+                   "the supervisor scraped before its first pass")  # fmt: skip
+        for node, (code, _) in XIDS.items():
+            nvmls[node].inject_xid(1, code)
+        found = wait_until(
+            lambda: {i.node: i for i in passes() if i.kind == "node_fault"}.keys() >= NODE_CAUSES.keys()
+            and {i.node: i for i in store.list_incidents() if i.kind == "node_fault"}, 30,
+            "a node fault on every node",
+        )  # fmt: skip
+        for node, cause in NODE_CAUSES.items():
+            inc = next(i for i in found.values() if i.node == node)
+            assert (inc.cause, inc.cause_confidence) == (cause, "high"), inc
+            assert inc.cause_why, inc
+
+        def counted() -> dict:
+            passes()
+            return {r["metric"]["cause"]: float(r["value"][1]) for r in prom.query(incidents)}
+
+        got = wait_until(lambda: (c := counted()) and all(c.get(v, 0) >= 1 for v in
+                                                          NODE_CAUSES.values()) and c,
+                         30, "the panel's query to count every cause")  # fmt: skip
+        assert got.get("unknown", 0) == 0, got
+        cli = subprocess.run([sys.executable, "-m", "rankguard.cli.main", "incidents",
+                              "--by-cause", "--db", str(db)], capture_output=True, text=True)  # fmt: skip
+        assert cli.returncode == 0, cli.stderr
+        rows = {line.split()[0]: line.split()[1] for line in cli.stdout.splitlines()[1:]}
+        assert all(int(rows[c]) >= 1 for c in NODE_CAUSES.values()), cli.stdout
+        timeline = subprocess.run([sys.executable, "-m", "rankguard.cli.main", "incidents",
+                                   "--db", str(db)], capture_output=True, text=True).stdout  # fmt: skip
+        assert "cause: nvlink (high confidence): XID 74: NVLink error" in timeline, timeline
