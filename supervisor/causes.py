@@ -62,6 +62,7 @@ NODE_CODES = {
     "gpu_lost": (GPU, "a GPU fell off the bus or is lost to NVML"),
     "gpus_missing": (GPU, "fewer GPUs than expected"),
     "gpu_unresponsive": (GPU, "a GPU's NVML calls do not return"),
+    "gpu_failing": (GPU, "a GPU's error counters trend toward failure"),
     "ecc_uncorrected": (GPU_MEMORY, "uncorrected ECC errors"),
     "remap_pending": (GPU_MEMORY, "a row remap is pending"),
     "remap_failed": (GPU_MEMORY, "a row remap failed"),

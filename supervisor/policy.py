@@ -98,6 +98,11 @@ class PolicyConfig:
     # action kinds recorded as what would have been done, never carried out (a new rule
     # measured before it acts): comma-separated, of kill_rank, stop_job, exclude_node
     dry_run: str = ""
+    # predictive drain: a node whose GPU trends toward failure (`gpu_failing`) is excluded
+    # at its jobs' next checkpoint boundary, so the fault costs the steps since that
+    # checkpoint, not a crash's; after `predictive_drain_wait_seconds` without one, at once
+    predictive_drain: bool = False
+    predictive_drain_wait_seconds: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.max_restarts < 1:
@@ -117,6 +122,9 @@ class PolicyConfig:
             )
         if self.same_cause_restarts < 0:
             raise ValueError(f"same_cause_restarts must be >= 0, got {self.same_cause_restarts}")
+        if not self.predictive_drain_wait_seconds > 0:
+            raise ValueError("predictive_drain_wait_seconds must be > 0, got "
+                             f"{self.predictive_drain_wait_seconds}")  # fmt: skip
         if self.max_exclusions < 0:
             raise ValueError(f"max_exclusions must be >= 0, got {self.max_exclusions}")
         if not 0 <= self.max_exclusion_share <= 1:
@@ -145,6 +153,7 @@ class IncidentInfo:
 
     id: int
     actions: tuple[str, ...] = ()  # kinds of the actions recorded (intents included)
+    detected_at: float | None = None
 
     @property
     def acted(self) -> bool:
@@ -269,7 +278,39 @@ def _node_fault(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
         return Decision(
             f, ACT_EXCLUDE_NODE, "critical hardware fault: exclude node", _node_target(f)
         )
+    if f.evidence.get("failing") is True and f.node:
+        return _failing(f, view, cfg)
     return Decision(f, ACT_NONE, "report only: node fault is not a critical hardware fault")
+
+
+def _failing(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
+    """A GPU predicted to fail: drained at the next checkpoint boundary of every job on the
+    node (a checkpoint first seen after the prediction), when predictive drain is on."""
+    if not cfg.predictive_drain:
+        return Decision(f, ACT_NONE, "report only: a failing GPU (predictive drain is off)")
+    info = view.incidents.get(f.key)
+    since = info.detected_at if info is not None else None  # None: first seen in this pass
+    jobs = f.evidence.get("jobs")
+    jobs = jobs if isinstance(jobs, Mapping) else {}
+    waiting = sorted(job for job, ckpt in jobs.items() if not _seen_after(ckpt, since))
+    # a node finding's time is when its agent's verdict was observed: this pass
+    overdue = (
+        since is not None and (f.occurred_at or 0.0) >= since + cfg.predictive_drain_wait_seconds
+    )
+    if waiting and not overdue:
+        why = f"predictive drain: waiting for the next checkpoint of {', '.join(waiting)}"
+        return _defer(Decision(f, ACT_NONE, why), why)
+    if waiting:
+        why = f"no checkpoint within {cfg.predictive_drain_wait_seconds:g}s"
+    else:
+        why = "its jobs' next checkpoint was taken" if jobs else "no job on it"
+    return Decision(f, ACT_EXCLUDE_NODE, f"predictive drain: a failing GPU, {why}", _node_target(f))
+
+
+def _seen_after(ckpt: object, since: float | None) -> bool:
+    """Whether a job's newest checkpoint was first seen after `since`."""
+    seen = ckpt.get("checkpoint_seen_at") if isinstance(ckpt, Mapping) else None
+    return since is not None and isinstance(seen, (int, float)) and seen > since
 
 
 _RULES = {

@@ -745,7 +745,7 @@ def build_policy_view(
     for key in sorted({f.key for f in findings}):
         inc = store.by_key(key)
         if inc is not None:
-            incidents[key] = IncidentInfo(inc.id, store.action_kinds(inc.id))
+            incidents[key] = IncidentInfo(inc.id, store.action_kinds(inc.id), inc.detected_at)
     jobs: dict[str, JobView] = {}
     for job in sorted({f.job for f in findings if f.job is not None}):
         for inc in store.crash_loops(job):  # so a stop already decided is not decided again

@@ -5,7 +5,10 @@ the agent stays the one place that judges GPUs and disks. GPU state, ECC and the
 whose meaning takes the node out of the job (contract/xids.py: reset the GPU, drain) are
 hardware (`evidence["hardware"]`: the policy may exclude the node); an application's XID,
 one to watch, NVML unavailable (the agent's own fault) and disk codes are not (reported;
-the operator frees space, the node stays).
+the operator frees space, the node stays). A GPU whose error counters trend toward failure
+(`gpu_failing`) is neither: its finding carries, per job with ranks on the node, when the
+supervisor first saw the job's newest checkpoint, so the policy can drain the node at the
+next checkpoint boundary (predictive drain, off by default).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class NodeConfig:
 HARDWARE_CODES = frozenset({"gpu_lost", "gpu_unresponsive", "gpus_missing", "ecc_uncorrected"})
 DISK_CODES = frozenset({"checkpoint_disk_low", "data_disk_low"})
 AGENT_CODES = frozenset({"nvml_unavailable"})  # reported, never acted on
+FAILING_CODES = frozenset({"gpu_failing"})  # a prediction: acted on only by predictive drain
 
 
 def is_hardware(code: str) -> bool:
@@ -47,7 +51,11 @@ def is_hardware(code: str) -> bool:
 def relevant(code: str) -> bool:
     """Codes that bear on training; collector failures and the like are the agent's own
     health, visible on its dashboards."""
-    return is_hardware(code) or code.startswith("xid_") or code in DISK_CODES | AGENT_CODES
+    return (
+        is_hardware(code)
+        or code.startswith("xid_")
+        or code in DISK_CODES | AGENT_CODES | FAILING_CODES
+    )
 
 
 def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Finding]:
@@ -61,11 +69,24 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
             if relevant(code):
                 by_code.setdefault(code, []).append(reason)
         # one finding per (node, code), even when several GPUs share the code
-        out.extend(_finding(n, code, reasons) for code, reasons in sorted(by_code.items()))
+        out.extend(
+            _finding(n, code, reasons, _jobs_on(n, history) if code in FAILING_CODES else None)
+            for code, reasons in sorted(by_code.items())
+        )  # fmt: skip
     return out
 
 
-def _finding(n: NodeObs, code: str, reasons: list[dict]) -> Finding:
+def _jobs_on(n: NodeObs, history: History) -> dict[str, dict]:
+    """The jobs with live ranks on the node, each with its newest validated checkpoint step
+    and when the supervisor first saw it (detectors/checkpoint.py keeps that)."""
+    out = {}
+    for job in sorted({r.job for r in n.ranks if not r.dead}):
+        step, _, seen = history.checkpoint_progress.get(job, (None, 0, None))
+        out[job] = {"checkpoint_step": step, "checkpoint_seen_at": seen}
+    return out
+
+
+def _finding(n: NodeObs, code: str, reasons: list[dict], jobs: dict | None) -> Finding:
     unhealthy = [r for r in reasons if r.get("severity") == "unhealthy"]
     reason = (unhealthy or reasons)[0]  # the worst one speaks for the code
     messages = [str(r.get("message") or code) for r in reasons]
@@ -83,6 +104,7 @@ def _finding(n: NodeObs, code: str, reasons: list[dict]) -> Finding:
             "agent_status": n.status,
             "url": n.url,
             "hardware": is_hardware(code),
+            **({"failing": True, "jobs": jobs} if jobs is not None else {}),
         },
     )
 

@@ -798,6 +798,23 @@ def test_healthy_and_unreachable_nodes_give_no_node_fault():
         assert f.evidence["hardware"] is False and f.severity == "warning", code
 
 
+def test_a_failing_gpu_names_the_jobs_on_its_node_and_when_their_checkpoint_was_seen():
+    reasons = [
+        {"code": "gpu_failing", "severity": "degraded", "message": "GPU 1: 3 remaps pending"}
+    ]
+    ranks = (rank(0, job="a"), rank(1, job="a"), rank(0, job="b", state="exited"))
+    obs = ClusterObs(T0, (nodeobs(*ranks, reasons=reasons, status="degraded"),))
+    history = History(checkpoint_progress={"a": (40, 0, T0 - 5), "b": (10, 0, T0 - 50)})
+    [f] = node.detect(obs, history, CFG)
+    assert (f.key, f.severity, f.evidence["hardware"]) == (
+        "node_fault:n0:gpu_failing",
+        "warning",
+        False,
+    )
+    # the dead rank's job is not on the node any more: only a
+    assert f.evidence["jobs"] == {"a": {"checkpoint_step": 40, "checkpoint_seen_at": T0 - 5}}
+
+
 # -- unreachable and history ----------------------------------------------------------------
 
 URL = "http://n1:9400"

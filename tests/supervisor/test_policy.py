@@ -486,3 +486,36 @@ def test_a_guess_never_counts_toward_a_same_cause_loop(tmp_path):
         deaths(store, 4, **xid)
         fifth = finding(RANK_DEAD, key="dead:j:5", restart=5, **xid)
         assert len(decide([fifth], build_view(store, [fifth], CFG, now=1e3), CFG, 1e3)) == 2
+
+
+def failing(t: float, seen: float | None, jobs: dict | None = None) -> Finding:
+    """A GPU predicted to fail on n1, observed at `t`; the job j's newest checkpoint was
+    first seen at `seen`."""
+    if jobs is None:
+        jobs = {"j": {"checkpoint_step": 40, "checkpoint_seen_at": seen}}
+    ev = {"code": "gpu_failing", "hardware": False, "failing": True, "jobs": jobs}
+    return finding(NODE_FAULT, key="node_fault:n1:gpu_failing", job=None, severity="warning",
+                   occurred_at=t, **ev)  # fmt: skip
+
+
+def test_a_failing_gpu_is_drained_at_the_next_checkpoint_boundary_when_predictive_drain_is_on():
+    on = PolicyConfig(predictive_drain=True, predictive_drain_wait_seconds=600)
+    # off (the default): reported only
+    d = one(failing(100.0, 90.0), cfg=CFG)
+    assert (d.action, d.reason) == (
+        ACT_NONE,
+        "report only: a failing GPU (predictive drain is off)",
+    )
+    # first seen: wait for the job's next checkpoint (the one it has predates the prediction)
+    d = one(failing(100.0, 90.0), cfg=on)
+    assert d.deferred and d.reason == "predictive drain: waiting for the next checkpoint of j"
+    seen_at_100 = PolicyView(incidents={"node_fault:n1:gpu_failing": IncidentInfo(1, (), 100.0)})
+    assert one(failing(105.0, 90.0), seen_at_100, on).deferred
+    # a checkpoint first seen after the prediction: the node goes now
+    d = one(failing(130.0, 120.0), seen_at_100, on)
+    assert d.action == ACT_EXCLUDE_NODE and d.target["node"] == "n1"
+    assert d.reason == "predictive drain: a failing GPU, its jobs' next checkpoint was taken"
+    # no checkpoint for the whole wait: at once; no job on the node: at once
+    assert one(failing(700.0, 90.0), seen_at_100, on).reason.endswith("no checkpoint within 600s")
+    d = one(failing(100.0, None, jobs={}), cfg=on)
+    assert d.action == ACT_EXCLUDE_NODE and d.reason.endswith("no job on it")
