@@ -30,6 +30,24 @@ T0 = 1_700_000_000.0
 CFG = DetectorConfig()
 
 
+# A child process that registers as rank 1 of job "j" (its own pid, step 7) with one
+# telemetry record to the socket in argv[1] and prints "sent"; tests append what it does next.
+STEP_RECORD_CHILD = """
+import os, sys, time
+from rankguard.client import TelemetrySender
+from rankguard.contract.telemetry import SCHEMA_VERSION
+sender = TelemetrySender(sys.argv[1])
+rec = dict(v=SCHEMA_VERSION, job="j", rank=1, local_rank=1, world_size=2, pid=os.getpid(),
+           restart=0, step=7, phase="train", time=time.time(), step_seconds=0.5,
+           data_wait_seconds=0.01, compute_seconds=0.3, comm_seconds=0.1,
+           comm_exposed_seconds=0.05, optimizer_seconds=0.05, checkpoint_block_seconds=0.0,
+           tokens_per_second=1000.0, mfu=0.4, peak_memory_bytes=10**9, loss=2.5,
+           checkpoint_step=5)
+assert sender.send(rec)
+print("sent", flush=True)
+"""
+
+
 def sample(step, *, restart=0, phase="train", seconds=0.1, compute=0.07, comm=0.02, loss=3.0):
     return StepSample(step, phase, restart, seconds, compute, comm, 0.001, loss)
 

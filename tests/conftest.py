@@ -41,6 +41,21 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="needs root and `ip netns`"))
 
 
+@pytest.fixture
+def one_rank():
+    """A gloo process group of one rank in this process, for the test's duration."""
+    import torch.distributed as dist
+    from harness import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def clean_40(tmp_path_factory) -> dict:
     """The reference: an uninterrupted 40-step, 2-rank run with checkpoints every 10."""

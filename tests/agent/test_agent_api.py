@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from builders import STEP_RECORD_CHILD
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,22 +28,13 @@ from rankguard.contract.answers import NodeAnswer
 TOKEN = "s3cret-token-for-tests-0123456789"
 
 # A child that registers as rank 1 of job "j" (its own pid) and then idles.
-RANK_CHILD = """
-import os, sys, time
-from rankguard.client import TelemetrySender
-from rankguard.contract.telemetry import SCHEMA_VERSION
-sender = TelemetrySender(sys.argv[1])
-rec = dict(v=SCHEMA_VERSION, job="j", rank=1, local_rank=1, world_size=2, pid=os.getpid(),
-           restart=0, step=7, phase="train", time=time.time(), step_seconds=0.5,
-           data_wait_seconds=0.01, compute_seconds=0.3, comm_seconds=0.1,
-           comm_exposed_seconds=0.05, optimizer_seconds=0.05, checkpoint_block_seconds=0.0,
-           tokens_per_second=1000.0, mfu=0.4, peak_memory_bytes=10**9, loss=2.5,
-           checkpoint_step=5)
-assert sender.send(rec)
-print("sent", flush=True)
+RANK_CHILD = (
+    STEP_RECORD_CHILD
+    + """
 while True:
     time.sleep(0.05)
 """
+)
 
 
 @pytest.fixture

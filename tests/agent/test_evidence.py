@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from builders import STEP_RECORD_CHILD
 from test_agent_api import agent, get_json  # noqa: F401  (the fixture)
 
 from rankguard.agent.ranks import RankTable
@@ -26,19 +27,9 @@ FRONT = (
 )
 
 # A rank: one step record, then an evidence record for each line on stdin.
-CHILD = """
-import os, sys, time
-from rankguard.client import TelemetrySender
-from rankguard.contract.telemetry import SCHEMA_VERSION
-sender = TelemetrySender(sys.argv[1])
-rec = dict(v=SCHEMA_VERSION, job="j", rank=1, local_rank=1, world_size=2, pid=os.getpid(),
-           restart=0, step=7, phase="train", time=time.time(), step_seconds=0.5,
-           data_wait_seconds=0.01, compute_seconds=0.3, comm_seconds=0.1,
-           comm_exposed_seconds=0.05, optimizer_seconds=0.05, checkpoint_block_seconds=0.0,
-           tokens_per_second=1000.0, mfu=0.4, peak_memory_bytes=10**9, loss=2.5,
-           checkpoint_step=5)
-assert sender.send(rec)
-print("sent", flush=True)
+CHILD = (
+    STEP_RECORD_CHILD
+    + """
 front = [{"pg": "0", "desc": "default_pg", "enqueued": 13, "completed": 12,
           "op": "gloo:all_reduce", "shape": "[[2,3]]", "timeout_s": 1800.0},
          {"pg": "1", "desc": "pair", "enqueued": 1, "completed": 1,
@@ -48,6 +39,7 @@ for line in sys.stdin:
                         "collectives": front})
     print("sent", flush=True)
 """
+)
 
 
 @pytest.fixture

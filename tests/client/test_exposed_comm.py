@@ -6,24 +6,10 @@ from __future__ import annotations
 
 import statistics
 
-import pytest
 import torch
-import torch.distributed as dist
-from harness import free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankguard.client import StepTimer, timed_allreduce_hook
-
-
-@pytest.fixture
-def group():
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def steps(delay: float, n: int = 6):
@@ -44,7 +30,7 @@ def steps(delay: float, n: int = 6):
     return timer.ready()
 
 
-def test_a_delayed_all_reduce_is_exposed_and_a_clean_one_is_not(group):
+def test_a_delayed_all_reduce_is_exposed_and_a_clean_one_is_not(one_rank):
     clean = steps(0.0)[1:]  # the first step rebuilds DDP's buckets
     delayed = steps(0.1)[1:]
     for t in delayed:  # backward waited for the delayed buckets (their delays overlap)

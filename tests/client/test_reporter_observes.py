@@ -218,17 +218,6 @@ def test_the_cuda_clock_times_the_device_set_after_the_reporter():
     assert len(rg.timings) == 1 and not rg.errors
 
 
-@pytest.fixture
-def one_rank():
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_ddp_hook_slot_rules_match_ddp_s_own(one_rank):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
