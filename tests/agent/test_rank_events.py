@@ -80,7 +80,7 @@ def test_new_events_are_answered_without_waiting():
     log.add(death(1))
     t0 = time.monotonic()
     assert len(log.read(c, 10).events) == 1
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 5.0  # not the 10 s a read with nothing new waits
 
 
 def test_a_states_filter_holds_past_other_changes_and_moves_the_cursor():

@@ -57,16 +57,17 @@ def test_announce_sends_one_init_record_then_stops(sink, tmp_path, monkeypatch):
         s.recv(4096)
 
 
-def test_load_delay_and_the_longest_ckpt_delay():
+def test_load_delay_and_the_longest_ckpt_delay(monkeypatch):
     specs = parse_fault_specs(["load-delay:step=10:rank=0:seconds=0.2:restart=any",
                                "ckpt-delay:step=0:seconds=1.5"])  # fmt: skip
     f = FaultInjector(specs, rank=0, restart_count=3)
-    t = time.monotonic()
+    slept: list[float] = []
+    monkeypatch.setattr("rankguard.trainer.faults.time.sleep", slept.append)
     f.load_delay(None)
     f.load_delay(5)  # a checkpoint before step 10: no delay
-    assert time.monotonic() - t < 0.1
+    assert slept == []
     f.load_delay(10)
-    assert time.monotonic() - t >= 0.2
+    assert slept == [0.2]
     f = FaultInjector(specs, rank=0, restart_count=0)
     f.specs.append(parse_fault_specs(["ckpt-delay:step=0:seconds=3000"])[0])
     assert f.ckpt_delay(20) == 3000  # a stuck save over a slow one
