@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..contract.answers import NODE_STATUSES as SEVERITIES  # a verdict is its worst reason
 from ..contract.answers import NodeWarning  # leaves the verdict as it is
 from ..contract.xids import HARDWARE_ACTIONS, meaning
+from .collectors.gpu_pcie import downtrained
 
 DISK_UNHEALTHY_RATIO = 0.05
 DISK_DEGRADED_RATIO = 0.10
@@ -54,6 +55,7 @@ def gpu_reasons(facts: dict | None, expected: int | None) -> list[Reason]:
         return []  # a CPU node: nothing expected, nothing wrong
     out = []
     gpus = facts.get("gpus", [])
+    nvlink_in_use = any(g.get("nvlink_links_up") for g in gpus)
     present = len([g for g in gpus if not g.get("lost")])
     if expected is not None and present < expected:
         out.append(
@@ -74,6 +76,8 @@ def gpu_reasons(facts: dict | None, expected: int | None) -> list[Reason]:
                 severity = "unhealthy" if x.action in HARDWARE_ACTIONS else "degraded"
                 out.append(Reason(f"xid_{code}", severity,
                                   f"{name}: XID {code} ({x.what}) {count}x lately: {x.action}"))  # fmt: skip
+        if g.get("failing"):  # its error counters' trends (agent/gpu_trends.py)
+            out.append(Reason("gpu_failing", "degraded", f"{name} is failing: {g['failing']}"))
         if g.get("ecc_uncorrected"):
             out.append(
                 Reason(
@@ -82,6 +86,47 @@ def gpu_reasons(facts: dict | None, expected: int | None) -> list[Reason]:
                     f"{name}: {g['ecc_uncorrected']} uncorrected ECC errors",
                 )  # fmt: skip
             )
+        out += gpu_link_reasons(g, name, nvlink_in_use)
+    return out
+
+
+def gpu_link_reasons(g: dict, name: str, nvlink_in_use: bool) -> list[Reason]:
+    """A GPU's links and memory repair state (agent/collectors/gpu_*.py facts): an NVLink
+    link down while the node's GPUs use NVLink, a downtrained PCIe link, a row remap that
+    failed (the GPU has no spare rows: unhealthy) or awaits a GPU reset (degraded)."""
+    out = []
+    down = g.get("nvlink_links_down") or []
+    if down and nvlink_in_use:
+        links = ", ".join(str(x) for x in down)
+        out.append(Reason("nvlink_down", "unhealthy", f"{name}: NVLink link(s) {links} down"))
+    why = downtrained(g.get("pcie_link"), g.get("utilization"))
+    if why:
+        out.append(Reason("pcie_downtrained", "degraded", f"{name}: {why}"))
+    rows = g.get("remapped_rows") or {}
+    if rows.get("failure"):
+        out.append(Reason("row_remap_failure", "unhealthy",
+                          f"{name}: a memory row remap failed (no spare rows): replace the GPU"))  # fmt: skip
+    elif rows.get("pending"):
+        out.append(Reason("row_remap_pending", "degraded",
+                          f"{name}: a memory row remap awaits a GPU reset"))  # fmt: skip
+    return out
+
+
+def infiniband_reasons(network: dict | None) -> list[Reason]:
+    """InfiniBand/RoCE ports (agent/collectors/network.py facts): one that was ACTIVE and
+    is not (unhealthy: NCCL's traffic over it fails), one running below the best rate it
+    ran at (degraded: a retrained, slower link)."""
+    out = []
+    for p in (network or {}).get("infiniband") or []:
+        where = f"InfiniBand port {p.get('device')}/{p.get('port')}"
+        if p.get("down"):
+            out.append(Reason("ib_port_down", "unhealthy",
+                              f"{where} is {p.get('state') or 'not ACTIVE'} (it was ACTIVE)"))  # fmt: skip
+        elif p.get("below_rate"):
+            rate, best = p.get("rate_bytes_per_second"), p.get("best_rate_bytes_per_second")
+            out.append(Reason("ib_port_below_rate", "degraded",
+                              f"{where} runs at {rate * 8 / 1e9:g} Gb/s, "
+                              f"below the {best * 8 / 1e9:g} Gb/s it ran at"))  # fmt: skip
     return out
 
 
@@ -157,6 +202,7 @@ def node_verdict(facts: dict, runs, expected_gpus: int | None) -> Verdict:
     reasons = (
         (gpu_reasons(facts.get("gpu"), expected_gpus) if gpu_on else [])
         + disk_reasons((facts.get("storage") or {}).get("filesystems"))
+        + infiniband_reasons(facts.get("network"))
         + collector_reasons(runs)
     )
     filesystems = (facts.get("storage") or {}).get("filesystems")

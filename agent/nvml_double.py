@@ -23,6 +23,13 @@ delivered once through `nvmlEventSetWait_v2`. Write the file with `write_state` 
 rename, strictly newer mtime) so that no change is missed or read half-written.
 In-process tests can call `inject_xid`, `set_lost` and `update_gpu` instead.
 
+Field values (`nvmlDeviceGetFieldValues`) come from the GPU's named fields (`FIELDS`
+below: NVLink and PCIe error counters, violation times, memory temperature, power
+limits); `"field_values": {"<field id>": value}` sets any other field, and a field
+whose value is absent or null answers NVML_ERROR_NOT_SUPPORTED in its own entry, as
+NVML does. `"nvlink_links"` (a list of booleans, null: no NVLink), `"pcie_link"`,
+`"power_limit_mw"`/`"power_default_limit_mw"` and `"mig"` answer the per-call queries.
+
 A GPU's `"delay_s"` makes every call on it take that many seconds (-1: hang until it is
 changed), outside the double's lock, as a failing GPU's NVML calls block their caller
 only: the collector's deadlines are tested against it.
@@ -58,6 +65,10 @@ UNAVAILABLE_ERRORS = {
     "lib_rm_version_mismatch": pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
     "unknown": pynvml.NVML_ERROR_UNKNOWN,
 }
+
+# Clock violation policies, by NVML_PERF_POLICY_<NAME> in lower case.
+VIOLATION_POLICIES = ("power", "thermal", "sync_boost", "board_limit", "low_utilization",
+                      "reliability", "total_app_clocks", "total_base_clocks")  # fmt: skip
 
 # A file-backed double polls its file this often while blocked in an event wait. Rarely:
 # every collector call rereads the file and wakes the waiter at once, so this only bounds
@@ -100,6 +111,18 @@ def make_double(n_gpus: int = 8, **overrides: Any) -> dict:
             # GPM metrics by NVML_GPM_METRIC_<NAME> in lower case, percent.
             "gpm_metrics": {"sm_util": 88.0, "any_tensor_util": 61.5, "dram_bw_util": 42.0},
             "xid_supported": True,
+            # NVLink: 18 links up (H100 SXM), error totals over all links
+            "nvlink_links": [True] * 18,
+            "nvlink_errors": {"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0},
+            "pcie_replays": 0,
+            "pcie_link": {"gen": 5, "max_gen": 5, "width": 16, "max_width": 16},
+            # nanoseconds a policy held clocks down, by NVML_PERF_POLICY_<NAME> in lower case
+            "violation_ns": dict.fromkeys(VIOLATION_POLICIES, 0),
+            "mem_temp": 48,  # Celsius (HBM)
+            "power_limit_mw": 700_000,
+            "power_default_limit_mw": 700_000,
+            "mig": {"mode": 0, "devices": 0},  # null: not MIG-capable
+            "field_values": {},  # other NVML_FI_DEV_* ids (as strings) -> value
             "processes": [],  # [{"pid": ..., "used_memory": bytes}]
             "lost": False,
         }
@@ -132,6 +155,36 @@ def load_nvml(double_path: str | None = None) -> Any:
     return pynvml
 
 
+def _sub(*keys: str) -> Callable[[dict], Any]:
+    def get(gpu: dict) -> Any:
+        value: Any = gpu
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    return get
+
+
+# NVML field id -> the GPU state value it reads (None: NOT_SUPPORTED in that entry).
+FIELDS: dict[int, Callable[[dict], Any]] = {
+    pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: _sub("nvlink_errors", "crc_flit"),
+    pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: _sub("nvlink_errors", "crc_data"),
+    pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: _sub("nvlink_errors", "replay"),
+    pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: _sub("nvlink_errors", "recovery"),
+    pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT: lambda g: (
+        None if g.get("nvlink_links") is None else len(g["nvlink_links"])
+    ),
+    pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: _sub("pcie_replays"),
+    pynvml.NVML_FI_DEV_MEMORY_TEMP: _sub("mem_temp"),
+    pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT: _sub("power_limit_mw"),
+    pynvml.NVML_FI_DEV_POWER_DEFAULT_LIMIT: _sub("power_default_limit_mw"),
+    **{
+        getattr(pynvml, f"NVML_FI_DEV_PERF_POLICY_{name.upper()}"): _sub("violation_ns", name)
+        for name in VIOLATION_POLICIES
+    },
+}
+
+
 def _address(ptr: Any) -> int | None:
     """The address a ctypes pointer holds: how handles and samples are told apart."""
     return ctypes.cast(ptr, ctypes.c_void_p).value
@@ -154,7 +207,7 @@ def _api(fn: Callable) -> Callable:
     @wraps(fn)
     def wrapper(self: NvmlDouble, *args: Any, **kwargs: Any) -> Any:
         if args:  # a call on a GPU whose state says it answers slowly, or hangs
-            self._answer_late(args[0])
+            self._answer_late(args[0], name)
         with self._lock:
             self.calls[name] += 1
             if reloads:
@@ -260,23 +313,33 @@ class NvmlDouble:
         reason = str(self._state.get("unavailable"))
         return UNAVAILABLE_ERRORS.get(reason, pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
 
-    def _answer_late(self, handle: Any) -> None:
+    def _answer_late(self, handle: Any, name: str = "") -> None:
         """A GPU's `delay_s` (seconds each call on it takes) before the call, outside the
         lock as a real driver's slow call would block only its caller: a failing GPU whose
-        NVML calls block for seconds, or forever while `delay_s` is -1."""
+        NVML calls block for seconds, or forever while `delay_s` is -1. Without one, the
+        GPU's `latency_s` ({function name or "default": seconds}) gives each call its
+        ordinary latency (bench/agent_overhead.py: a healthy GPU's measured figures)."""
         try:
             index = self._handle_index.get(_address(handle) or 0)
         except (TypeError, ctypes.ArgumentError):
             return  # not a handle (a count, an event set)
         if index is None:
             return
-        deadline = time.monotonic()
+        start = time.monotonic()
         while True:
             with self._lock:
-                delay = float(self._state["gpus"][index].get("delay_s") or 0)
-            if delay >= 0 and time.monotonic() >= deadline + delay:
-                return
-            time.sleep(0.05)
+                gpu = self._state["gpus"][index]
+                delay = float(gpu.get("delay_s") or 0)
+                if not delay and gpu.get("latency_s"):
+                    latency = gpu["latency_s"]
+                    delay = float(latency.get(name, latency.get("default", 0)) or 0)
+            if delay >= 0:
+                left = start + delay - time.monotonic()
+                if left <= 0:
+                    return
+                time.sleep(min(left, 0.05))  # re-read: a delay may be changed meanwhile
+            else:
+                time.sleep(0.05)
 
     def _gpu(self, handle: Any) -> dict:
         index = self._handle_index.get(_address(handle) or 0)
@@ -458,6 +521,97 @@ class NvmlDouble:
             )
             for p in self._gpu(handle).get("processes") or []
         ]
+
+    # --- batched fields, links, limits, MIG ----------------------------------------------
+
+    @_api
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list) -> Any:
+        gpu = self._gpu(handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        extra = gpu.get("field_values") or {}
+        now_us = int(time.time() * 1e6)
+        for i, field_id in enumerate(fieldIds):
+            fid, scope = field_id if isinstance(field_id, tuple) else (field_id, 0)
+            entry = values[i]
+            entry.fieldId, entry.scopeId, entry.timestamp = fid, scope, now_us
+            value = extra.get(str(fid), FIELDS[fid](gpu) if fid in FIELDS else None)
+            if value is None:
+                entry.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            entry.nvmlReturn = pynvml.NVML_SUCCESS
+            if isinstance(value, float):
+                entry.valueType, entry.value.dVal = pynvml.NVML_VALUE_TYPE_DOUBLE, value
+            else:
+                entry.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                entry.value.ullVal = int(value)
+        return values
+
+    @_api
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        links = self._field(device, "nvlink_links")
+        if not 0 <= link < len(links):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return pynvml.NVML_FEATURE_ENABLED if links[link] else pynvml.NVML_FEATURE_DISABLED
+
+    def _pcie(self, handle: Any, key: str) -> int:
+        value = self._field(handle, "pcie_link").get(key)
+        if value is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(value)
+
+    @_api
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+        return self._pcie(handle, "gen")
+
+    @_api
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
+        return self._pcie(handle, "max_gen")
+
+    @_api
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+        return self._pcie(handle, "width")
+
+    @_api
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
+        return self._pcie(handle, "max_width")
+
+    @_api
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        return int(self._field(handle, "pcie_replays"))
+
+    @_api
+    def nvmlDeviceGetViolationStatus(self, device: Any, perfPolicyType: int) -> Any:
+        names = {getattr(pynvml, f"NVML_PERF_POLICY_{k.upper()}"): k for k in VIOLATION_POLICIES}
+        ns = (self._field(device, "violation_ns") or {}).get(names.get(perfPolicyType, ""))
+        if ns is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return pynvml.c_nvmlViolationTime_t(referenceTime=int(time.time() * 1e6),
+                                            violationTime=int(ns))  # fmt: skip
+
+    @_api
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
+        return int(self._field(handle, "power_limit_mw"))
+
+    @_api
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any) -> int:
+        return int(self._field(handle, "power_default_limit_mw"))
+
+    @_api
+    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+        mode = int(self._field(device, "mig").get("mode") or 0)
+        return [mode, mode]
+
+    @_api
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+        self._field(device, "mig")
+        return 7  # an H100's most
+
+    @_api
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
+        mig = self._field(device, "mig")
+        if not mig.get("mode") or not 0 <= index < int(mig.get("devices") or 0):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return self._new_pointer(pynvml.c_nvmlDevice_t)
 
     # --- GPM: two samples, metrics computed between them ----------------------------------
 

@@ -17,6 +17,11 @@ datagram sockets as it is ("before") and raised to N ("after", deploy/sysctl.d):
 sysctl is set only while the agent creates its socket (the length is taken then) and put
 back at once. With both, the two installations are compared, each with the raised queue.
 "records dropped" are the senders' own counts of full-queue drops.
+With `--latency8`, one more column per rate: the same 8 doubled GPUs with every NVML call
+taking a healthy H100's per-call latency (`--nvml-latency FILE`: the JSON that
+`bench/nvml_latency.py` measures on a GPU machine; without it the assumed figures of
+`ASSUMED_H100_LATENCY_S`), so the GPU collector's samplers and reads cost what they
+would at 8 GPUs.
 Part 2 runs the real trainer under torchrun (2 ranks) alternately with an agent
 receiving its telemetry and with no listener at all, and compares throughput.
 """
@@ -111,28 +116,44 @@ def thread_group(name: str) -> str:
 
 QLEN_FILE = Path("/proc/sys/net/unix/max_dgram_qlen")
 
+# Per-call NVML latency (seconds) of a healthy H100, by function name ("default": any other
+# call), for the --latency8 column. bench/results/gpu/ holds the agent's CPU with real NVML
+# on one H100 but no per-call figures yet: until `bench/nvml_latency.py` has been run there
+# (pass its output as --nvml-latency), these are assumptions, not measurements: 100 us a
+# call, and nvmlDeviceGetPcieThroughput's 20 ms sampling window (NVIDIA's documentation).
+LATENCY_LABEL = "8 GPUs at H100 NVML latencies"
+ASSUMED_H100_LATENCY_S = {"default": 100e-6, "nvmlDeviceGetPcieThroughput": 20e-3}
+
 
 def start_agent(
-    tmp: Path, gpus: int | None, python: str = sys.executable, qlen: int | None = None
+    tmp: Path,
+    gpus: int | None,
+    python: str = sys.executable,
+    qlen: int | None = None,
+    latency: dict | None = None,
 ) -> tuple[subprocess.Popen, str, Path]:
-    """An agent with an NVML double of `gpus` GPUs, or real NVML when `gpus` is None,
+    """An agent with an NVML double of `gpus` GPUs (each call taking `latency`: see
+    ASSUMED_H100_LATENCY_S), or real NVML when `gpus` is None,
     run by `python` (another venv's interpreter: another installed version), its telemetry
     socket created with a kernel queue of `qlen` datagrams (None: the sysctl as it is)."""
     if qlen is None:
-        return _start_agent(tmp, gpus, python)
+        return _start_agent(tmp, gpus, python, latency)
     old = QLEN_FILE.read_text()
     QLEN_FILE.write_text(str(qlen))
     try:  # the agent is serving /healthz, so its socket exists, with this queue length
-        return _start_agent(tmp, gpus, python)
+        return _start_agent(tmp, gpus, python, latency)
     finally:
         QLEN_FILE.write_text(old)
 
 
-def _start_agent(tmp: Path, gpus: int | None, python: str) -> tuple[subprocess.Popen, str, Path]:
+def _start_agent(
+    tmp: Path, gpus: int | None, python: str, latency: dict | None = None
+) -> tuple[subprocess.Popen, str, Path]:
     port, sock, double = free_port(), tmp / "telemetry.sock", tmp / "nvml.json"
     nvml_args = []
     if gpus is not None:
-        double.write_text(json.dumps(make_double(n_gpus=gpus)))
+        extra = {"latency_s": latency} if latency else {}
+        double.write_text(json.dumps(make_double(n_gpus=gpus, **extra)))
         nvml_args = ["--nvml-double", str(double)]
     agent = Daemon(  # serving /healthz when it returns
         ["agent", "--bind", f"127.0.0.1:{port}", "--interval", "1", "--telemetry-socket",
@@ -154,10 +175,12 @@ def agent_cost(
     scrapes: int = 200,
     python: str = sys.executable,
     qlen: int | None = None,
+    latency: dict | None = None,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="rg-agent-bench-") as tmp:
         gpus = None if real_nvml else 8
-        agent, base, sock = start_agent(Path(tmp), gpus=gpus, python=python, qlen=qlen)
+        agent, base, sock = start_agent(Path(tmp), gpus=gpus, python=python, qlen=qlen,
+                                        latency=latency)  # fmt: skip
         senders = [
             subprocess.Popen([sys.executable, "-c", SENDER, str(sock), str(r), str(rate)])
             for r in range(8)
@@ -206,6 +229,9 @@ def agent_cost(
                 latencies[label] = (times[len(times) // 2], times[int(len(times) * 0.99)])
                 sizes[label] = len(body)
             text = gzip.decompress(body) if encoded == "gzip" else body
+            # the GPU collection's wall time (every GPU read in parallel, up to the deadline)
+            gpu_ms = re.search(rb'^rankguard_collector_duration_seconds\{collector="gpu"\} (\S+)',
+                               text, re.M)  # fmt: skip
             gpus = http_json(base + "/v1/node", timeout=60)
             gpus = gpus.get("facts", {}).get("gpu", {}).get("count")
         finally:
@@ -224,6 +250,7 @@ def agent_cost(
         "metrics_bytes": sizes,
         "served": served,
         "series": sum(1 for ln in text.splitlines() if ln and not ln.startswith(b"#")),
+        "gpu_collection_ms": 1e3 * float(gpu_ms[1]) if gpu_ms else float("nan"),
         "ranks_seen": len(ranks["ranks"]),
         "gpus": gpus,
         "window_seconds": seconds,
@@ -232,14 +259,18 @@ def agent_cost(
 
 def cost_table(columns: list[tuple[str, dict]], gpu_desc: str, seconds: float) -> list[str]:
     """The cost measures with one column per (label, measurement); a ratio column after
-    each "after" column (after / before at the same rate), or, without a baseline, one
-    ratio of the last column to the first."""
-    compare = any(label.startswith("before") for label, _ in columns)
+    each "after" column (after / before at the same rate) and after each --latency8 column
+    (against the column before it: the same agent at the same rate, NVML answering at
+    once), or, with neither, one ratio of the last column to the first."""
+    ratio_head = {"after": "after / before", LATENCY_LABEL: "with latencies / without"}
+    paired = [next((h for k, h in ratio_head.items() if label.startswith(k)), None)
+              for label, _ in columns]  # fmt: skip
+    compare = any(paired)
     head = ["measure"]
-    for i, (label, _) in enumerate(columns):
+    for (label, _), pair in zip(columns, paired, strict=True):
         head.append(label)
-        if compare and i % 2:
-            head.append("after / before")
+        if pair:
+            head.append(pair)
     if not compare:
         head.append("ratio")
     head.append("target")
@@ -258,7 +289,7 @@ def cost_table(columns: list[tuple[str, dict]], gpu_desc: str, seconds: float) -
         out = []
         for i, cell in enumerate(shown):
             out.append(cell)
-            if compare and i % 2:
+            if paired[i]:
                 out.append(ratio(values[i - 1], values[i]))
         if not compare:
             out.append(ratio(values[0], values[-1]))
@@ -293,6 +324,7 @@ def cost_table(columns: list[tuple[str, dict]], gpu_desc: str, seconds: float) -
         row(f"/metrics {label} p99 (ms)", [c["scrape_ms"][label][1] for c in costs], ".2f", "< 10")
         row(f"/metrics {label} size (bytes)", [c["metrics_bytes"][label] for c in costs], ",.0f")
     row("/metrics series", [c["series"] for c in costs], ",.0f")
+    row("GPU collection wall time, last one (ms)", [c["gpu_collection_ms"] for c in costs], ".1f")
     lines.append("")
     lines.append("Served as: " + "; ".join(f"{k}: {v}" for k, v in costs[-1]["served"].items()))
     return lines
@@ -341,7 +373,14 @@ def main() -> None:
     p.add_argument("--qlen", type=int, help="measure with the kernel's Unix datagram queue "
                    "as it is ('before') and raised to this length ('after'); with "
                    "--baseline-python, both with it raised; needs root")  # fmt: skip
+    p.add_argument("--latency8", action="store_true", help="add a column per rate: 8 doubled "
+                   "GPUs answering at a healthy H100's per-call NVML latencies")  # fmt: skip
+    p.add_argument("--nvml-latency", type=Path, help="JSON {function: seconds, 'default': "
+                   "seconds} from bench/nvml_latency.py (default: ASSUMED_H100_LATENCY_S)")  # fmt: skip
     args = p.parse_args()
+    latency = ASSUMED_H100_LATENCY_S
+    if args.nvml_latency:
+        latency = json.loads(args.nvml_latency.read_text())
     if args.baseline_python and not Path(args.baseline_python).is_file():
         p.error(f"--baseline-python: no such interpreter: {args.baseline_python}")
     if args.qlen and not os.access(QLEN_FILE, os.W_OK):
@@ -362,6 +401,11 @@ def main() -> None:
             label = f"{version} {rate:g} records/s/rank".strip()
             print(f"part 1: agent cost, {label} ...", file=sys.stderr, flush=True)
             cost = agent_cost(args.seconds, args.real_nvml, rate, python=python, qlen=qlen)
+            columns.append((label, cost))
+        if args.latency8:
+            label = f"{LATENCY_LABEL}, {rate:g} records/s/rank"
+            print(f"part 1: agent cost, {label} ...", file=sys.stderr, flush=True)
+            cost = agent_cost(args.seconds, False, rate, qlen=versions[-1][2], latency=latency)
             columns.append((label, cost))
     costs = [c for _, c in columns]
     runs: dict[str, list[float]] = {"without agent": [], "with agent": []}

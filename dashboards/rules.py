@@ -284,6 +284,50 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               "warning", "GPU {{ $labels.gpu }} on node {{ $labels.node }} is throttled: {{ $labels.reason }}",
               f"A thermal or power reason held the clocks down over {pct(t.throttled_share)} of the "
               "last 10 minutes: check cooling and power capping.", "5m"),
+        Alert("GpuNvlinkDown",
+              # a link down where the node's GPUs use NVLink (a PCIe card's links are all off)
+              named_node("rankguard_gpu_nvlink_links_down > 0 and on (instance) "
+                         "(max by (instance) (rankguard_gpu_nvlink_links_up) > 0)"),
+              "critical", "{{ $value }} NVLink link(s) of GPU {{ $labels.gpu }} on node {{ $labels.node }} down",
+              "An NVLink link of a GPU whose node uses NVLink is down: collectives over it "
+              "fail or fall back to slower paths. The agent calls the node unhealthy; the GPU "
+              "needs a reset or the node a repair.", "2m"),
+        Alert("GpuNvlinkErrors",
+              named_node('increase(rankguard_gpu_nvlink_errors_total{type="recovery"}[10m]) > 0'),
+              "warning", "NVLink recoveries on GPU {{ $labels.gpu }} of node {{ $labels.node }}",
+              "An NVLink link of this GPU retrained after repeated errors in the last 10 "
+              "minutes: a failing link, cable or NVSwitch port, often before XID 74."),
+        Alert("GpuPcieDowntrained",
+              named_node('rankguard_gpu_pcie_link_width_lanes{type="current"} '
+                         '< ignoring (type) rankguard_gpu_pcie_link_width_lanes{type="max"}'),
+              "warning", "PCIe link of GPU {{ $labels.gpu }} on node {{ $labels.node }} runs at x{{ $value }}",
+              "The GPU's PCIe link trained to fewer lanes than it has: host-GPU copies, "
+              "checkpoints and GPUDirect traffic run slower. Reseat or repair at the next "
+              "maintenance.", "10m"),
+        Alert("GpuRowRemapFailed",
+              named_node("rankguard_gpu_remapped_rows_failure == 1"),
+              "critical", "A memory row remap failed on GPU {{ $labels.gpu }} of node {{ $labels.node }}",
+              "The GPU had no spare row left for a failing memory row: its memory cannot be "
+              "repaired and the GPU must be replaced. The agent calls the node unhealthy."),
+        Alert("GpuRowRemapPending",
+              named_node("rankguard_gpu_remapped_rows_pending == 1"),
+              "warning", "A memory row remap awaits a reset of GPU {{ $labels.gpu }} on node {{ $labels.node }}",
+              "A failing memory row was marked for remapping, which takes effect at the next "
+              "GPU reset: drain the node at a checkpoint boundary and reset the GPU.", "10m"),
+        Alert("InfinibandPortDown",
+              # a port that was ACTIVE in the last hour: an unused, uncabled port never fires
+              named_node("rankguard_infiniband_port_up == 0 and on (instance, device, port) "
+                         "max_over_time(rankguard_infiniband_port_up[1h]) == 1"),
+              "critical", "InfiniBand port {{ $labels.device }}/{{ $labels.port }} on node {{ $labels.node }} is down",
+              "A port that was ACTIVE is not: NCCL's inter-node traffic over it fails. Check "
+              "the cable, the switch port and `ibstat`; the agent calls the node unhealthy.", "1m"),
+        Alert("InfinibandPortErrors",
+              named_node('increase(rankguard_infiniband_errors_total{type=~"symbol_error|link_downed|'
+                         'link_error_recovery"}[10m]) > 0'),
+              "warning", "InfiniBand port {{ $labels.device }}/{{ $labels.port }} on node "
+                         "{{ $labels.node }}: {{ $labels.type }} errors",
+              "Physical-layer errors or link drops on the port in the last 10 minutes: a "
+              "failing cable, transceiver or switch port. Repeated ones slow or break NCCL."),
         Alert("CheckpointStale",
               f"time() - rankguard_supervisor_checkpoint_timestamp_seconds > {t.checkpoint_max_age_seconds} "
               f"and on (training_job) ({RUNNING})",

@@ -42,6 +42,8 @@ from typing import Any
 import pynvml
 
 from ...contract.answers import XID_RECENT_SECONDS
+from ...contract.xids import WATCH, meaning
+from ..gpu_trends import Trends, describe
 from ..nvml_double import load_nvml
 from . import (
     JOB_LABEL,
@@ -54,6 +56,7 @@ from . import (
     info,
     register,
 )
+from .gpu_samplers import Samplers, SamplerState
 
 log = logging.getLogger("rankguard.agent.collectors.gpu")
 
@@ -151,11 +154,14 @@ class GpuConfig:
     # a GPU whose NVML reads take longer is unresponsive: the collection goes on without
     # it, and it is not called again until its call returns
     read_deadline_seconds: float = 2.0
+    # seconds between slow samples (gpu_samplers.py: NVLink link state, PCIe link
+    # generation and width, power limits, MIG)
+    slow_interval: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.read_deadline_seconds > 0:
             raise ValueError("GpuConfig.read_deadline_seconds must be > 0")
-        for name in ("gpm_interval", "pcie_interval", "init_retry_interval"):
+        for name in ("gpm_interval", "pcie_interval", "init_retry_interval", "slow_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"GpuConfig.{name} must be >= 0")
         if self.event_timeout_ms <= 0:
@@ -180,6 +186,7 @@ class _Gpu:
     gpm_has_previous: bool = False
     gpm_values: dict[str, float] = field(default_factory=dict)  # stem -> ratio
     pcie: tuple[float, float] | None = None  # (tx, rx) bytes/s
+    samples: SamplerState = field(default_factory=SamplerState)  # the samplers' slow state
 
 
 @dataclass
@@ -208,6 +215,7 @@ class GpuReading:
     pcie: tuple[float, float] | None = None
     processes: dict[int, int] = field(default_factory=dict)  # pid -> bytes
     unresponsive_seconds: float | None = None  # its NVML read has not returned for this long
+    samples: dict[str, Any] = field(default_factory=dict)  # gpu_samplers.py, by sampler
 
 
 class _GpuLost(Exception):
@@ -353,6 +361,7 @@ class GpuCollector(Collector):
         self.driver = ""
         self.gpus: list[_Gpu] = []
         self.xids = XidCounts()
+        self.trends = Trends()  # a GPU failing before it crashes the job (gpu_trends.py)
         self.watcher: XidWatcher | None = None
         self._next_init = float("-inf")
         self._next_gpm = float("-inf")
@@ -362,6 +371,7 @@ class GpuCollector(Collector):
         # a hung NVML call (a failing GPU, a stuck driver) must not stop the agent's loop,
         # its /metrics and its watchdog ping. index -> (its read still running, since when)
         self._stuck: dict[int, tuple[_Call, float]] = {}
+        self._samplers = Samplers(self.config.slow_interval)  # run inside each GPU's read
 
     # --- lifecycle ---
 
@@ -557,11 +567,13 @@ class GpuCollector(Collector):
                     gpu.pcie = (kbps_to_bytes_per_second(tx), kbps_to_bytes_per_second(rx))
             if want_procs:
                 reading.processes = self._processes(h)
+            reading.samples = self._sample(gpu)
         except _GpuLost as exc:
             if not gpu.lost:
                 log.warning("gpu %d (%s) lost: %s", gpu.index, gpu.uuid, exc)
             gpu.lost, gpu.error = True, str(exc)
             gpu.gpm_has_previous, gpu.gpm_values, gpu.pcie = False, {}, None
+            gpu.samples = SamplerState()
             return GpuReading(gpu.index, gpu.uuid, gpu.name, lost=True, error=str(exc))
         gpu.lost, gpu.error = False, None
         # GPM and PCIe come from the cache: refreshed only on their own cadence.
@@ -569,6 +581,12 @@ class GpuCollector(Collector):
         reading.gpm_supported = gpu.gpm_supported
         reading.pcie = gpu.pcie
         return reading
+
+    def _sample(self, gpu: _Gpu) -> dict[str, Any]:
+        try:
+            return self._samplers.read(self.nvml, gpu.handle, gpu.samples, self.ctx.clock())
+        except pynvml.NVMLError as exc:  # only a lost GPU's error gets out of the samplers
+            raise _GpuLost(str(exc)) from exc
 
     def _ecc(self, h: Any) -> dict[str, int] | None:
         nvml = self.nvml
@@ -626,6 +644,7 @@ class GpuCollector(Collector):
         rank_gpus = self._tie_ranks(readings)
         metrics = build_metrics(readings, self.driver, count, self.ctx.expected_gpus, xids, ranks,
                                 rank_gpus)  # fmt: skip
+        metrics += self._samplers.metrics(readings)
         return CollectorResult(metrics, self._facts(readings, count, xids))
 
     def _read_all(self, do_gpm: bool, do_pcie: bool, want_procs: bool, now: float) -> list:
@@ -697,9 +716,12 @@ class GpuCollector(Collector):
     ) -> dict[str, Any]:
         watcher = self.watcher
         recent = self.xids.recent(XID_RECENT_SECONDS)  # what health is judged on
+        now = self.ctx.clock()
         gpus = []
         for r in readings:
             ecc = r.ecc or {}
+            if not r.lost:
+                self.trends.observe(r.uuid, now, trend_values(r, recent))
             gpus.append(
                 {
                     "index": r.index,
@@ -722,8 +744,13 @@ class GpuCollector(Collector):
                         str(code): n for (g, code), n in sorted(recent.items()) if g == r.index
                     },  # fmt: skip
                     "clock_events": clock_event_names(r.clock_event_mask or 0),
+                    **self._samplers.facts(r.samples),
                 }
             )
+        self.trends.forget({r.uuid for r in readings if not r.lost})
+        failing = self.trends.failing()
+        for g in gpus:
+            g["failing"] = describe(failing[g["uuid"]]) if g["uuid"] in failing else None
         return {
             "available": True,
             "reason": None,
@@ -734,6 +761,23 @@ class GpuCollector(Collector):
             "xid_supported": bool(watcher and watcher.supported),
             "xid_unsupported": list(watcher.unsupported) if watcher else [],
         }
+
+
+def trend_values(r: GpuReading, recent: dict[tuple[int, int], int]) -> dict[str, float | None]:
+    """One reading's values of the failure signals (agent/gpu_trends.py); None: not read."""
+    rows = r.remapped_rows
+    nvlink = r.samples.get("nvlink") or {}
+    violation = r.samples.get("violation") or {}
+    return {
+        "ecc_corrected": (r.ecc or {}).get("corrected"),
+        "remap_pending": None if rows is None else float(bool(rows.get("pending"))),
+        "xid_watch": sum(
+            n for (g, code), n in recent.items() if g == r.index and meaning(code).action == WATCH
+        ),  # fmt: skip
+        "nvlink_replay": (nvlink.get("errors") or {}).get("replay"),
+        "pcie_replay": (r.samples.get("pcie") or {}).get("replays"),
+        "thermal_violation": (violation.get("seconds") or {}).get("thermal"),
+    }
 
 
 # --- ranks and their GPUs (pure) ----------------------------------------------------------

@@ -34,7 +34,10 @@ class NodeConfig:
 
 # NVML unavailable is not among them: on its own it is the agent's fault (a sandbox, a
 # driver upgrade), often of many nodes at once; a GPU really gone shows as lost or missing
-HARDWARE_CODES = frozenset({"gpu_lost", "gpu_unresponsive", "gpus_missing", "ecc_uncorrected"})
+HARDWARE_CODES = frozenset({"gpu_lost", "gpu_unresponsive", "gpus_missing", "ecc_uncorrected",
+                            "nvlink_down", "row_remap_failure", "ib_port_down"})  # fmt: skip
+# a link or memory running on, worse: reported (a trend of them is a failing GPU)
+LINK_CODES = frozenset({"pcie_downtrained", "row_remap_pending", "ib_port_below_rate"})
 DISK_CODES = frozenset({"checkpoint_disk_low", "data_disk_low"})
 AGENT_CODES = frozenset({"nvml_unavailable"})  # reported, never acted on
 FAILING_CODES = frozenset({"gpu_failing"})  # a prediction: acted on only by predictive drain
@@ -54,7 +57,7 @@ def relevant(code: str) -> bool:
     return (
         is_hardware(code)
         or code.startswith("xid_")
-        or code in DISK_CODES | AGENT_CODES | FAILING_CODES
+        or code in DISK_CODES | AGENT_CODES | FAILING_CODES | LINK_CODES
     )
 
 

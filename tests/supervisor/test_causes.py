@@ -50,6 +50,10 @@ CASES = [
     (finding(NODE_FAULT, code="nvml_unavailable"), "rankguard", "high"),
     (finding(NODE_FAULT, code="nvlink_down"), "nvlink", "high"),
     (finding(NODE_FAULT, code="ib_port_down"), "network", "high"),
+    (finding(NODE_FAULT, code="ib_port_below_rate"), "network", "high"),
+    (finding(NODE_FAULT, code="pcie_downtrained"), "gpu", "high"),
+    (finding(NODE_FAULT, code="row_remap_pending"), "gpu_memory", "high"),
+    (finding(NODE_FAULT, code="gpu_failing"), "gpu", "high"),
     (finding(NODE_FAULT, code="something_new"), "unknown", "low"),
     # deaths
     (finding(RANK_DEAD, cause="nccl_timeout"), "collective", "high"),

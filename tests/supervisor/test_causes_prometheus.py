@@ -4,20 +4,22 @@ loop and HTTP service, and a real Prometheus scraping the supervisor. The overvi
 "Interruptions by cause" query returns every class, and `rankguard incidents --by-cause`
 prints the same table from the database.
 
-The classes a training process causes (collective, user code, data, host) are driven by
-the trainer's faults in test_supervisor_faults.py, storage under `rankguard up` also in
-tests/client/test_checkpoint_full_disk.py."""
+The classes a training process causes (data, host, user code) are driven by the trainer's
+faults in one job, under the same Prometheus query."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from builders import small_tmpfs
-from harness import wait_until
+from harness import http_json, start_agent, start_supervisor, torchrun, wait_until
 from prometheus_harness import Prometheus, prometheus_bin
 
 from rankguard.agent.config import AgentConfig
@@ -121,3 +123,56 @@ def test_each_cause_is_labelled_counted_and_drawn(tmp_path):
         timeline = subprocess.run([sys.executable, "-m", "rankguard.cli.main", "incidents",
                                    "--db", str(db)], capture_output=True, text=True).stdout  # fmt: skip
         assert "cause: nvlink (high confidence): XID 74: NVLink error" in timeline, timeline
+
+
+def test_the_trainers_faults_are_labelled_counted_and_drawn(tmp_path):
+    """One job, three faults of three classes, as processes (agent, supervisor, torchrun):
+    a NaN loss (data), its next incarnation's rank 1 stopped by SIGSTOP (host), the one
+    after calling a different collective than its peer (a desync: user code, which stops
+    the job). A collective timeout (collective) is labelled in test_supervisor_faults.py."""
+    prometheus_bin()
+    agent = start_agent(tmp_path)
+    sup = start_supervisor(tmp_path, [agent.url])
+    try:
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yamlout.dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "rankguard-supervisor", "static_configs": [
+                {"targets": [sup.url.removeprefix("http://")]}]}],
+        }))  # fmt: skip
+        prom = Prometheus(config, tmp_path)
+        try:
+            wait_until(lambda: prom.query("rankguard_supervisor_incidents_by_cause_total"), 30,
+                       "the supervisor scraped before the job")  # fmt: skip
+
+            def stop_rank_1_of_the_second_incarnation():
+                rank = wait_until(lambda: next((
+                    r for r in http_json(agent.url + "/v1/ranks")["ranks"]
+                    if r["rank"] == 1 and r["restart"] == 1 and (r["step"] or 0) >= 35
+                    and r["state"] == "alive"), None), 180, "rank 1 of restart 1 at step 35")  # fmt: skip
+                os.kill(rank["pid"], signal.SIGSTOP)
+
+            stopper = threading.Thread(target=stop_rank_1_of_the_second_incarnation, daemon=True)
+            stopper.start()
+            proc = torchrun(
+                ["--steps", "120", "--ckpt-every", "10", "--keep", "0", "--d-model", "128",
+                 "--n-layer", "4", "--n-head", "4", "--ckpt-dir", str(tmp_path / "ckpt"),
+                 "--job", "job", "--fault", "nan:step=20:rank=0",
+                 "--fault", "desync:step=70:rank=1:restart=2"],
+                cwd=tmp_path, max_restarts=3, timeout=300,
+                env={"RANKGUARD_TELEMETRY_SOCKET": str(agent.socket)},
+            )  # fmt: skip
+            assert proc.returncode != 0, proc.stderr[-3000:]  # the desync stopped the job
+            found = http_json(sup.url + "/v1/incidents")["incidents"]
+            causes = {(i["kind"], i["cause"]) for i in found}
+            assert {("bad_numerics", "data"), ("rank_hung", "host"),
+                    ("rank_hung", "user_code")} <= causes, json.dumps(found, indent=1)[:4000]  # fmt: skip
+            query = _panel_query("Interruptions by cause")
+            wait_until(lambda: {r["metric"]["cause"] for r in prom.query(query)
+                                if float(r["value"][1]) > 0} >= {"data", "host", "user_code"},
+                       30, "the panel's query to count the trainer's causes")  # fmt: skip
+        finally:
+            prom.stop()
+    finally:
+        sup.stop()
+        agent.stop()

@@ -787,12 +787,14 @@ def test_healthy_and_unreachable_nodes_give_no_node_fault():
     down = NodeObs.unreachable("http://n1:9400", "refused", T0)
     obs = ClusterObs(T0, (nodeobs(name="n0"), down))
     assert node.detect(obs, History(), CFG) == []
-    for code in ("gpus_missing", "ecc_uncorrected", "xid_48", "xid_79"):
+    for code in ("gpus_missing", "ecc_uncorrected", "xid_48", "xid_79", "nvlink_down",
+                 "row_remap_failure", "ib_port_down"):  # fmt: skip
         bad = ClusterObs(T0, (nodeobs(reasons=[{"code": code, "severity": "unhealthy"}]),))
         [f] = node.detect(bad, History(), CFG)
         assert f.evidence["hardware"] is True and f.severity == "critical"
     # the agent's own blindness, a row remap recorded, a contained ECC error: reported only
-    for code in ("nvml_unavailable", "xid_63", "xid_94", "xid_12345"):
+    for code in ("nvml_unavailable", "xid_63", "xid_94", "xid_12345", "pcie_downtrained",
+                 "row_remap_pending", "ib_port_below_rate"):  # fmt: skip
         seen = ClusterObs(T0, (nodeobs(reasons=[{"code": code, "severity": "degraded"}]),))
         [f] = node.detect(seen, History(), CFG)
         assert f.evidence["hardware"] is False and f.severity == "warning", code

@@ -37,7 +37,12 @@ class Rig:
     """A netns cluster, optionally with agents and a supervisor, and one job on it."""
 
     def __init__(
-        self, tmp: Path, n: int = 3, supervised: bool = True, control_rendezvous: bool = False
+        self,
+        tmp: Path,
+        n: int = 3,
+        supervised: bool = True,
+        control_rendezvous: bool = False,
+        supervisor_args: tuple[str, ...] = (),
     ):
         self.tmp = tmp
         self.cluster = Cluster(tmp, n)
@@ -48,7 +53,9 @@ class Rig:
                 self.cluster.start_rendezvous()
             if supervised:
                 self.cluster.start_agents()
-                self.supervisor = start_supervisor(tmp, [n.agent_url for n in self.nodes])
+                self.supervisor = start_supervisor(
+                    tmp, [n.agent_url for n in self.nodes], extra=list(supervisor_args)
+                )
         except BaseException:
             self.close()
             raise
@@ -276,6 +283,41 @@ def test_node_with_hardware_fault_is_excluded(rig, resumed_reference):
     stopped = {k for k in act["result"] or {} if k != "scheduler"}  # scheduler: the drain
     assert len(stopped) == 1 and victim.name in stopped.pop(), act  # stop-job on that node only
     assert act["result"]["scheduler"]["argv"][:2] == ["scontrol", "update"], act
+
+
+def test_a_failing_gpu_is_drained_at_the_next_checkpoint_boundary(tmp_path, resumed_reference):
+    """Predictive drain: node 2's GPU trends toward failure (correctable ECC errors piling
+    up and a row remap pending, replayed through the NVML double). The supervisor waits for
+    the job's next checkpoint, then excludes the node; the job goes on without it from that
+    checkpoint instead of from one taken before the GPU was seen failing."""
+    from rankguard.agent.nvml_double import make_double, write_state
+
+    config = tmp_path / "supervisor.toml"
+    config.write_text("[policy]\npredictive_drain = true\n")
+    rig = Rig(tmp_path, supervisor_args=("--config", str(config)))
+    try:
+        victim = rig.nodes[2]
+        rig.train()
+        rank = rig.when(rig.nodes[0], lambda r: (r["checkpoint_step"] or 0) >= 10, "checkpoint 10")
+        before = rank["checkpoint_step"]
+        rows = {"correctable": 3, "uncorrectable": 0, "pending": True, "failure": False}
+        write_state(victim.nvml_state, make_double(
+            n_gpus=1, ecc={"corrected": 400, "uncorrected": 0}, remapped_rows=rows))  # fmt: skip
+        rcs = rig.wait(lost(rig, victim))
+        assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
+        s = assert_shrunk_exactly(rig, resumed_reference)
+        assert s["resumed_from"] > before, (s, before)  # the checkpoint taken after the signal
+        # the pending remap is reported on its own too (row_remap_pending), not acted on
+        (fault,) = [i for i in rig.incidents("node_fault") if i["key"].endswith(":gpu_failing")]
+        assert fault["node"] == victim.name, fault
+        assert fault["cause"] == "gpu" and "row remaps pending" in fault["summary"], fault
+        (act,) = fault["actions"]
+        assert act["kind"] == "exclude_node" and act["ok"], act
+        assert fault["action_reason"] == (
+            "predictive drain: a failing GPU, its jobs' next checkpoint was taken"
+        ), fault
+    finally:
+        rig.close()
 
 
 def test_lost_rank0_node_job_continues_with_rendezvous_on_the_control_node(
