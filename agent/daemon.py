@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 
 from ..contract.answers import CollectorStatus, HealthReason, NodeAnswer, TelemetryStats
 from ..service import sdnotify
@@ -36,7 +37,8 @@ log = logging.getLogger("rankguard.agent")
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, nvml=None):
+    def __init__(self, cfg: AgentConfig, nvml=None, sys_root: Path | None = None):
+        """`nvml` and `sys_root`: an NVML double and a fake /sys tree, for tests."""
         self.cfg = cfg
         self.token = read_token(cfg.token_file) if cfg.token_file else None
         self.tls = load_tls(cfg.tls_cert, cfg.tls_key)
@@ -61,6 +63,7 @@ class Agent:
             node=cfg.node,
             rank_table=self.table,
             receiver=self.receiver,
+            **({"sys_root": sys_root} if sys_root is not None else {}),
         )
         load_all()
         settings = cfg.collectors or settings_for(None)

@@ -73,15 +73,18 @@ def _mine(ranks: list[dict], job: str) -> list[dict]:
 def rank_row(r: dict, checkpoint_step: int | None) -> RankRow:
     """A rank's state in words. A restarted rank that has not trained its first step
     again reports step 0 (or none): it is shown resuming from its checkpoint, not as
-    training from scratch at step 0."""
+    training from scratch at step 0, when a resume is known (it is loading one, or it
+    reports its phases and a checkpoint is known); else (a zero-code script, seen only as
+    a process) it is shown restarted."""
     state, phase, step = r.get("state") or "?", r.get("phase"), r.get("step")
     restart = r.get("restart") or 0
     ckpt = r.get("checkpoint_step") if r.get("checkpoint_step") is not None else checkpoint_step
     if state == "alive":
         if phase in ("init", "checkpoint_load") or (restart and not step):
-            word = "resuming" if restart else "starting"
+            resume_known = phase == "checkpoint_load" or (phase is not None and bool(ckpt))
+            word = ("resuming" if resume_known else "restarted") if restart else "starting"
             detail = f"restart {restart}" if restart else ""
-            if restart and ckpt:
+            if restart and ckpt and resume_known:
                 detail += f", from checkpoint {ckpt}"
             return RankRow(r["rank"], word, None if restart else step, detail)
         word = {"checkpoint_save": "saving", "eval": "evaluating", "done": "finishing"}.get(
@@ -317,7 +320,7 @@ def _status_style(status: str) -> str:
 def _rank_style(state: str) -> str | None:
     if state in ("training", "saving", "evaluating", "finished", "finishing"):
         return "green"
-    if state in ("resuming", "starting"):
+    if state in ("resuming", "restarted", "starting"):
         return "cyan"
     return "red"
 
@@ -350,9 +353,11 @@ def summary_lines(o: Outcome) -> list[str]:
     if o.total_steps:
         steps += f"/{o.total_steps}"
     g = goodput(o.useful_seconds, o.wall_seconds)
+    # no step reported (a zero-code script), or no supervisor: nothing to count it by
+    shown = "unknown" if g is None else _pct(g)
     lines = [
         f"rankguard up: summary: {o.how}; steps {steps} in {_clock(o.wall_seconds)} "
-        f"({o.wall_seconds:.1f}s); goodput {_pct(g)}"
+        f"({o.wall_seconds:.1f}s); goodput {shown}"
         + (f" (useful step time {o.useful_seconds:.1f}s)" if o.useful_seconds is not None else "")
         + (f"; final loss {_loss(o.final_loss)}" if o.final_loss is not None else "")
     ]

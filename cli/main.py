@@ -17,6 +17,7 @@ from .up import up
 
 app = typer.Typer(
     no_args_is_help=True,
+    rich_markup_mode="markdown",
     add_completion=False,
     help="rankguard: keep large-model training alive on GPU clusters.",
 )

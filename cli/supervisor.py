@@ -26,6 +26,10 @@ JsonOpt = Annotated[bool, Opt("--json", help="machine-readable output")]
 EXIT = {"healthy": 0, "degraded": 1, "unhealthy": 2}
 
 
+# the flags over the config file's [detectors.process_hang] settings, named in their help
+DETECTION = "Ranks without telemetry: flags over the config's [detectors.process_hang]"
+
+
 def supervisor(
     agents: Annotated[list[str], Opt("--agents", help="agent URL (repeat for each node)")] = None,
     agents_file: Annotated[
@@ -61,17 +65,20 @@ def supervisor(
     process_stopped_seconds: Annotated[
         float,
         Opt(
-            help="ranks without telemetry: a rank stopped this long is hung "
-            "[2.0; [detectors.process_hang] stopped_seconds]",
+            help="a rank stopped this long is hung (stopped_seconds; default 2.0)",
             min=0,
+            metavar="SECONDS",
+            rich_help_panel=DETECTION,
         ),
     ] = None,
     process_idle_seconds: Annotated[
         float,
         Opt(
-            help="ranks without telemetry: hung when all but one made no CPU progress this long "
-            "[120.0; [detectors.process_hang] idle_seconds]",
+            help="hung when all ranks but one made no CPU progress this long (idle_seconds; "
+            "default 120.0)",
             min=0,
+            metavar="SECONDS",
+            rich_help_panel=DETECTION,
         ),
     ] = None,
     config: Annotated[
@@ -219,6 +226,17 @@ def table(rows: list[list], headers: list[str]) -> str:
     )
 
 
+def job_line(job: str, j: dict) -> str:
+    """One job of /v1/cluster for `health`. A job none of whose ranks reported a step (a
+    zero-code script, or one not yet at its first) has no step and no goodput to show: both
+    read unknown, not 0."""
+    stepped = bool(j.get("max_step"))
+    step = j["max_step"] if stepped else "-"
+    goodput = f"{j['goodput']:.1%}" if stepped else "unknown (no steps reported)"
+    return (f"job {job}: {j['state']}, step {step}, {j['ranks']} ranks, restart {j['restart']}, "
+            f"goodput {goodput}" + (f" ({j['verdict']})" if j.get("verdict") else ""))  # fmt: skip
+
+
 def health(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False) -> None:
     """The cluster verdict and its reasons.
 
@@ -232,9 +250,7 @@ def health(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False) ->
         for r in view["reasons"]:
             typer.echo(f"  [{r['severity']}] {r['message']}")
         for job, j in view["jobs"].items():
-            typer.echo(f"job {job}: {j['state']}, step {j['max_step']}, {j['ranks']} ranks, "
-                       f"restart {j['restart']}, goodput {j['goodput']:.1%}"
-                       + (f" ({j['verdict']})" if j.get("verdict") else ""))  # fmt: skip
+            typer.echo(job_line(job, j))
         for n in view["nodes"]:
             typer.echo(f"node {n['node']}: {n['status'] if n['reachable'] else 'UNREACHABLE'}")
     raise typer.Exit(EXIT.get(view["status"], 2))

@@ -22,6 +22,7 @@ import typer
 
 from ..client import bootstrap, flight_recorder
 from ..client.checkpoint_store import KEY_FILE_ENV, CheckpointError, load_key
+from ..contract import startup_guard
 from ..contract.secrets import new_secret_file, private_dir_problem
 from . import live_view as lv
 from .keeper import KeptDaemon
@@ -76,6 +77,7 @@ def _local_supervisor_config(run_dir: Path) -> Path:
 
 
 STARTUP_TRACE = "startup.jsonl"  # the workers' startup milestones (trainer/startup_trace.py)
+STARTUP_GUARD = "worker-exits.jsonl"  # the workers' own exits (contract/startup_guard.py)
 
 
 def _get(url: str) -> dict | None:
@@ -117,7 +119,21 @@ def _own_dir(path: Path, what: str, private: bool) -> None:
         path.chmod(0o700)
 
 
-def _prepare_run_dir(run_dir: Path, ckpt_dir: Path) -> None:
+# A Unix socket's path holds at most 107 bytes; the agent binds under a temporary name 8
+# bytes longer. up's longest socket in the run directory is the telemetry socket.
+_SOCKET_PATH_MAX = 107 - 8
+
+
+def _check_socket_room(run_dir: Path) -> None:
+    longest = run_dir / "telemetry.sock"
+    if len(os.fsencode(str(longest))) > _SOCKET_PATH_MAX:
+        raise typer.Exit(_fail(
+            f"--run-dir {run_dir}: too long a path for the Unix sockets up makes in it "
+            f"({len(os.fsencode(str(longest)))} of at most {_SOCKET_PATH_MAX} bytes for "
+            f"{longest.name}); give a shorter --run-dir"))  # fmt: skip
+
+
+def _prepare_run_dir(run_dir: Path, ckpt_dir: Path | None) -> None:
     """The run directory: the user's own, private, and without symbolic links in it (up
     writes logs, secrets and the fault file there); the checkpoint root the user's own."""
     _own_dir(run_dir, "--run-dir", private=True)
@@ -125,7 +141,8 @@ def _prepare_run_dir(run_dir: Path, ckpt_dir: Path) -> None:
     if links:
         raise typer.Exit(_fail(f"--run-dir {run_dir} holds symbolic links ({', '.join(links)}): "
                                "up follows no link in its run directory"))  # fmt: skip
-    _own_dir(ckpt_dir, "--ckpt-dir", private=False)
+    if ckpt_dir is not None:
+        _own_dir(ckpt_dir, "--ckpt-dir", private=False)
 
 
 def user_checkpoint_key(environ=os.environ) -> Path:
@@ -134,7 +151,7 @@ def user_checkpoint_key(environ=os.environ) -> Path:
     a 0700 folder). Checked like every key (exit 2 with the reason)."""
     named = environ.get(KEY_FILE_ENV)
     if named:
-        path = Path(named)
+        path = Path(named).absolute()
     else:
         config = Path(environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
         folder = config / "rankguard"
@@ -216,6 +233,17 @@ def _start_holders(run_dir: Path, env: dict) -> tuple[list[_Starting], list[str]
     return started, ["--snapshot-holder", a, "--snapshot-peers", b]
 
 
+EXPORT_FILE = "env.sh"  # the export line, for `. RUN/env.sh` in another shell
+
+
+def export_line(values: dict) -> str:
+    """`export NAME=VALUE ...` for a shell, each value quoted; None values left out."""
+    import shlex
+
+    pairs = (f"{k}={shlex.quote(str(v))}" for k, v in values.items() if v is not None)
+    return "export " + " ".join(pairs)
+
+
 def _fail(message: str) -> int:
     typer.echo(f"rankguard up: {message}", err=True)
     return 2
@@ -257,6 +285,12 @@ TRAINER_ONLY = ("--preset", "--steps", "--ckpt-every", "--trainer-arg", "--snaps
 SCRIPT_INJECT = ("kill", "hang")  # faults done to a process from outside: any script
 
 
+RUN, TRAINER, CKPT, FAULTS, START = (
+    "Run", "The bundled trainer (refused with a script)", "Checkpoints",
+    "Faults and hang detection", "Worker start-up",
+)  # fmt: skip
+
+
 def up(
     script: Annotated[
         list[str],
@@ -266,108 +300,116 @@ def up(
             show_default=False,
         ),
     ] = None,
-    nproc: Annotated[int, Opt(help="ranks (processes) on this machine")] = 2,
+    nproc: Annotated[int, Opt(help="ranks (processes) on this machine", rich_help_panel=RUN)] = 2,
     max_restarts: Annotated[
-        int, Opt(help="torchrun's restart budget (--max-restarts)", min=0)
+        int, Opt(help="torchrun's restart budget", min=0, rich_help_panel=RUN)
     ] = 10,
-    preset: Annotated[str, Opt(help="bundled trainer: model size: tiny, small, 1b [tiny]")] = None,
-    steps: Annotated[int, Opt(help="bundled trainer: optimizer steps to train [300]")] = None,
-    ckpt_dir: Annotated[
-        Path,
-        Opt(help="checkpoints (default: RUN_DIR/ckpt); with a script: only watched for space"),
-    ] = None,
-    ckpt_every: Annotated[int, Opt(help="bundled trainer: save every N steps [20]")] = None,
-    inject: Annotated[
-        list[str],
-        Opt(
-            "--inject",
-            help="fault to schedule, e.g. kill:rank=1:at=30s or nan:rank=0:step=50 "
-            "(docs/faults.md; a script: kill, stop at=)",
-        ),
-    ] = None,
     run_dir: Annotated[
-        Path, Opt(help="logs, database, sockets (default: runs/up-TIMESTAMP)")
+        Path,
+        Opt(help="logs, database, sockets (default: runs/up-TIMESTAMP)", rich_help_panel=RUN),
     ] = None,
-    trainer_arg: Annotated[
-        list[str], Opt("--trainer-arg", help="bundled trainer: extra flag (repeatable)")
-    ] = None,
-    process_idle_seconds: Annotated[
-        float,
-        Opt(
-            help="a script's ranks are hung when all but one made no CPU progress this long",
-            min=1,
-        ),
-    ] = 120.0,
     rendezvous: Annotated[
         str,
         Opt(
-            help="HOST:PORT of a running `rankguard rendezvous` (the control node's); default: "
-            "up starts one on a free loopback port and keeps it running"
+            help="HOST:PORT of a running `rankguard rendezvous` (default: up starts one on "
+            "a free loopback port)",
+            rich_help_panel=RUN,
         ),
+    ] = None,
+    preset: Annotated[
+        str, Opt(help="model size: tiny, small or 1b (default: tiny)", rich_help_panel=TRAINER)
+    ] = None,
+    steps: Annotated[
+        int, Opt(help="optimizer steps to train (default: 300)", rich_help_panel=TRAINER)
+    ] = None,
+    ckpt_every: Annotated[
+        int, Opt(help="save every N steps (default: 20)", rich_help_panel=TRAINER)
+    ] = None,
+    trainer_arg: Annotated[
+        list[str],
+        Opt("--trainer-arg", help="an extra trainer flag (repeatable)", rich_help_panel=TRAINER),
     ] = None,
     snapshot_every: Annotated[
         int,
         Opt(
-            help="bundled trainer: tier-0 snapshots every N steps into a snapshot holder, "
-            "replicated to a second one (RUN_DIR/holder-*.sock)",
+            help="tier-0 snapshots every N steps into a snapshot holder, replicated to a "
+            "second one",
             min=1,
+            rich_help_panel=TRAINER,
         ),
     ] = None,
-    cold_start: Annotated[
-        bool,
+    ckpt_dir: Annotated[
+        Path,
         Opt(
-            help="start every worker as a new interpreter (torch imported "
-            "again at each restart) instead of forking it from a process that imported "
-            "torch once (warm start: the default for the bundled trainer, trainer/warm.py)"
+            help="checkpoints (default: RUN_DIR/ckpt; with a script: none, or yours, only "
+            "watched for space)",
+            rich_help_panel=CKPT,
         ),
-    ] = False,
+    ] = None,
     no_ckpt_key: Annotated[
         bool,
         Opt(
             "--no-ckpt-key",
-            help="checkpoints without the key's HMAC: a checkpoint someone planted in the "
-            "root is then trusted and unpickled (default: signed with "
-            "$RANKGUARD_CHECKPOINT_KEY_FILE, else ~/.config/rankguard/checkpoint.key, made "
-            "at first use)",
+            help="checkpoints without an HMAC: a planted checkpoint is then trusted "
+            "(default: signed with the key in $RANKGUARD_CHECKPOINT_KEY_FILE, else in "
+            "~/.config/rankguard, made at first use)",
+            rich_help_panel=CKPT,
+        ),
+    ] = False,
+    inject: Annotated[
+        list[str],
+        Opt(
+            "--inject",
+            help="a fault to schedule, e.g. kill:rank=1:at=30s or nan:rank=0:step=50 "
+            "(docs/faults.md; with a script: kill, stop at=)",
+            rich_help_panel=FAULTS,
+        ),
+    ] = None,
+    process_idle_seconds: Annotated[
+        float,
+        Opt(
+            "--process-idle-seconds",
+            help="a script's ranks are hung when all but one made no CPU progress this long",
+            min=1,
+            rich_help_panel=FAULTS,
+        ),
+    ] = 120.0,
+    cold_start: Annotated[
+        bool,
+        Opt(
+            help="start every worker as a new interpreter, torch imported at each restart "
+            "(default for a script)",
+            rich_help_panel=START,
         ),
     ] = False,
     warm_start: Annotated[
         bool,
         Opt(
-            help="a script: fork its workers warm too (torch imported once). For scripts "
-            "that use the telemetry library: a zero-code script's ranks are then seen "
-            "only through their shims, so a CPU-idle hang is not caught (README)"
+            help="fork workers from a process that imported torch once (default for the "
+            "bundled trainer; for a script, best with the telemetry library: README)",
+            rich_help_panel=START,
         ),
     ] = False,
 ) -> None:
-    """Train on this machine under full supervision: starts a node agent, the supervisor
-    (incidents in RUN_DIR/rankguard.db) and torchrun with the bundled trainer (gloo on CPU,
-    NCCL on GPUs), shows a live status line, and exits when training ends.
+    """Train on this machine under full supervision: a node agent, the supervisor and
+    torchrun with the bundled trainer (gloo on CPU, NCCL on GPUs), a live view, and exit
+    when training ends.
 
-    Your own script, unchanged: `rankguard up --nproc 2 -- train.py --lr 3e-4` (or
-    `-- -m pkg.train ARGS`) runs any torchrun-compatible script the same way; it resumes
-    from its own checkpoints after each restart. Options marked "bundled trainer" are
-    refused with a script; --nproc, --max-restarts, --run-dir and --inject kill/stop apply.
+    Your own script, unchanged: `rankguard up --nproc 2 -- train.py --lr 3e-4` (or `-- -m
+    pkg.train ARGS`). Zero-code, a dead rank is an incident within a second and torchrun
+    restarts the group; a hung rank is found by process state, by the workers' flight
+    recorders or by CPU progress, its stack captured and killed. With the telemetry library
+    (the bundled trainer has it): steps, loss, hangs judged against the job's own step time,
+    stragglers, NaN loss, checkpoint progress for the crash-loop guard. A script resumes
+    only if it loads its own checkpoints (examples/ddp_plain.py does).
 
-    Zero-code (no library) gives: a dead rank (an incident within a second; torchrun
-    restarts the group), a hung rank by process state (stopped, e.g. SIGSTOP: about 2 s),
-    by the workers' flight recorders (the rank that never reached the collective its
-    peers wait in, on NCCL too: about 18 s; rankguard's bootstrap on the workers'
-    PYTHONPATH reads them) or by CPU progress (every rank but one without CPU for
-    --process-idle-seconds; py-spy stacks name the culprit when none is busy, else nothing
-    is done): its stack is captured and it is killed, and torchrun restarts the group.
-    Needs the telemetry library (the bundled trainer has it): steps
-    and loss, hangs judged against the job's own step time, stragglers by step time, NaN
-    loss, the communication share, checkpoint progress for the crash-loop guard.
+    Bad arguments are refused before anything starts. Workers that fail at start by
+    themselves (an argument or import error) end the job at once with their error on
+    screen, unrestarted.
 
-    The bundled trainer's workers are forked from a process that imported torch once, so
-    a restart skips the import (warm start; --cold-start to start each one afresh); a
-    script's too with --warm-start (best with the telemetry library). Each restart's
-    phases are in its incident's timeline (`rankguard incidents`).
-
-    Exit codes: 0 training completed; 1 training failed; 2 could not start;
-    3 the supervisor stopped the job (crash loop: see `rankguard incidents`); 130 Ctrl-C,
-    143 SIGTERM (training stopped, everything up started ended, the summary printed).
+    Exit codes: 0 training completed; 1 training failed; 2 could not start (a bad
+    argument); 3 the supervisor stopped the job (a crash loop: see `rankguard incidents`);
+    130 Ctrl-C, 143 SIGTERM (everything up started is ended and the summary printed).
     """
     given = {"--preset": preset, "--steps": steps, "--ckpt-every": ckpt_every,
              "--trainer-arg": trainer_arg or None, "--cold-start": cold_start or None,
@@ -386,7 +428,11 @@ def up(
                 f"{', '.join(refused)}: only for the bundled trainer; a script takes its own "
                 "arguments after `--`"
             )
-    preset, steps, ckpt_every = preset or "tiny", steps or 300, ckpt_every or 20
+    preset = preset if preset is not None else "tiny"
+    steps = steps if steps is not None else 300
+    ckpt_every = ckpt_every if ckpt_every is not None else 20
+    if nproc < 1:
+        raise typer.Exit(_fail(f"--nproc {nproc}: the ranks on this machine: 1 or more"))
     if rendezvous is not None:
         _check_endpoint(rendezvous)
     faults = [parse_inject(s, script=bool(script)) for s in inject or []]
@@ -396,8 +442,16 @@ def up(
         *(trainer_arg or []),
         *(f"--fault={f.text()}" for f in faults if f.step is not None),
     ]
-    run_dir = run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
-    ckpt_dir = ckpt_dir or run_dir / "ckpt"
+    if not script:  # the trainer's own checks, before anything is started or made
+        _check_trainer_args(preset, steps, ckpt_every, trainer_arg, snapshot_every)
+    # absolute: the export line and the paths in it work from any directory
+    run_dir = (run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")).absolute()
+    # a script keeps its checkpoints where it chooses: up names none it did not make
+    if ckpt_dir is not None:
+        ckpt_dir = ckpt_dir.absolute()
+    elif not script:
+        ckpt_dir = run_dir / "ckpt"
+    _check_socket_room(run_dir)
     _prepare_run_dir(run_dir, ckpt_dir)
     key_file = None if no_ckpt_key else user_checkpoint_key()
     token, rdzv_secret = run_dir / "token", run_dir / "rendezvous.key"
@@ -430,7 +484,7 @@ def up(
         starting = [
             _start("agent", ["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
                              "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"],
-                             "--ckpt-dir", str(ckpt_dir), "--interval", "0.5"],
+                             *(["--ckpt-dir", str(ckpt_dir)] if ckpt_dir else []), "--interval", "0.5"],
                    run_dir, daemon_env, lambda: _get(agent_url + "/healthz") is not None),
             _start("supervisor", ["supervisor", "--agents", agent_url, "--db", str(db),
                                   "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
@@ -457,6 +511,9 @@ def up(
             helpers.append(_start_warm_server(run_dir, env))
             env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
             entry = ["rankguard.trainer.warm", "run"]
+        else:  # workers torchrun starts itself record their own exits: a start-up error
+            # (every one failing before its process group formed) ends the job, unrestarted
+            env[startup_guard.ENV] = str((run_dir / STARTUP_GUARD).absolute())
         if snapshot_every:  # holder A, replicating to B: a second node's holder, on one machine
             holders, flags = _start_holders(run_dir, daemon_env)
             helpers += holders
@@ -486,10 +543,13 @@ def up(
         typer.echo(f"rankguard up: run {run_dir} | agent {agent_url} | supervisor {sup_url} "
                    f"| rendezvous {rendezvous}")  # fmt: skip
         # a second shell: `rankguard health`, `ranks`, `incidents`, `inject` find this run
-        typer.echo(f"rankguard up: in another shell: export RANKGUARD_SUPERVISOR={sup_url} "
-                   f"RANKGUARD_AGENT={agent_url} RANKGUARD_TOKEN_FILE={token} "
-                   f"RANKGUARD_FAULT_FILE={fault_file} RANKGUARD_CKPT_DIR={ckpt_dir}"
-                   + (f" {KEY_FILE_ENV}={key_file}" if key_file else ""))  # fmt: skip
+        line = export_line({"RANKGUARD_SUPERVISOR": sup_url, "RANKGUARD_AGENT": agent_url,
+                            "RANKGUARD_TOKEN_FILE": token, "RANKGUARD_FAULT_FILE": fault_file,
+                            "RANKGUARD_CKPT_DIR": ckpt_dir, KEY_FILE_ENV: key_file})  # fmt: skip
+        with _private_file(run_dir / EXPORT_FILE) as f:
+            f.write(line + "\n")
+        typer.echo(f"rankguard up: in another shell: {line}")
+        typer.echo(f"rankguard up: (or: . {run_dir / EXPORT_FILE})")
         with _private_file(run_dir / "trainer.log") as log:
             trainer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         procs.append(trainer)
@@ -525,7 +585,17 @@ def up(
         if trainer.returncode != 0 and verdict is None:
             verdict = _stop_verdict(db, job)
         completed = trainer.returncode == 0 or stuck_after_training
-        if completed and script:
+        failed_at_start = None
+        if not completed:
+            exits = startup_guard.read(run_dir / STARTUP_GUARD)
+            failed_at_start = startup_guard.startup_failure(exits)
+        if failed_at_start is not None:
+            typer.echo(f"rankguard up: training failed at start: rank {failed_at_start.rank} "
+                       f"exited {failed_at_start.lived:.1f} s after its start, before its "
+                       "process group formed; not restarted (it would fail the same way)",
+                       err=True)  # fmt: skip
+            code, how = 1, "failed at start"
+        elif completed and script:
             typer.echo(f"rankguard up: training completed: {' '.join(script)} exited 0")
             code, how = 0, "completed"
         elif completed and (run_dir / "summary.json").is_file():
@@ -542,10 +612,11 @@ def up(
                 err=True,
             )
             code, how = 1, f"failed (exit {trainer.returncode})"
-        if code != 0 and script:
-            error = last_traceback((run_dir / "trainer.log").read_text(errors="replace"))
+        if code != 0:
+            error = last_error((run_dir / "trainer.log").read_text(errors="replace"))
             if error:
-                typer.echo(f"rankguard up: the script's last error:\n{error}", err=True)
+                whose = "the script's" if script else "the trainer's"
+                typer.echo(f"rankguard up: {whose} last error:\n{error}", err=True)
         restarted = [f"{d.name} {d.restarts}x" for d in kept if d.restarts]
         if restarted:
             typer.echo(f"rankguard up: restarted during the run: {', '.join(restarted)}")
@@ -599,6 +670,7 @@ class _Display:
         self.snapshot: lv.Snapshot | None = None
         self.view: lv.View | None = None
         self.checkpoint_step: int | None = None
+        self.stepped = False  # a rank reported a step: the supervisor can count useful time
         self.last_cluster: dict | None = None  # the summary's goodput, if the supervisor has gone
         self._lock = threading.Lock()  # inject timers print too
         self._live = None
@@ -626,6 +698,7 @@ class _Display:
         self.checkpoint_step = lv.checkpoint_step(snap)
         first = lv.view(snap)
         if first.step is not None:
+            self.stepped = True
             if self.history and first.step < self.history[-1][1]:
                 self.history.clear()  # a restart went back to a checkpoint
             self.history = [*self.history[-40:], (elapsed, first.step)]
@@ -657,6 +730,10 @@ class _Display:
         return self.snapshot.ranks if self.snapshot else []
 
     def useful_seconds(self) -> float | None:
+        """The useful step time the supervisor counted; None (unknown) for a job whose
+        ranks never reported a step (a zero-code script): its 0 means nothing was seen."""
+        if not self.stepped:
+            return None
         job = (self.last_cluster or {}).get("jobs", {}).get(self.job) or {}
         return job.get("useful_seconds")
 
@@ -749,6 +826,29 @@ def warm_script(script: list[str]) -> list[str]:
     return ["-m", "rankguard.trainer.warm", "run", "--script", *script]
 
 
+# up's own flags that the trainer's errors name by the same name; any other was a --trainer-arg
+_UP_FLAGS = ("--preset", "--steps", "--ckpt-every", "--snapshot-every")
+
+
+def _check_trainer_args(
+    preset: str, steps: int, ckpt_every: int, extra: list[str], snapshot_every: int | None
+) -> None:
+    """The bundled trainer's command line as up will give it, checked by the trainer's own
+    rules (trainer/config.py) before anything starts: exit 2 with its one line. The paths
+    up fills in later are stand-ins here: only the values the user chose are judged."""
+    from rankguard.trainer.config import check_args
+
+    argv = ["--preset", preset, "--steps", str(steps), "--ckpt-dir", "ckpt",
+            "--ckpt-every", str(ckpt_every), "--job", "check", *extra]  # fmt: skip
+    if snapshot_every:
+        argv += ["--snapshot-every", str(snapshot_every), "--snapshot-holder", "holder.sock"]
+    problem = check_args(argv, environ={})
+    if problem is None:
+        return
+    where = "" if any(f in problem for f in _UP_FLAGS) else " (--trainer-arg)"
+    raise typer.Exit(_fail(f"the bundled trainer: {problem}{where}"))
+
+
 def _check_script(script: list[str]) -> None:
     """`SCRIPT.py [ARGS]` (an existing file) or `-m MODULE [ARGS]`: what torchrun takes."""
     if script[0] == "-m":
@@ -766,17 +866,19 @@ def _check_script(script: list[str]) -> None:
 _TRACEBACK = "Traceback (most recent call last):"
 # `ModuleNotFoundError: ...`, `torch.OutOfMemoryError: ...`, `KeyboardInterrupt`
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(:|$)")
+# torchrun's own exceptions, never the workers': a worker failed (ChildFailedError), torchrun
+# was told to stop (SignalException: up's teardown), a start-up error was not restarted
+_LAUNCHER_ERRORS = ("ChildFailedError", "SignalException", "StartupFailure")
+# argparse's last line: `train.py: error: unrecognized arguments: --stepz 10`
+_ARGPARSE_ERROR = re.compile(r"^(?:\[\w-]+\]:)?\S+: error: .+$")
 
 
-def last_traceback(log: str, limit: int = 40) -> str | None:
-    """The last Python traceback of the script in a log (its workers' stderr, as torchrun
-    passes it on), up to its exception line; torchrun's own ChildFailedError is skipped.
-    Ranks write their tracebacks to one log at once, so a line from another rank may cut
-    into one: an unindented line that is not an exception line is left out. None when
-    there is none."""
+def _tracebacks(log: str, limit: int) -> list[tuple[int, str]]:
+    """(line index, text) of each complete worker traceback in a log."""
     lines = log.splitlines()
     starts = [i for i, line in enumerate(lines) if line.rstrip().endswith(_TRACEBACK)]
-    for start in reversed(starts):
+    found = []
+    for start in starts:
         prefix = lines[start][: len(lines[start].rstrip()) - len(_TRACEBACK)]
         out = [_TRACEBACK]
         for line in lines[start + 1 :]:
@@ -788,13 +890,35 @@ def last_traceback(log: str, limit: int = 40) -> str | None:
                 break
         else:
             continue  # no exception line: cut off, or only another rank's fragments
-        if "ChildFailedError" not in out[-1]:
-            return "\n".join(out[-limit:])
-    return None
+        if not any(name in out[-1] for name in _LAUNCHER_ERRORS):
+            found.append((start, "\n".join(out[-limit:])))
+    return found
+
+
+def last_traceback(log: str, limit: int = 40) -> str | None:
+    """The last Python traceback of the script in a log (its workers' stderr, as torchrun
+    passes it on), up to its exception line; torchrun's own (a ChildFailedError, the
+    SignalException of its teardown) are skipped. Ranks write their tracebacks to one log
+    at once, so a line from another rank may cut into one: an unindented line that is not
+    an exception line is left out. None when there is none."""
+    found = _tracebacks(log, limit)
+    return found[-1][1] if found else None
+
+
+def last_error(log: str, limit: int = 40) -> str | None:
+    """The workers' last error in a log: their last traceback (last_traceback), or an
+    argument parser's `PROG: error: ...` line, whichever came later. None when neither."""
+    found = _tracebacks(log, limit)
+    for i, line in reversed(list(enumerate(log.splitlines()))):
+        if _ARGPARSE_ERROR.match(line.strip()):
+            if not found or found[-1][0] < i:
+                return line.strip()
+            break
+    return found[-1][1] if found else None
 
 
 def _inject(
-    fault, agent_url: str, token: Path, fault_file: Path, ckpt_dir: Path, job: str, display
+    fault, agent_url: str, token: Path, fault_file: Path, ckpt_dir: Path | None, job: str, display
 ) -> None:
     """A timed `--inject`: `rankguard inject` with the same spec, less its time."""
     from dataclasses import replace
@@ -802,7 +926,7 @@ def _inject(
     spec = replace(fault, at=None, note=None).text()
     args = [sys.executable, "-m", "rankguard.cli.main", "inject", spec,
             "--agent", agent_url, "--token-file", str(token), "--fault-file", str(fault_file),
-            "--ckpt-dir", str(ckpt_dir), "--job", job]  # fmt: skip
+            *(["--ckpt-dir", str(ckpt_dir)] if ckpt_dir else []), "--job", job]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True)
     display.event(f"{time.monotonic() - display.start:6.1f}s "
                   + (proc.stdout or proc.stderr).strip())  # fmt: skip

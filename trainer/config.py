@@ -219,8 +219,8 @@ class TrainConfig:
             raise ConfigError("--log-every must be >= 0")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(
         prog="python -m rankguard.trainer",
         description=(
             "rankguard's bundled GPT trainer. Launch with torchrun, e.g. "
@@ -378,10 +378,29 @@ def _checkpoint_key(key_file: Path | None, environ) -> bytes | None:
         raise ConfigError(str(exc)) from None
 
 
-def config_from_args(argv: list[str] | None = None, environ=os.environ) -> TrainConfig:
+class _CheckingParser(argparse.ArgumentParser):
+    """argparse that raises its error (for check_args) instead of printing and exiting."""
+
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def check_args(argv: list[str], environ=os.environ) -> str | None:
+    """What is wrong with the trainer's command line `argv`, as one line, or None: the
+    checks the trainer makes at start, made before anything is started (`rankguard up`)."""
+    try:
+        config_from_args(argv, environ, parser_class=_CheckingParser)
+    except ValueError as exc:  # ConfigError, FaultSpecError
+        return str(exc)
+    return None
+
+
+def config_from_args(
+    argv: list[str] | None = None, environ=os.environ, parser_class=argparse.ArgumentParser
+) -> TrainConfig:
     from ..contract.telemetry import socket_path_from_env
 
-    args = build_parser().parse_args(argv)
+    args = build_parser(parser_class).parse_args(argv)
     preset = PRESETS[args.preset]
     model = preset.model
     model = ModelConfig(

@@ -266,8 +266,28 @@ class RankguardHandler(DynamicRendezvousHandler):
         if not self.joined:
             self.joined = True
             return super().next_rendezvous()
+        _refuse_startup_failure(os.environ)
         with _no_spreading_delay():
             return super().next_rendezvous()
+
+
+class StartupFailure(RuntimeError):
+    """The first incarnation's workers failed at start (contract/startup_guard.py): a
+    restart would fail the same way, so torchrun ends instead (exit 1)."""
+
+
+def _refuse_startup_failure(environ) -> None:
+    """Before a restart's rendezvous: end the job (raise) when the workers of the first
+    incarnation failed at start by themselves ($RANKGUARD_STARTUP_GUARD names their exits)."""
+    from rankguard.contract import startup_guard
+
+    path = environ.get(startup_guard.ENV)
+    failed = startup_guard.startup_failure(startup_guard.read(path)) if path else None
+    if failed is not None:
+        raise StartupFailure(
+            f"rank {failed.rank} exited {failed.lived:.1f} s after its start, before its "
+            "process group formed: a start-up error, not restarted"
+        )
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ from . import (
     info,
     register,
 )
-from .gpu_samplers import Samplers, SamplerState
+from .gpu_samplers import SAMPLERS, GpuSampler, Samplers, SamplerState
 
 log = logging.getLogger("rankguard.agent.collectors.gpu")
 
@@ -371,7 +371,9 @@ class GpuCollector(Collector):
         # a hung NVML call (a failing GPU, a stuck driver) must not stop the agent's loop,
         # its /metrics and its watchdog ping. index -> (its read still running, since when)
         self._stuck: dict[int, tuple[_Call, float]] = {}
-        self._samplers = Samplers(self.config.slow_interval)  # run inside each GPU's read
+        self._samplers = Samplers(
+            self.config.slow_interval, load_samplers()
+        )  # run inside each GPU's read
 
     # --- lifecycle ---
 
@@ -761,6 +763,13 @@ class GpuCollector(Collector):
             "xid_supported": bool(watcher and watcher.supported),
             "xid_unsupported": list(watcher.unsupported) if watcher else [],
         }
+
+
+def load_samplers() -> dict[str, type[GpuSampler]]:
+    """Import every sampler module so it registers itself (gpu_samplers.py)."""
+    from . import gpu_memory, gpu_mig, gpu_nvlink, gpu_pcie, gpu_power, gpu_violation  # noqa: F401
+
+    return SAMPLERS
 
 
 def trend_values(r: GpuReading, recent: dict[tuple[int, int], int]) -> dict[str, float | None]:

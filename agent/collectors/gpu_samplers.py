@@ -18,7 +18,8 @@ never failing the collection. GPU_IS_LOST / RESET_REQUIRED propagate as `NVMLErr
 collector marks the GPU lost.
 
 Adding a sampler: a new `gpu_<name>.py` with a `@register_sampler` subclass of
-`GpuSampler`, imported in `load_samplers()`.
+`GpuSampler`, imported in `gpu.py:load_samplers()` (the collector that runs them: a
+sampler module imports this one, so this one cannot import them).
 """
 
 from __future__ import annotations
@@ -104,12 +105,6 @@ def register_sampler(cls: type[GpuSampler]) -> type[GpuSampler]:
     return cls
 
 
-def load_samplers() -> dict[str, type[GpuSampler]]:
-    from . import gpu_memory, gpu_mig, gpu_nvlink, gpu_pcie, gpu_power, gpu_violation  # noqa: F401
-
-    return SAMPLERS
-
-
 # --- running them inside one GPU's read ----------------------------------------------------
 
 
@@ -153,8 +148,12 @@ def _read_fields(nvml: Any, handle: Any, wanted: dict[tuple[str, str], int]) -> 
 class Samplers:
     """The registered samplers, run per GPU by the collector."""
 
-    def __init__(self, slow_interval: float, names: Iterable[str] | None = None) -> None:
-        registry = load_samplers()
+    def __init__(
+        self,
+        slow_interval: float,
+        registry: dict[str, type[GpuSampler]],
+        names: Iterable[str] | None = None,
+    ) -> None:
         self.slow_interval = slow_interval
         self.samplers = [registry[n]() for n in (names if names is not None else sorted(registry))]
         self._fast = {(s.name, k): fid for s in self.samplers for k, fid in s.fields.items()}

@@ -6,6 +6,9 @@ daemon thread that waits, with the standard library alone, for the script's proc
 then runs the collective watch (``rankguard.client.collective_watch``): nothing is
 imported at start-up and nothing runs in the script's thread. Then it runs the
 ``sitecustomize`` this one shadows (the user's, a distribution's), as Python would have.
+With ``$RANKGUARD_STARTUP_GUARD`` set it also records, at the worker's own exit,
+whether its process group ever formed (``rankguard.contract.startup_guard``): a worker that
+fails before it did is a start-up error, ended rather than restarted.
 Nothing here may fail the script: every error is swallowed."""
 
 import contextlib
@@ -13,6 +16,9 @@ import os
 import sys
 import threading
 import time
+
+_STARTED = time.monotonic()
+_HAD_GROUP = []  # set once the worker's process group was seen formed
 
 
 def _group_ready():
@@ -26,6 +32,7 @@ def _group_ready():
 def _watch(environ):
     while not _group_ready():
         time.sleep(0.5)
+    _HAD_GROUP.append(True)
     try:
         from rankguard.client import collective_watch
 
@@ -44,6 +51,23 @@ def _start():
         ).start()
 
 
+def _at_exit(path, environ):
+    with contextlib.suppress(Exception):
+        from rankguard.contract import startup_guard
+
+        had_group = bool(_HAD_GROUP) or _group_ready()
+        startup_guard.record_exit(path, environ, had_group, _STARTED)
+
+
+def _guard():
+    env = os.environ
+    path = env.get("RANKGUARD_STARTUP_GUARD")
+    if path and all(env.get(n) for n in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")):
+        import atexit
+
+        atexit.register(_at_exit, path, dict(env))
+
+
 def _chain():
     import importlib.machinery
     import importlib.util
@@ -58,5 +82,7 @@ def _chain():
 
 with contextlib.suppress(Exception):
     _start()
+with contextlib.suppress(Exception):
+    _guard()
 with contextlib.suppress(Exception):
     _chain()

@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rankguard.agent.collectors import CollectorContext, CollectorResult
-from rankguard.agent.collectors.gpu import GpuCollector, GpuConfig
+from rankguard.agent.collectors.gpu import GpuCollector, GpuConfig, load_samplers
 from rankguard.agent.collectors.gpu_pcie import downtrained
-from rankguard.agent.collectors.gpu_samplers import SAMPLERS, field_value, load_samplers
+from rankguard.agent.collectors.gpu_samplers import SAMPLERS, field_value
 from rankguard.agent.exposition import make_registry
 from rankguard.agent.health import gpu_reasons, node_verdict
 from rankguard.agent.nvml_double import NvmlDouble, make_double

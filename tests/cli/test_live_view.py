@@ -29,6 +29,27 @@ def snap(**kw):
     return lv.Snapshot(**{**base, **kw})
 
 
+def test_a_restarted_rank_without_a_known_resume_reads_restarted():
+    """A zero-code script's rank is only a process (no phase, no step): after a restart it
+    is "restarted", never "resuming" from a checkpoint nobody saw; a trainer rank that
+    restarts before any checkpoint starts over, and says so too."""
+    plain = [rank(r, step=None, phase=None, restart=1, checkpoint_step=None) for r in (0, 1)]
+    v = lv.view(snap(ranks=plain, cluster={"status": "healthy", "jobs": {}}, total_steps=None))
+    assert [(r.state, r.detail) for r in v.ranks] == [("restarted", "restart 1")] * 2
+    assert "resuming" not in lv.plain_line(v) and v.step is None
+    early = [rank(0, step=0, phase="init", restart=1, checkpoint_step=None)]
+    cluster = {"status": "healthy", "jobs": {"run": {"newest_checkpoint_step": None}}}
+    assert lv.view(snap(ranks=early, cluster=cluster)).ranks[0].state == "restarted"
+    loading = [rank(0, step=0, phase="checkpoint_load", restart=1, checkpoint_step=None)]
+    assert lv.view(snap(ranks=loading, cluster=cluster)).ranks[0].state == "resuming"
+
+
+def test_goodput_of_a_job_without_steps_is_unknown_not_zero():
+    out = lv.Outcome("completed", 20.0, None, None, None, [])
+    assert "goodput unknown" in lv.summary_lines(out)[0]
+    assert "0.0%" not in lv.summary_lines(out)[0]
+
+
 def test_training_shows_progress_eta_throughput_and_loss():
     v = lv.view(snap(), speed=2.0)
     assert (v.step, v.total_steps, v.eta_seconds) == (120, 300, 90.0)
@@ -98,7 +119,7 @@ def test_summary_counts_goodput_and_incidents():
     assert "recovered in 4.2s" in lines[2]
     quiet = lv.Outcome("interrupted (Ctrl-C)", 10.0, None, None, None, [])
     assert lv.summary_lines(quiet) == [
-        "rankguard up: summary: interrupted (Ctrl-C); steps - in 0:10 (10.0s); goodput -",
+        "rankguard up: summary: interrupted (Ctrl-C); steps - in 0:10 (10.0s); goodput unknown",
         "rankguard up: summary: incidents 0",
     ]
     assert lv.goodput(200.0, 100.0) == 1.0

@@ -83,12 +83,56 @@ def _stubs(tmp_path: Path) -> Path:
     return bin_dir
 
 
-def _sbatch(tmp_path: Path, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+TRAINER_ARGS = ("--preset", "tiny", "--steps", "20", "--log-every", "0")
+
+
+def _sbatch(
+    tmp_path: Path, env: dict, timeout: float = 240, args: tuple[str, ...] = TRAINER_ARGS
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(SLURM / "rankguard-train.sbatch"), "--preset", "tiny", "--steps", "20",
-         "--log-every", "0"],
+        [str(SLURM / "rankguard-train.sbatch"), *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("args", [("--",), ("--", "-m"), ("--", "--steps", "5")])
+def test_sbatch_refuses_a_dashdash_without_a_script(tmp_path, args):
+    env = {**os.environ, "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1",
+           "RANKGUARD_DIR": str(tmp_path / "job")}  # fmt: skip
+    proc = _sbatch(tmp_path, env, timeout=30, args=args)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "-- train.py [ARGS...]" in proc.stderr
+    assert not (tmp_path / "job").exists()  # refused before anything was made
+
+
+@pytest.mark.slow
+def test_sbatch_runs_your_own_script_after_dashdash(tmp_path):
+    """`-- SCRIPT ARGS`: torchrun runs the user's script instead of the bundled trainer,
+    watched zero-code by the node's agent, with the job's own supervisor."""
+    agent = start_agent(tmp_path, "localhost")
+    env = {
+        **os.environ,
+        "PATH": f"{_stubs(tmp_path)}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4444", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+        "RANKGUARD": str(Path(sys.executable).with_name("rankguard")), "PYTHON": sys.executable,
+        "RANKGUARD_DIR": str(tmp_path / "job"),
+        "RANKGUARD_AGENT_PORT": agent.url.rsplit(":", 1)[1],
+        "RANKGUARD_SUPERVISOR_PORT": str(free_port()),
+        "RANKGUARD_TOKEN_FILE": str(tmp_path / "token"),
+        "RANKGUARD_TELEMETRY_SOCKET": str(agent.socket),
+        "RDZV_PORT": str(free_port()), "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    script = str(ROOT / "examples" / "ddp_plain.py")
+    try:
+        proc = _sbatch(tmp_path, env, args=("--", script, "--steps", "20", "--width", "32"))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        assert f"--max-restarts 10 {script} --steps 20 --width 32" in proc.stdout, proc.stdout
+        assert "rankguard.trainer" not in proc.stdout
+        ranks = http_json(agent.url + "/v1/ranks")["ranks"]
+        seen = sorted((r["job"], r["rank"], r["state"], r["source"]) for r in ranks)
+        assert seen == [("4444", 0, "finished", "process"), ("4444", 1, "finished", "process")]
+    finally:
+        agent.stop()
 
 
 @pytest.mark.parametrize("value", ["job", "none", "localhost:9408"])

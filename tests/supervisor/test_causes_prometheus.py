@@ -36,8 +36,18 @@ pytestmark = pytest.mark.slow
 
 # node -> (how its fault is made, the cause it must be counted under)
 XIDS = {"n0": (79, "gpu"), "n1": (48, "gpu_memory"), "n2": (74, "nvlink")}
-BLIND, FULL = "n3", "n4"  # NVML cannot load (rankguard); a full checkpoint disk (storage)
-NODE_CAUSES = {**{n: c for n, (_, c) in XIDS.items()}, BLIND: "rankguard", FULL: "storage"}
+# NVML cannot load (rankguard); a full checkpoint disk (storage); an InfiniBand port goes
+# down (network: a fake /sys tree, no InfiniBand here)
+BLIND, FULL, PORT = "n3", "n4", "n5"
+NODE_CAUSES = {**{n: c for n, (_, c) in XIDS.items()}, BLIND: "rankguard", FULL: "storage",
+               PORT: "network"}  # fmt: skip
+
+
+def ib_port(sys_root, state: str) -> None:
+    port = sys_root / "class/infiniband/mlx5_0/ports/1"
+    (port / "counters").mkdir(parents=True, exist_ok=True)
+    (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
+    (port / "state").write_text(state + "\n")
 
 
 def _panel_query(title: str) -> str:
@@ -56,14 +66,15 @@ def test_each_cause_is_labelled_counted_and_drawn(tmp_path):
         with open(full / "filler", "wb") as f:  # all but nothing left: unhealthy
             f.write(b"\0" * (4 * 1024 * 1024 - 64 * 1024))
         agents, nvmls, urls = [], {}, []
-        for node in (*XIDS, BLIND, FULL):
+        ib_port(tmp_path / "sys", "4: ACTIVE")
+        for node in NODE_CAUSES:
             nvml = NvmlDouble(make_double(n_gpus=2))
             if node == BLIND:
                 nvml.set_unavailable("NVML_ERROR_LIBRARY_NOT_FOUND")
             cfg = AgentConfig(bind="127.0.0.1:0", interval=0.2, token_file=token,
                               expected_gpus=2, telemetry_socket=str(tmp_path / f"{node}.sock"),
                               node=node, ckpt_dir=full if node == FULL else None)  # fmt: skip
-            agent = Agent(cfg, nvml=nvml)
+            agent = Agent(cfg, nvml=nvml, sys_root=tmp_path / "sys" if node == PORT else None)
             stack.callback(agent.close)
             host, port = agent.start_http()
             agents.append(agent)
@@ -92,11 +103,14 @@ def test_each_cause_is_labelled_counted_and_drawn(tmp_path):
             sup.reconcile_once()
             return store.list_incidents()
 
+        for agent in agents:  # the agents' first look (the port is seen active)
+            agent.collect_once()
         # the counters scraped at zero first, so their increase counts every incident
         wait_until(lambda: prom.query("rankguard_supervisor_incidents_by_cause_total"), 30,
                    "the supervisor scraped before its first pass")  # fmt: skip
         for node, (code, _) in XIDS.items():
             nvmls[node].inject_xid(1, code)
+        ib_port(tmp_path / "sys", "1: DOWN")  # seen active since the agent started
         found = wait_until(
             lambda: {i.node: i for i in passes() if i.kind == "node_fault"}.keys() >= NODE_CAUSES.keys()
             and {i.node: i for i in store.list_incidents() if i.kind == "node_fault"}, 30,
