@@ -488,7 +488,8 @@ class Supervisor:
             incident, created = self.store.upsert_finding(
                 finding, now,
                 restart_before=restart,
-                step_at_detect=max((r.step or 0 for r in ranks), default=None),
+                # a zero-code worker reports no step: unknown, not 0
+                step_at_detect=max((r.step for r in ranks if r.step is not None), default=None),
                 checkpoint_step=self._checkpoint_step(obs, finding.job),
             )  # fmt: skip
             if created:

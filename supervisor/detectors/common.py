@@ -36,6 +36,13 @@ def gpu_note(rank: RankObs | None) -> tuple[dict, str]:
     return {"gpu": gpu.to_json()}, clause
 
 
+def progress(r: RankObs) -> str:
+    """Where a rank was, for a finding's summary: a zero-code worker reports no step."""
+    if r.step is None and r.phase is None:
+        return "no step reported"
+    return f"step {r.step}, phase {r.phase}"
+
+
 def node_url(obs: ClusterObs, node: str) -> str | None:
     """The agent URL of a node, so a finding can say where to act."""
     return next((n.url for n in obs.nodes if n.node == node), None)

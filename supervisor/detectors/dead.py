@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..model import RANK_DEAD, Finding, History
 from ..state import DEAD_STATES, ClusterObs, RankObs
 from ..wavefront import BEHIND, FRESH_SECONDS, Wavefront, read_wavefront
-from .common import gpu_note, incarnation, node_url
+from .common import gpu_note, incarnation, node_url, progress
 from .registration import Detector
 
 if TYPE_CHECKING:
@@ -91,15 +91,14 @@ def _finding(r: RankObs, url: str | None, dead: list[RankObs], obs=None, ranks=(
     timeout = timed_out_behind(r, list(ranks), obs.time) if obs is not None else None
     named, extra = r, {}
     summary = (f"job {r.job} rank {r.rank} on {r.node} is {r.state} (pid {r.pid}, "
-               f"step {r.step}, phase {r.phase}, restart {r.restart})")  # fmt: skip
+               f"{progress(r)}, restart {r.restart})")  # fmt: skip
     if timeout is not None:
         named, wave = timeout
         url = node_url(obs, named.node)
         summary = (
             f"job {r.job} rank {r.rank} on {r.node} died ({r.state}) waiting in collective "
             f"{wave.seq} of group {wave.pg}: a collective timeout ({NCCL_TIMEOUT}); culprit "
-            f"rank {named.rank} on {named.node}, which never enqueued it (step {named.step}, "
-            f"phase {named.phase})"
+            f"rank {named.rank} on {named.node}, which never enqueued it ({progress(named)})"
         )
         extra = {"cause": NCCL_TIMEOUT, "culprit_reason": f"flight recorder: {wave.detail}",
                  "first_to_die": {"rank": r.rank, "node": r.node, "pid": r.pid},

@@ -85,6 +85,14 @@ def test_a_raising_detector_does_not_stop_the_others(caplog):
 # -- dead -----------------------------------------------------------------------------------
 
 
+def test_a_zero_code_workers_death_says_no_step_was_reported():
+    obs = cluster(rank(0, step=None, phase=None),
+                  rank(1, state="exited", exited_at=T0 - 1, step=None, phase=None))  # fmt: skip
+    [f] = dead.detect(obs, History(), CFG)
+    assert "(pid 1001, no step reported, restart 0)" in f.summary, f.summary
+    assert f.evidence["step"] is None  # stored as unknown, not as step 0
+
+
 def test_dead_rank_reported_with_exit_time_and_evidence():
     obs = cluster(rank(0), rank(1, state="exited", exited_at=T0 - 2, step=7, phase="train"))
     [f] = dead.detect(obs, History(), CFG)
