@@ -297,7 +297,7 @@ def incidents(
     for inc in view["incidents"]:
         when = time.strftime("%H:%M:%S", time.localtime(inc["detected_at"]))
         typer.echo(f"#{inc['id']} {when} {inc['kind']} job={inc['job']} rank={_fmt(inc['rank'])} "
-                   f"node={inc['node']} [{inc['state']}] action={inc['action']}")  # fmt: skip
+                   f"node={inc['node']} [{inc['state']}] {who_acted(inc)}")  # fmt: skip
         typer.echo(f"    {inc['summary']}")
         if inc.get("cause"):
             typer.echo(f"    cause: {inc['cause']} ({inc.get('cause_confidence')} confidence): "
@@ -319,6 +319,18 @@ def incidents(
             typer.echo(f"    {line}")
         if inc.get("verdict"):
             typer.echo(f"    verdict: {inc['verdict']}")
+
+
+def who_acted(inc: dict) -> str:
+    """What was done about an incident, and by whom, in words."""
+    action, rank, node = inc.get("action"), _fmt(inc.get("rank")), inc.get("node")
+    done = {"kill_rank": f"rankguard killed rank {rank}", "stop_job": "rankguard stopped the job",
+            "exclude_node": f"rankguard excluded node {node}"}  # fmt: skip
+    if action in done:
+        return done[action]
+    if inc.get("restarted_at") is not None:
+        return "torchrun restarted the group"
+    return "reported, nothing done"
 
 
 def cause_table(causes: list[dict]) -> str:

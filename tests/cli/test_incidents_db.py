@@ -38,3 +38,36 @@ def test_incidents_db_lists_and_leaves_the_file_unchanged(tmp_path):
 
     assert digest(db) == before  # not a byte changed
     assert sorted(p.name for p in tmp_path.iterdir()) == files  # and nothing left beside it
+
+
+def test_the_timeline_says_who_acted_and_why_and_an_empty_one_says_so(tmp_path):
+    db = tmp_path / "rankguard.db"
+    runner = CliRunner()
+    with IncidentStore(db):
+        pass
+    r = runner.invoke(app, ["incidents", "--db", str(db)])
+    assert r.exit_code == 0 and r.stdout.strip() == "no incidents recorded", r.output
+    with IncidentStore(db) as store:
+        dead = Finding("rank_dead", "run:1:dead", "critical", "rank 1 exited", job="run",
+                       rank=1, occurred_at=1000.0, evidence={"exit_code": 1 << 8})  # fmt: skip
+        inc, _ = store.upsert_finding(dead, now=1000.5)
+        store.set_state(inc.id, "resolved", 1004.0, restarted_at=1002.0, first_step_at=1004.0)
+        hung = Finding("rank_hung", "run:0:hung", "critical", "rank 0 hung", job="run", rank=0,
+                       occurred_at=2000.0, evidence={"decided_by": "stopped"})  # fmt: skip
+        inc, _ = store.upsert_finding(hung, now=2000.5)
+        store.set_state(inc.id, "acting", 2001.0, action="kill_rank")
+        disk = Finding("node_fault", "n0:disk", "warning", "disk low", node="n0",
+                       evidence={"code": "checkpoint_disk_low"})  # fmt: skip
+        store.upsert_finding(disk, now=3000.0)
+    out = runner.invoke(app, ["incidents", "--db", str(db)]).stdout
+    assert "[resolved] torchrun restarted the group" in out, out
+    assert "[acting] rankguard killed rank 0" in out, out
+    assert "[open] reported, nothing done" in out, out
+    assert "cause: user_code (medium confidence): the process exited with code 1" in out, out
+    table = runner.invoke(app, ["incidents", "--db", str(db), "--by-cause"]).stdout
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
+    assert rows["user_code"][:2] == ["1", "33.3%"] and rows["host"][:2] == ["1", "33.3%"], table
+    assert rows["storage"][0] == "1" and rows["user_code"][2] == "4.0", table  # lost seconds
+    by_json = json.loads(runner.invoke(app, ["incidents", "--db", str(db), "--by-cause",
+                                             "--json"]).stdout)  # fmt: skip
+    assert {c["cause"] for c in by_json["causes"]} >= {"gpu", "unknown", "user_code"}
