@@ -48,6 +48,16 @@ print("sent", flush=True)
 """
 
 
+class FakeClock:
+    """A clock the test sets (`t`), for code that takes one."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def sample(step, *, restart=0, phase="train", seconds=0.1, compute=0.07, comm=0.02, loss=3.0):
     return StepSample(step, phase, restart, seconds, compute, comm, 0.001, loss)
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import pynvml
 import pytest
+from builders import FakeClock
 from harness import wait_until
 
 from rankguard.agent.collectors import CollectorContext, CollectorResult
@@ -34,33 +35,6 @@ from rankguard.agent.ranks import RankTable
 from rankguard.contract.telemetry import TelemetryRecord
 
 GIB = 2**30
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def make():
-    """make(state | NvmlDouble, ranks=..., expected=..., **GpuConfig) -> (collector, double, clock)."""
-    made = []
-
-    def _make(state=None, *, ranks=list, expected=None, table=None, **config):
-        nvml = state if isinstance(state, NvmlDouble) else NvmlDouble(state or make_double(2))
-        clock = FakeClock()
-        ctx = CollectorContext(nvml=nvml, clock=clock, rank_processes=ranks, expected_gpus=expected,
-                               rank_table=table)  # fmt: skip
-        collector = GpuCollector(ctx, GpuConfig(event_timeout_ms=50, **config))
-        made.append(collector)
-        return collector, nvml, clock
-
-    yield _make
-    for collector in made:
-        collector.close()
 
 
 def samples(result: CollectorResult, name: str) -> dict[tuple, float]:
@@ -140,7 +114,7 @@ def test_load_nvml(tmp_path, monkeypatch):
 # --- the collector against the double ------------------------------------------------------
 
 
-def test_all_metrics_with_base_units(make):
+def test_all_metrics_with_base_units(gpu_collector):
     state = make_double(
         2,
         util=97,
@@ -159,7 +133,7 @@ def test_all_metrics_with_base_units(make):
         pcie_tx_kbps=1000,
         pcie_rx_kbps=2000,
     )
-    collector, nvml, _ = make(state, expected=2)
+    collector, nvml, _ = gpu_collector(state, expected=2)
     r = collector.collect()
     uuid0 = state["gpus"][0]["uuid"]
     g0 = (0, uuid0)
@@ -205,10 +179,10 @@ def test_all_metrics_with_base_units(make):
     assert f0["remapped_rows"]["pending"] == 1
 
 
-def test_unsupported_queries_are_left_out(make):
+def test_unsupported_queries_are_left_out(gpu_collector):
     # Consumer-style GPU: ECC off, no page retirement, no row remapping, no GPM.
     state = make_double(1, ecc=None, retired_pages=None, remapped_rows=None, gpm=False)
-    collector, _, clock = make(state)
+    collector, _, clock = gpu_collector(state)
     collector.collect()
     clock.t += 2
     r = collector.collect()
@@ -225,20 +199,22 @@ def test_unsupported_queries_are_left_out(make):
     assert gpu["gpm_supported"] is False
 
 
-def test_old_driver_clock_reasons_fallback(make):
+def test_old_driver_clock_reasons_fallback(gpu_collector):
     class OldDriver(NvmlDouble):
         def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
     double = OldDriver(make_double(1, clock_event_reasons=pynvml.nvmlClocksEventReasonGpuIdle))
-    collector, _, _ = make(double)
+    collector, _, _ = gpu_collector(double)
     r = collector.collect()
     assert r.facts["gpus"][0]["clock_events"] == ["gpu_idle"]
     assert double.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 1
 
 
-def test_nvml_unavailable_reports_down_and_retries_slowly(make):
-    collector, nvml, clock = make(make_double(2, unavailable="driver_not_loaded"), expected=8)
+def test_nvml_unavailable_reports_down_and_retries_slowly(gpu_collector):
+    collector, nvml, clock = gpu_collector(
+        make_double(2, unavailable="driver_not_loaded"), expected=8
+    )
     r = collector.collect()
     assert value(r, "rankguard_gpu_nvml_up") == 0
     assert value(r, "rankguard_gpus_expected") == 8
@@ -273,8 +249,8 @@ def test_no_gpu_machine_real_pynvml_never_raises(monkeypatch):
         collector.close()
 
 
-def test_gpu_lost_mid_run(make):
-    collector, nvml, _ = make(make_double(3))
+def test_gpu_lost_mid_run(gpu_collector):
+    collector, nvml, _ = gpu_collector(make_double(3))
     collector.collect()
     nvml.set_lost(1)
     r = collector.collect()
@@ -292,18 +268,18 @@ def test_gpu_lost_mid_run(make):
     assert len(samples(r, "rankguard_gpu_utilization_ratio")) == 3
 
 
-def test_gpu_lost_before_start(make):
+def test_gpu_lost_before_start(gpu_collector):
     state = make_double(2)
     state["gpus"][1]["lost"] = True
-    collector, _, _ = make(state)
+    collector, _, _ = gpu_collector(state)
     r = collector.collect()
     assert value(r, "rankguard_gpu_lost", 1, "") == 1
     assert value(r, "rankguard_gpus") == 2
     assert len(samples(r, "rankguard_gpu_utilization_ratio")) == 1
 
 
-def test_xid_counted_by_code_once_per_event_and_thread_stops(make):
-    collector, nvml, _ = make(make_double(2))
+def test_xid_counted_by_code_once_per_event_and_thread_stops(gpu_collector):
+    collector, nvml, _ = gpu_collector(make_double(2))
     uuids = [g["uuid"] for g in nvml.state()["gpus"]]
     r = collector.collect()
     thread = collector.watcher.thread
@@ -330,15 +306,15 @@ def test_xid_counted_by_code_once_per_event_and_thread_stops(make):
     assert not any(t.name == "rankguard-gpu-xid" and t.is_alive() for t in threading.enumerate())
 
 
-def test_xid_registration_unsupported_is_a_fact_not_a_crash(make):
-    collector, _, _ = make(make_double(2, xid_supported=False))
+def test_xid_registration_unsupported_is_a_fact_not_a_crash(gpu_collector):
+    collector, _, _ = gpu_collector(make_double(2, xid_supported=False))
     r = collector.collect()
     assert r.facts["xid_supported"] is False and r.facts["xid_unsupported"]
     assert value(r, "rankguard_gpu_nvml_up") == 1
 
 
-def test_gpm_between_two_collections_on_its_own_cadence(make):
-    collector, nvml, clock = make(make_double(2), gpm_interval=1.0)
+def test_gpm_between_two_collections_on_its_own_cadence(gpu_collector):
+    collector, nvml, clock = gpu_collector(make_double(2), gpm_interval=1.0)
     uuid0 = nvml.state()["gpus"][0]["uuid"]
     r = collector.collect()
     assert samples(r, "rankguard_gpu_sm_activity_ratio") == {}  # one sample: nothing yet
@@ -364,8 +340,8 @@ def test_gpm_between_two_collections_on_its_own_cadence(make):
     assert nvml.calls["nvmlGpmSampleFree"] == 4  # two per GPU
 
 
-def test_pcie_read_on_its_slower_cadence(make):
-    collector, nvml, clock = make(make_double(2), pcie_interval=10.0)
+def test_pcie_read_on_its_slower_cadence(gpu_collector):
+    collector, nvml, clock = gpu_collector(make_double(2), pcie_interval=10.0)
     collector.collect()
     assert nvml.calls["nvmlDeviceGetPcieThroughput"] == 4  # tx + rx on 2 GPUs
     for _ in range(9):
@@ -379,11 +355,11 @@ def test_pcie_read_on_its_slower_cadence(make):
     assert nvml.calls["nvmlDeviceGetPcieThroughput"] == 8
 
 
-def test_double_rereads_its_file(make, tmp_path):
+def test_double_rereads_its_file(gpu_collector, tmp_path):
     path = tmp_path / "nvml.json"
     state = make_double(2)
     write_state(path, state)
-    collector, nvml, _ = make(NvmlDouble.from_file(path))
+    collector, nvml, _ = gpu_collector(NvmlDouble.from_file(path))
     uuids = [g["uuid"] for g in state["gpus"]]
     r = collector.collect()
     assert value(r, "rankguard_gpu_utilization_ratio", 0, uuids[0]) == pytest.approx(0.97)
@@ -409,7 +385,7 @@ def test_double_rereads_its_file(make, tmp_path):
     wait_for(lambda: xid79() == 2)
 
 
-def test_rank_process_gpu_memory(make):
+def test_rank_process_gpu_memory(gpu_collector):
     state = make_double(2)
     state["gpus"][0]["processes"] = [
         {"pid": 100, "used_memory": 10 * GIB},
@@ -417,7 +393,7 @@ def test_rank_process_gpu_memory(make):
     ]
     state["gpus"][1]["processes"] = [{"pid": 101, "used_memory": 20 * GIB}]
     ranks = [("job1", 0, 100), ("job1", 1, 101)]
-    collector, nvml, _ = make(state, ranks=lambda: ranks)
+    collector, nvml, _ = gpu_collector(state, ranks=lambda: ranks)
     r = collector.collect()
     assert samples(r, "rankguard_rank_gpu_memory_bytes") == {
         ("job1", "0", "0"): 10 * GIB,
@@ -456,12 +432,12 @@ def a_rank(table: RankTable, rank: int = 0, **fields) -> None:
     table.update(TelemetryRecord(**{**record, **fields}), os.getpid())
 
 
-def test_metric_names_follow_the_conventions(make):
+def test_metric_names_follow_the_conventions(gpu_collector):
     state = make_double(2, retired_pages={"single_bit": 1, "double_bit": 0})
     state["gpus"][0]["processes"] = [{"pid": os.getpid(), "used_memory": GIB}]
     table = RankTable()
     a_rank(table)
-    collector, _, clock = make(state, ranks=table.processes, expected=2, table=table)
+    collector, _, clock = gpu_collector(state, ranks=table.processes, expected=2, table=table)
     collector.collect()
     clock.t += 1
     r = collector.collect()
@@ -696,13 +672,13 @@ def rank_gpu(table: RankTable) -> dict | None:
     return row.get("gpu")
 
 
-def test_a_zero_code_rank_is_tied_to_its_gpu_by_nvmls_process_list(make):
+def test_a_zero_code_rank_is_tied_to_its_gpu_by_nvmls_process_list(gpu_collector):
     state = make_double(2)
     uuid = state["gpus"][1]["uuid"]
     state["gpus"][1]["processes"] = [{"pid": os.getpid(), "used_memory": GIB}]
     table = RankTable()
     a_rank(table)  # its records name no GPU (an older client), so NVML's list decides
-    collector, nvml, _ = make(state, ranks=table.processes, table=table)
+    collector, nvml, _ = gpu_collector(state, ranks=table.processes, table=table)
     r = collector.collect()
     assert samples(r, "rankguard_rank_gpu_info") == {("j", "0", "1", uuid): 1.0}
     gpu = rank_gpu(table)
@@ -714,14 +690,14 @@ def test_a_zero_code_rank_is_tied_to_its_gpu_by_nvmls_process_list(make):
     wait_for(lambda: (collector.collect(), rank_gpu(table)["xid_recent"])[1] == {"79": 1})
 
 
-def test_a_gpu_the_rank_reports_wins_and_carries_that_gpus_faults(make):
+def test_a_gpu_the_rank_reports_wins_and_carries_that_gpus_faults(gpu_collector):
     state = make_double(2)
     reported = state["gpus"][0]["uuid"]
     state["gpus"][1]["processes"] = [{"pid": os.getpid(), "used_memory": GIB}]
     state["gpus"][0]["clock_event_reasons"] = int(pynvml.nvmlClocksEventReasonHwThermalSlowdown)
     table = RankTable()
     a_rank(table, gpu_uuid=reported)
-    collector, nvml, _ = make(state, ranks=table.processes, table=table)
+    collector, nvml, _ = gpu_collector(state, ranks=table.processes, table=table)
     collector.collect()
     gpu = rank_gpu(table)
     assert (gpu["uuid"], gpu["source"], gpu["index"]) == (reported, "reported", 0)
@@ -743,11 +719,11 @@ def test_recent_xids_age_out():
     assert counts.snapshot() == {(0, 79): 1, (0, 48): 1}  # the lifetime counters stay
 
 
-def test_a_gpu_whose_nvml_calls_hang_is_unresponsive_and_the_collection_goes_on(make):
+def test_a_gpu_whose_nvml_calls_hang_is_unresponsive_and_the_collection_goes_on(gpu_collector):
     """GPU 1's calls block (the double's delay_s -1, as a failing GPU's driver calls do):
     each collection still returns by the deadline, GPU 0 is read as usual, GPU 1 is
     reported unresponsive and not called again until its call returns."""
-    collector, nvml, clock = make(make_double(2), read_deadline_seconds=0.3)
+    collector, nvml, clock = gpu_collector(make_double(2), read_deadline_seconds=0.3)
     collector.collect()  # handles resolved, both answer
     nvml.update_gpu(1, delay_s=-1)
     for _ in range(3):

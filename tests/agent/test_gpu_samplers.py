@@ -10,6 +10,7 @@ import pynvml
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_gpu_collector import samples
 
 from rankguard.agent.collectors import CollectorContext, CollectorResult
 from rankguard.agent.collectors.gpu import GpuCollector, GpuConfig, load_samplers
@@ -20,38 +21,6 @@ from rankguard.agent.health import gpu_reasons, node_verdict
 from rankguard.agent.nvml_double import NvmlDouble, make_double
 
 UUID0 = make_double(1)["gpus"][0]["uuid"]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def make():
-    made = []
-
-    def _make(state=None, **config):
-        nvml = NvmlDouble(state or make_double(2))
-        clock = FakeClock()
-        collector = GpuCollector(CollectorContext(nvml=nvml, clock=clock),
-                                 GpuConfig(event_timeout_ms=50, **config))  # fmt: skip
-        made.append(collector)
-        return collector, nvml, clock
-
-    yield _make
-    for c in made:
-        c.close()
-
-
-def samples(result: CollectorResult, name: str) -> dict[tuple, float]:
-    for metric in result.metrics:
-        if metric.name == name:
-            return dict(metric.samples)
-    raise AssertionError(f"{name} not among the families")
 
 
 def gpu0(result: CollectorResult) -> dict:
@@ -108,7 +77,7 @@ def test_field_value_decodes_every_value_type():
 # --- every sampler, its metrics and facts --------------------------------------------------
 
 
-def test_every_sampler_reads_into_metrics_and_facts(make):
+def test_every_sampler_reads_into_metrics_and_facts(gpu_collector):
     state = make_double(2)
     g = state["gpus"][0]
     g["nvlink_errors"] = {"crc_flit": 5, "crc_data": 1, "replay": 12, "recovery": 2}
@@ -120,7 +89,7 @@ def test_every_sampler_reads_into_metrics_and_facts(make):
     g["mem_clock_mhz"] = 2619
     g["power_limit_mw"] = 500_000
     g["mig"] = {"mode": 1, "devices": 3}
-    collector, nvml, _ = make(state)
+    collector, nvml, _ = gpu_collector(state)
     r = collector.collect()
     lab = ("0", UUID0)
     assert samples(r, "rankguard_gpu_nvlink_errors_total")[(*lab, "replay")] == 12
@@ -152,8 +121,8 @@ def test_every_sampler_reads_into_metrics_and_facts(make):
     assert nvml.calls["nvmlDeviceGetPcieReplayCounter"] == 0
 
 
-def test_slow_samplers_run_on_their_own_cadence(make):
-    collector, nvml, clock = make(make_double(1), slow_interval=30)
+def test_slow_samplers_run_on_their_own_cadence(gpu_collector):
+    collector, nvml, clock = gpu_collector(make_double(1), slow_interval=30)
     collector.collect()
     assert nvml.calls["nvmlDeviceGetNvLinkState"] == 18
     assert nvml.calls["nvmlDeviceGetMigMode"] == 1
@@ -170,13 +139,13 @@ def test_slow_samplers_run_on_their_own_cadence(make):
     assert nvml.calls["nvmlDeviceGetNvLinkState"] == 36 and gpu0(r)["nvlink_links_down"] == [0]
 
 
-def test_unsupported_and_garbage_answers_are_skipped_with_a_reason(make):
+def test_unsupported_and_garbage_answers_are_skipped_with_a_reason(gpu_collector):
     state = make_double(1)
     g = state["gpus"][0]
     g.update(nvlink_links=None, nvlink_errors=None, mig=None, mem_temp=None,
              power_limit_mw=None, power_default_limit_mw=None, violation_ns=None,
              pcie_replays=None, pcie_link=None, mem_clock_mhz=None)  # fmt: skip
-    collector, _, _ = make(state)
+    collector, _, _ = gpu_collector(state)
     r = collector.collect()
     skipped = gpu0(r)["samplers_skipped"]
     assert set(skipped) == set(load_samplers()), skipped
@@ -189,12 +158,12 @@ def test_unsupported_and_garbage_answers_are_skipped_with_a_reason(make):
     assert gpu0(r)["utilization"] == 0.97 and gpu_reasons(r.facts, 1) == []
 
 
-def test_garbage_link_count_and_a_failing_call_skip_that_sampler_only(make):
+def test_garbage_link_count_and_a_failing_call_skip_that_sampler_only(gpu_collector):
     state = make_double(1)
     g = state["gpus"][0]
     g["field_values"] = {str(pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT): 4096}  # garbage
     g["mem_temp"] = 9999  # no sensor behind it: garbage
-    collector, nvml, _ = make(state)
+    collector, nvml, _ = gpu_collector(state)
     r = collector.collect()
     f = gpu0(r)
     assert "out of range" in f["samplers_skipped"]["nvlink"]
@@ -204,8 +173,8 @@ def test_garbage_link_count_and_a_failing_call_skip_that_sampler_only(make):
     assert samples(r, "rankguard_gpu_pcie_replays_total")
 
 
-def test_an_old_driver_without_field_values_reads_the_rest(make):
-    collector, nvml, _ = make(make_double(1))
+def test_an_old_driver_without_field_values_reads_the_rest(gpu_collector):
+    collector, nvml, _ = gpu_collector(make_double(1))
 
     def not_found(*args):
         raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
@@ -218,8 +187,8 @@ def test_an_old_driver_without_field_values_reads_the_rest(make):
     assert r.facts["gpus"][0]["lost"] is False
 
 
-def test_a_gpu_lost_in_a_sampler_is_lost(make):
-    collector, nvml, _ = make(make_double(2))
+def test_a_gpu_lost_in_a_sampler_is_lost(gpu_collector):
+    collector, nvml, _ = gpu_collector(make_double(2))
     collector.collect()
     real = nvml.nvmlDeviceGetFieldValues
 
@@ -234,10 +203,10 @@ def test_a_gpu_lost_in_a_sampler_is_lost(make):
     assert ("1", r.facts["gpus"][1]["uuid"]) not in samples(r, "rankguard_gpu_pcie_replays_total")
 
 
-def test_a_hanging_sampler_call_is_held_by_the_gpu_read_deadline(make):
+def test_a_hanging_sampler_call_is_held_by_the_gpu_read_deadline(gpu_collector):
     """The double's delay_s holds the new calls too; the samplers run inside the GPU's
     read, so a hung field read marks the GPU unresponsive and the collection returns."""
-    collector, nvml, _ = make(make_double(2), read_deadline_seconds=0.3)
+    collector, nvml, _ = gpu_collector(make_double(2), read_deadline_seconds=0.3)
     collector.collect()
     hold = {"on": True}
     real = nvml.nvmlDeviceGetFieldValues
@@ -268,12 +237,12 @@ def test_a_hanging_sampler_call_is_held_by_the_gpu_read_deadline(make):
 # --- health --------------------------------------------------------------------------------
 
 
-def test_link_and_row_remap_health_reasons(make):
+def test_link_and_row_remap_health_reasons(gpu_collector):
     state = make_double(3)
     state["gpus"][0]["nvlink_links"] = [True] * 17 + [False]
     state["gpus"][1]["pcie_link"]["width"] = 8
     state["gpus"][2]["remapped_rows"]["pending"] = True
-    collector, nvml, _ = make(state)
+    collector, nvml, _ = gpu_collector(state)
     reasons = {(x.code, x.severity): x.message for x in gpu_reasons(collector.collect().facts, 3)}
     assert set(reasons) == {("nvlink_down", "unhealthy"), ("pcie_downtrained", "degraded"),
                             ("row_remap_pending", "degraded")}  # fmt: skip
@@ -309,10 +278,10 @@ def test_pcie_downtrained_judgement():
 # --- exposition ------------------------------------------------------------------------------
 
 
-def test_exposition_of_the_sampler_families(make):
+def test_exposition_of_the_sampler_families(gpu_collector):
     state = make_double(1)
     state["gpus"][0]["nvlink_errors"]["recovery"] = 3
-    collector, _, _ = make(state)
+    collector, _, _ = gpu_collector(state)
     r = collector.collect()
     text = generate_latest(make_registry(lambda: r.metrics)).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
