@@ -32,7 +32,8 @@ NVML does. `"nvlink_links"` (a list of booleans, null: no NVLink), `"pcie_link"`
 
 A GPU's `"delay_s"` makes every call on it take that many seconds (-1: hang until it is
 changed), outside the double's lock, as a failing GPU's NVML calls block their caller
-only: the collector's deadlines are tested against it.
+only: the collector's deadlines are tested against it. The top-level `"driver_delay_s"`
+does the same to `nvmlInit` and the device count: a driver stuck as a whole.
 """
 
 from __future__ import annotations
@@ -198,6 +199,10 @@ _RELOAD_ON = frozenset({"nvmlInit", "nvmlInitWithFlags", "nvmlDeviceGetCount",
                         "nvmlEventSetWait", "nvmlEventSetWait_v2"})  # fmt: skip
 
 
+# The calls on no GPU that `driver_delay_s` holds: a hung driver blocks them all.
+_DRIVER_CALLS = frozenset({"nvmlInit", "nvmlInitWithFlags", "nvmlDeviceGetCount"})
+
+
 def _api(fn: Callable) -> Callable:
     """Wrap an NVML entry point: count the call, pick up file changes, require init."""
     name = fn.__name__
@@ -208,6 +213,8 @@ def _api(fn: Callable) -> Callable:
     def wrapper(self: NvmlDouble, *args: Any, **kwargs: Any) -> Any:
         if args:  # a call on a GPU whose state says it answers slowly, or hangs
             self._answer_late(args[0], name)
+        elif name in _DRIVER_CALLS:  # a driver that answers slowly, or hangs
+            self._driver_late()
         with self._lock:
             self.calls[name] += 1
             if reloads:
@@ -340,6 +347,21 @@ class NvmlDouble:
                 time.sleep(min(left, 0.05))  # re-read: a delay may be changed meanwhile
             else:
                 time.sleep(0.05)
+
+    def _driver_late(self) -> None:
+        """The state's `driver_delay_s` before init and the device count (-1: hang until
+        it is changed): a driver stuck as a whole, not one GPU."""
+        start = time.monotonic()
+        while True:
+            with self._lock:
+                delay = float(self._state.get("driver_delay_s") or 0)
+            if delay >= 0 and time.monotonic() >= start + delay:
+                return
+            time.sleep(0.05)
+
+    def set_driver_delay(self, seconds: float) -> None:
+        with self._lock:
+            self._state["driver_delay_s"] = seconds
 
     def _gpu(self, handle: Any) -> dict:
         index = self._handle_index.get(_address(handle) or 0)

@@ -222,6 +222,10 @@ class _GpuLost(Exception):
     pass
 
 
+class DriverHung(Exception):
+    """A call on no GPU (init, the device count) did not return within the deadline."""
+
+
 class _Call:
     """One GPU's read, in a daemon thread of its own: a call that never returns holds
     that thread only, not the collection nor the agent's exit."""
@@ -328,6 +332,11 @@ class XidWatcher:
                 gpu = self.gpu_by_key.get(handle_key(data.device), -1)
                 self.counts.add(gpu, int(data.eventData))
 
+    def stop_soon(self) -> None:
+        """Ask the thread to end once its NVML call returns, without waiting (a hung
+        driver): its event set is left allocated, as freeing it under the call is unsafe."""
+        self._stop.set()
+
     def stop(self) -> None:
         self._stop.set()
         if self.thread is not None:
@@ -371,11 +380,26 @@ class GpuCollector(Collector):
         # a hung NVML call (a failing GPU, a stuck driver) must not stop the agent's loop,
         # its /metrics and its watchdog ping. index -> (its read still running, since when)
         self._stuck: dict[int, tuple[_Call, float]] = {}
+        self._driver_calls: dict[str, _Call] = {}  # init and count, by name (_driver)
         self._samplers = Samplers(
             self.config.slow_interval, load_samplers()
         )  # run inside each GPU's read
 
     # --- lifecycle ---
+
+    def _driver(self, fn: Callable[..., Any]) -> Any:
+        """A call on no GPU (init, the device count), under the read deadline: one that does
+        not return is left running in its thread (DriverHung), and is not made again until
+        it has returned, so a hung driver never holds the agent's loop."""
+        name = fn.__name__
+        pending = self._driver_calls.get(name)
+        if pending is None or pending.done.is_set():
+            pending = self._driver_calls[name] = _Call(fn)
+        if not pending.done.wait(self.config.read_deadline_seconds):
+            raise DriverHung(f"{name} has not returned for "
+                             f"{self.config.read_deadline_seconds:g}s (a hung driver)")  # fmt: skip
+        del self._driver_calls[name]
+        return pending.get()
 
     def _try_init(self, now: float) -> None:
         if now < self._next_init:
@@ -384,7 +408,10 @@ class GpuCollector(Collector):
         try:
             if self.nvml is None:
                 self.nvml = load_nvml(None)
-            self.nvml.nvmlInit()
+            self._driver(self.nvml.nvmlInit)
+        except DriverHung as exc:
+            self.reason = str(exc)
+            return
         except pynvml.NVMLError as exc:
             self.reason = f"nvmlInit: {exc}"
             return
@@ -627,7 +654,13 @@ class GpuCollector(Collector):
             self._try_init(now)
         if self.up:
             try:
-                count = int(self.nvml.nvmlDeviceGetCount())
+                count = int(self._driver(self.nvml.nvmlDeviceGetCount))
+            except DriverHung as exc:  # not shut down: that call would hang as well
+                if self.watcher is not None:
+                    self.watcher.stop_soon()
+                    self.watcher = None
+                self.up, self.reason, self.gpus = False, str(exc), []
+                self._next_init = now + self.config.init_retry_interval
             except pynvml.NVMLError as exc:
                 self._mark_down(now, f"nvmlDeviceGetCount: {exc}")
         if not self.up:

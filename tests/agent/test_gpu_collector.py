@@ -784,3 +784,28 @@ def test_the_agent_answers_and_feeds_its_watchdog_while_a_gpus_calls_hang(tmp_pa
         write_state(state, make_double(2))  # the hung calls return
         agent.stop()
         notify.close()
+
+
+def test_a_hung_driver_never_holds_a_collection(gpu_collector):
+    """nvmlInit, then the device count, stop returning (the double's driver_delay_s: a
+    driver stuck as a whole). Each collection ends within the read deadline with NVML down
+    and why, makes no second call while the first is still inside the driver, and the
+    collector comes back once the driver answers."""
+    collector, nvml, clock = gpu_collector(read_deadline_seconds=0.3, init_retry_interval=0)
+    nvml.set_driver_delay(-1)
+    for _ in range(2):
+        started = time.monotonic()
+        facts = collector.collect().facts
+        assert time.monotonic() - started < 5.0  # the deadline, not the hang
+        assert not facts["available"] and "nvmlInit has not returned" in facts["reason"], facts
+    assert nvml.calls["nvmlInit"] == 0  # the first is still inside; no second was made
+    nvml.set_driver_delay(0)
+    wait_until(lambda: collector.collect().facts["available"], 10, "NVML up again")
+    assert nvml.calls["nvmlInit"] == 1
+    nvml.set_driver_delay(-1)  # now the device count hangs
+    facts = collector.collect().facts
+    assert not facts["available"] and "nvmlDeviceGetCount has not returned" in facts["reason"]
+    nvml.set_driver_delay(0)
+    wait_until(lambda: collector.collect().facts["available"], 10, "NVML up after the count")
+    assert [g["index"] for g in collector.collect().facts["gpus"]] == [0, 1]
+    collector.close()
