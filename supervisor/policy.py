@@ -411,6 +411,7 @@ class _Pass:
         records = _carry_checkpoints_forward(self._history(job, f))
         stuck = _restarts_without_progress(records, self.cfg.crash_loop_progress_seconds)
         same = _same_cause(records, self.cfg.same_cause_restarts)
+        cause = classify(f)
         if len(stuck) >= self.cfg.crash_loop_restarts:
             step = stuck[-1].checkpoint_step
             shown = "none" if step is None else str(step)
@@ -421,7 +422,7 @@ class _Pass:
                 limit = self.cfg.crash_loop_progress_seconds
                 verdict += f", the incarnations between them each under {limit:g} s"
         elif same:
-            stuck, step, cause = same, same[-1].checkpoint_step, classify(f)
+            stuck, step = same, same[-1].checkpoint_step
             key = f"crash_loop:{job}:cause:{f.key}"
             verdict = (f"crash loop: {len(same)} restarts in a row for one cause, {cause.cause} "
                        f"({cause.why}): restarting again meets the same fault")  # fmt: skip
@@ -430,7 +431,6 @@ class _Pass:
         info = self.view.incidents.get(key)
         if info is not None and info.acted:
             return False  # already stopped for this loop
-        cause = classify(f)
         loop = Finding(
             kind=CRASH_LOOP,
             key=key,
