@@ -613,7 +613,10 @@ def up(
             )
             code, how = 1, f"failed (exit {trainer.returncode})"
         if code != 0:
-            error = last_error((run_dir / "trainer.log").read_text(errors="replace"))
+            # the worker's own record first: the log interleaves every rank's output
+            error = (failed_at_start and failed_at_start.error) or last_error(
+                (run_dir / "trainer.log").read_text(errors="replace")
+            )
             if error:
                 whose = "the script's" if script else "the trainer's"
                 typer.echo(f"rankguard up: {whose} last error:\n{error}", err=True)

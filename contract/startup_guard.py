@@ -36,11 +36,19 @@ class Exit:
     pid: int
     had_group: bool  # its process group formed (it met its peers) before it exited
     lived: float  # seconds from its start to its exit
+    # its uncaught exception's traceback, when it died of one: its own words, where the
+    # shared log interleaves every rank's output
+    error: str | None = None
 
 
-def exit_line(rank: int, restart: int, pid: int, had_group: bool, lived: float) -> str:
+MAX_ERROR_CHARS = 4000  # the end of a long traceback: where it failed
+
+
+def exit_line(rank: int, restart: int, pid: int, had_group: bool, lived: float,
+              error: str | None = None) -> str:  # fmt: skip
     return json.dumps(dict(rank=rank, restart=restart, pid=pid, had_group=had_group,
-                           lived=round(lived, 3))) + "\n"  # fmt: skip
+                           lived=round(lived, 3),
+                           error=error[-MAX_ERROR_CHARS:] if error else None)) + "\n"  # fmt: skip
 
 
 def parse(text: str) -> list[Exit]:
@@ -49,8 +57,10 @@ def parse(text: str) -> list[Exit]:
     for line in text.splitlines():
         try:
             d = json.loads(line)
+            error = d.get("error")
             out.append(Exit(int(d["rank"]), int(d["restart"]), int(d["pid"]),
-                            bool(d["had_group"]), float(d["lived"])))  # fmt: skip
+                            bool(d["had_group"]), float(d["lived"]),
+                            error if isinstance(error, str) else None))  # fmt: skip
         except (ValueError, KeyError, TypeError):
             continue
     return out
@@ -78,10 +88,22 @@ def read(path: str | os.PathLike[str]) -> list[Exit]:
         return []
 
 
+def uncaught_error() -> str | None:
+    """The traceback of the exception this interpreter is exiting with, if any (Python sets
+    sys.last_value for an uncaught one before atexit handlers run; not for SystemExit)."""
+    import sys
+    import traceback
+
+    value = getattr(sys, "last_value", None)
+    if value is None:
+        return None
+    return "".join(traceback.format_exception(type(value), value, value.__traceback__)).rstrip()
+
+
 def record_exit(path: str, environ, had_group: bool, started: float) -> None:
-    """Append this worker's exit line (one short O_APPEND write)."""
+    """Append this worker's exit line (one O_APPEND write)."""
     line = exit_line(int(environ.get("RANK", "0")),
                      int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")), os.getpid(),
-                     had_group, time.monotonic() - started)  # fmt: skip
+                     had_group, time.monotonic() - started, uncaught_error())  # fmt: skip
     with open(path, "a") as f:
         f.write(line)

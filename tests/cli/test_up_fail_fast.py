@@ -159,3 +159,7 @@ def test_the_bootstrap_records_a_workers_own_exit_and_not_a_kill(tmp_path):
     assert run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", {**base, **worker}) < 0
     assert run("raise SystemExit(1)", base) == 1  # not a torchrun worker
     assert len(sg.read(guard)) == 1
+    # an uncaught exception: its own traceback is in its line (the log interleaves ranks)
+    assert run("raise ValueError('bad shard')", {**base, **worker}) == 1
+    last = sg.read(guard)[-1]
+    assert last.error.startswith("Traceback") and last.error.endswith("ValueError: bad shard")
