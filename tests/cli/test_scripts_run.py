@@ -53,3 +53,19 @@ def test_the_install_runs_once_and_again_only_when_pyproject_changes(tmp_path):
     (repo / "pyproject.toml").write_text('[project]\nname = "rankguard"\nversion = "2"\n')
     third = _run(repo)
     assert third.returncode == 0 and calls.read_text().startswith("pip install"), third.stderr
+
+
+def test_a_venv_on_the_machines_own_torch_keeps_it(tmp_path):
+    """A .venv that sees the system's packages (made so where python3 has torch: a
+    cluster's CUDA build) installs rankguard without pinning torch, and says which it uses."""
+    repo = _checkout(tmp_path)
+    (repo / ".venv" / "pyvenv.cfg").write_text("include-system-site-packages = true\n")
+    (repo / ".venv" / "bin" / "python").write_text(
+        '#!/usr/bin/env bash\nif [ "${1:-}" = -V ]; then echo "Python 3.11.0"; '
+        'elif [ "${1:-}" = -c ]; then echo "2.9.0+cu128"; fi\n'
+    )
+    run = _run(repo)
+    assert run.returncode == 0, run.stderr
+    assert "using the machine's torch 2.9.0+cu128" in run.stderr, run.stderr
+    pip = (tmp_path / "calls").read_text().splitlines()[0]
+    assert pip.startswith("pip install") and "torch==" not in pip, pip
