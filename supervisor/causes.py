@@ -69,9 +69,11 @@ NODE_CODES = {
     "checkpoint_disk_low": (STORAGE, "the checkpoint disk is nearly full"),
     "data_disk_low": (STORAGE, "the data disk is nearly full"),
     "nvml_unavailable": (RANKGUARD, "the agent cannot load NVML: it is blind, the GPUs may be fine"),
+    "nvlink_down": (NVLINK, "an NVLink link is down"),
+    "pcie_downtrained": (GPU, "a GPU's PCIe link runs below its width or generation"),
+    "ib_port_down": (NETWORK, "an InfiniBand port went down"),
+    "ib_port_below_rate": (NETWORK, "an InfiniBand port runs below its rate"),
 }  # fmt: skip
-# Codes of the link and port collectors, by their prefix.
-NODE_CODE_PREFIXES = (("nvlink", NVLINK), ("pcie", GPU), ("ib_", NETWORK), ("network", NETWORK))
 STORAGE_PHASES = frozenset({"checkpoint_save", "checkpoint_load"})
 
 
@@ -104,8 +106,7 @@ def _node(f: Finding) -> Cause | None:
     if code in NODE_CODES:
         cause, why = NODE_CODES[code]
         return Cause(cause, HIGH, why)
-    prefixed = next((c for p, c in NODE_CODE_PREFIXES if code.startswith(p)), None)
-    return Cause(prefixed, HIGH, f"node health reason {code}") if prefixed else None
+    return None
 
 
 def _dead(f: Finding) -> Cause | None:
