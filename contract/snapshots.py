@@ -260,7 +260,12 @@ def request(
     """One request on a fresh connection; raises OSError/EOFError (unreachable) or WireError
     (the holder refused, with its reason)."""
     with connect(addr, timeout, token) as sock:
-        send_frame(sock, header, payload)
+        try:
+            send_frame(sock, header, payload)
+        except (BrokenPipeError, ConnectionResetError):
+            # The holder may refuse on the header alone and close before reading the
+            # payload: its answer is already on the socket, and it is the reason to show.
+            pass
         answer, data = recv_frame(sock)
     if not answer.get("ok"):
         raise WireError(str(answer.get("error", "refused")))
