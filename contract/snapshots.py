@@ -30,6 +30,7 @@ snapshot memory on `/v1/node` and `/metrics`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -260,12 +261,10 @@ def request(
     """One request on a fresh connection; raises OSError/EOFError (unreachable) or WireError
     (the holder refused, with its reason)."""
     with connect(addr, timeout, token) as sock:
-        try:
+        # The holder may refuse on the header alone and close before reading the payload:
+        # its answer is already on the socket, and it is the reason to show.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             send_frame(sock, header, payload)
-        except (BrokenPipeError, ConnectionResetError):
-            # The holder may refuse on the header alone and close before reading the
-            # payload: its answer is already on the socket, and it is the reason to show.
-            pass
         answer, data = recv_frame(sock)
     if not answer.get("ok"):
         raise WireError(str(answer.get("error", "refused")))
