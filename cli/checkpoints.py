@@ -20,12 +20,14 @@ from ..client.checkpoint_store import CheckpointError, CheckpointStatus
 
 _STATES_HELP = (
     "States: validated = committed, manifest.json present and every file matches it (sizes, "
-    "and sha256 checksums when verified). incomplete = a .partial dir (save in progress or "
+    "and checksums when verified). incomplete = a .partial dir (save in progress or "
     "interrupted), or a step dir whose manifest.json is missing, unreadable, of another format "
     "or of another step. corrupt = a listed file is missing, truncated, changed (checksum), "
     "an unlisted file or any symbolic link is present, or (with --key-file) the manifest's "
     "HMAC is missing or wrong. quarantined = moved aside under DIR/quarantine/ by a resume "
     "(never deleted).\n\n"
+    "Checksums: CRC-32 (catches torn writes and flipped bits), or SHA-256 when the job "
+    "signs its manifests with a key (tamper-evident); each manifest names its own.\n\n"
 )
 
 _EXIT_HELP = (
@@ -119,7 +121,7 @@ def _state_label(s: CheckpointStatus, checksums: bool = True) -> str:
         return f"quarantined ({printable(s.original_state)})"
     if s.state == store.VALIDATED and not checksums:
         # sizes match the manifest, but a flipped byte has the same size: only --verify
-        # (every file's sha256) may call it validated
+        # (every file's checksum) may call it validated
         return NOT_VERIFIED
     return s.state
 
@@ -239,7 +241,7 @@ def _report(
     elif code == EXIT_OK and not checksums:
         typer.echo(
             f"newest checkpoint step {newest} is committed and its file sizes match its "
-            "manifest; checksums not verified (--verify reads every file and checks its sha256)"
+            "manifest; checksums not verified (--verify reads every file and checks its checksum)"
         )
     elif code == EXIT_OK:
         typer.echo(f"newest checkpoint step {newest} is validated")
@@ -353,7 +355,7 @@ class _Progress:
     help="List checkpoints: step, state, size, world size, age, reason.\n\n"
     "Fast by default: files are checked against the manifest by size only, and a checkpoint "
     "that passes is shown as 'committed (not verified)' (a flipped byte keeps the size); "
-    "--verify also checks every file's sha256 (reads all data) and only then says "
+    "--verify also checks every file's checksum (reads all data) and only then says "
     "'validated'.\n\n" + _STATES_HELP + _EXIT_HELP + _TIERS_HELP,
 )
 def list_(
@@ -370,7 +372,7 @@ def list_(
 
 
 @app.command(
-    help="Verify every checkpoint in full (sizes and sha256 checksums), with "
+    help="Verify every checkpoint in full (sizes and checksums), with "
     "progress on stderr. Read-only: never quarantines or deletes.\n\n"
     "JSON: {root, newest_validated, newest_is_valid, checkpoints: [...]}.\n\n"
     + _STATES_HELP

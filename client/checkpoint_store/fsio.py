@@ -158,7 +158,7 @@ def _hasher(algorithm: str) -> Any:
     raise CheckpointError(f"unknown checksum {algorithm!r} (one of {', '.join(CHECKSUMS)})")
 
 
-def _sha256_fd(
+def _checksum_fd(
     fd: int,
     chunk: int,
     on_bytes: Callable[[int], None] | None = None,
@@ -183,7 +183,7 @@ def _sha256_fd(
     return size, h.hexdigest()
 
 
-def _sha256_file(
+def _checksum_file(
     path: Path,
     chunk: int,
     *,
@@ -197,7 +197,7 @@ def _sha256_file(
             raise CheckpointError(f"{path} is not a regular file")
         if fsync:
             os.fsync(fd)
-        return _sha256_fd(fd, chunk, on_bytes, algorithm)
+        return _checksum_fd(fd, chunk, on_bytes, algorithm)
     finally:
         os.close(fd)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .fsio import _open_beneath, _open_dir_at, _read_regular_at, _read_tree, _sha256_fd, _tree_size
+from .fsio import _open_beneath, _open_dir_at, _read_regular_at, _read_tree, _checksum_fd, _tree_size
 from .layout import (
     _MAX_MANIFEST_BYTES,
     _MAX_SMALL_FILE,
@@ -217,7 +217,7 @@ def _checksum_problems(dir_fd: int, m: Manifest, progress: Progress | None) -> l
             fd = _open_beneath(dir_fd, entry.path)
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
-                    _size, digest = _sha256_fd(fd, DEFAULT_CHUNK, on_bytes, entry.algorithm)
+                    _size, digest = _checksum_fd(fd, DEFAULT_CHUNK, on_bytes, entry.algorithm)
                 else:
                     problems.append(f"{entry.path}: not a regular file")
             finally:

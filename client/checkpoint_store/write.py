@@ -21,7 +21,7 @@ from .fsio import (
     _open_dir_at,
     _overwrite_in_place_at,
     _read_regular_at,
-    _sha256_file,
+    _checksum_file,
     _walk_files,
     _write_durably_at,
 )
@@ -135,7 +135,7 @@ def hash_file(
     reason = _unsafe_path_reason(rel)
     if reason:
         raise CheckpointError(f"cannot list {path} in a manifest: {rel!r} {reason}")
-    size, digest = _sha256_file(path, chunk, fsync=fsync, algorithm=algorithm)
+    size, digest = _checksum_file(path, chunk, fsync=fsync, algorithm=algorithm)
     if algorithm == SHA256:
         return FileEntry(path=rel, size=size, sha256=digest)
     return FileEntry(path=rel, size=size, crc32=digest)

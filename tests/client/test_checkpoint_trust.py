@@ -268,8 +268,8 @@ def test_retention_counts_only_fully_verified_checkpoints(root):
 def test_retention_does_not_reread_what_the_caller_verified(root, monkeypatch):
     verified = {cs.identity(make_ckpt(root, step)) for step in (10, 20, 30)}
     hashed = []
-    real = cs.read._sha256_fd  # what verification reads with
-    monkeypatch.setattr(cs.read, "_sha256_fd", lambda fd, *a: hashed.append(fd) or real(fd, *a))
+    real = cs.read._checksum_fd  # what verification reads with
+    monkeypatch.setattr(cs.read, "_checksum_fd", lambda fd, *a: hashed.append(fd) or real(fd, *a))
     assert [p.name for p in cs.apply_retention(root, 2, verified=verified)] == ["step-00000010"]
     assert hashed == []
     cs.apply_retention(root, 2)
