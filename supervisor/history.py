@@ -29,6 +29,9 @@ class History:
     incarnation_start: dict[str, int] = field(default_factory=dict)
     # straggler finding key -> (time, training step) since when the rank has looked slow
     straggler_since: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # straggler keys of the ranks still slower than their peers (not all suspects): their
+    # incidents stay open (detectors/straggler.py `holds`)
+    straggler_slower: frozenset[str] = frozenset()
     # the straggler suspects of the observation taken at `suspects_at` (Finding objects)
     suspects: tuple[Any, ...] = ()
     suspects_at: float | None = None

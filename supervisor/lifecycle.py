@@ -17,7 +17,7 @@ from the same records, so a restarted supervisor derives the same answers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +127,7 @@ def transitions(
     outcomes: Sequence[Outcome],
     findings: Sequence[Finding],
     obs: ClusterObs,
+    held: Collection[str] = frozenset(),
 ) -> list[Transition]:
     """What this pass means for each incident not yet terminal (`incidents`, oldest
     first, as recorded before the pass's actions were applied): one Transition per
@@ -139,7 +140,8 @@ def transitions(
        open with the reason it waits (a backoff, the fleet brake);
     3. a recovering incident whose job shows a newer incarnation: restarted (once); its
        first timed step (or, without telemetry, every new rank alive) resolves it;
-    4. a reported incident whose finding is no longer seen is resolved;
+    4. a reported incident whose finding is no longer seen, nor `held` by its detector
+       (a straggler whose rank is still slower, under the threshold), is resolved;
     5. a stop done ends the job's other incidents not yet ended: stopped, naming the stop
        (the death that tipped a crash loop is recorded too, and no restart follows it).
     """
@@ -186,7 +188,7 @@ def transitions(
         if t is not None:
             move(inc, t.state, t.values, t.events)
 
-    seen = {f.key for f in findings}  # 4
+    seen = {f.key for f in findings} | set(held)  # 4
     for inc in incidents:
         if state[inc.id] == REPORTED and inc.state == REPORTED and inc.key not in seen:
             move(inc, RESOLVED)

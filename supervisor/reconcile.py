@@ -335,7 +335,8 @@ class Supervisor:
                                  len(obs.nodes))  # fmt: skip
         decisions = decide(findings, view, self.cfg.policy, now)  # decide
         outcomes += [o for d in decisions if (o := self._act(d, obs, now)) is not None]  # act
-        moves = transitions(self.store.open_incidents(), decisions, outcomes, findings, obs)
+        held = {k for d in self.cfg.detectors.REGISTRY if d.holds for k in d.holds(self.history)}
+        moves = transitions(self.store.open_incidents(), decisions, outcomes, findings, obs, held)
         for t in moves:  # record what it meant
             if "restarted_at" in t.values:
                 fault_point("during_restart")  # the group restarted; not yet recorded

@@ -39,6 +39,9 @@ class Detector:
     # detector that keeps state from pass to pass (a field of History, or its entry in
     # `History.state`); a new object, the input left as it was. Run before any detect.
     track: Callable[[History, ClusterObs, Any], History] | None = None
+    # history -> keys of its reported incidents still present though not a finding this
+    # pass (kept open, not resolved: a straggler that flickers under its threshold)
+    holds: Callable[[History], frozenset[str]] | None = None
     # judged on each rank's state alone (a comparison or two a rank): run every pass, with
     # its `track`; the others read step windows and are paced (reconcile.py)
     every_pass: bool = False

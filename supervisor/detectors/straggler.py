@@ -233,7 +233,7 @@ def track(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
     judging every rank again); straggler_since[key]: when (time, step) a suspect was first
     seen, kept while it stays suspect, dropped when it does not; preempted[key]: likewise
     for a rank slow only by its run-queue wait, logged once an episode."""
-    found, preempted_now = judge(obs, cfg, history)
+    found, preempted_now, slower = judge(obs, cfg, history)
     now_suspect = tuple(found)
     stragglers = {
         f.key: history.straggler_since.get(f.key, (obs.time, f.evidence["step"]))
@@ -252,10 +252,18 @@ def track(history: History, obs: ClusterObs, cfg: DetectorConfig) -> History:
     return dataclasses.replace(
         history,
         straggler_since=stragglers,
+        straggler_slower=slower,
         preempted=preempted,
         suspects=now_suspect,
         suspects_at=obs.time,
     )
+
+
+def holds(history: History) -> frozenset[str]:
+    """Straggler keys whose rank is still slower than its peers, though not a finding this
+    pass: its incident stays open while the rank stays slow (a 1.5x slowdown measured at
+    1.12x flickers under the threshold) and is resolved only once it is not."""
+    return history.straggler_slower
 
 
 def suspects(obs: ClusterObs, cfg: DetectorConfig, history: History) -> list[Finding]:
@@ -265,11 +273,13 @@ def suspects(obs: ClusterObs, cfg: DetectorConfig, history: History) -> list[Fin
 
 def judge(
     obs: ClusterObs, cfg: DetectorConfig, history: History
-) -> tuple[list[Finding], list[Preempted]]:
+) -> tuple[list[Finding], list[Preempted], frozenset[str]]:
     """(ranks that look like stragglers in this observation alone, ranks that would have
-    but for their run-queue wait)."""
+    but for their run-queue wait, the keys of every rank still slower than its peers on
+    what it is judged on: over the lower of the two rules' floors, `_judged_from`)."""
     out: list[Finding] = []
     preempted: list[Preempted] = []
+    slower: set[str] = set()
     for job in obs.jobs():
         restart, ranks = incarnation(obs, job)
         start = history.incarnation_start.get(f"{job}:{restart}", 0)
@@ -280,12 +290,22 @@ def judge(
             continue
         peers = _peers(windows)
         for suspect in windows:
+            if _still_slower(suspect, peers, cfg.straggler):
+                slower.add(f"straggler:{job}:{suspect.rank.rank}:{restart}")
             verdict = _judge(obs, job, restart, suspect, windows, peers, cfg)
             if isinstance(verdict, Finding):
                 out.append(verdict)
             elif verdict is not None:
                 preempted.append(verdict)
-    return out, preempted
+    return out, preempted, frozenset(slower)
+
+
+def _still_slower(suspect: _Window, peers: _Peers, c: StragglerConfig) -> bool:
+    """Its window's median over its peers', on own work when the job is judged on it (a
+    preempted rank is not slower), at `_judged_from` or more."""
+    if peers.own is None:
+        return _ratio(suspect.compute, peers.compute) >= _judged_from(c)
+    return _ratio(suspect.own or 0.0, peers.own) >= _judged_from(c)
 
 
 def _window(r: RankObs, restart: int, start: int, cfg: DetectorConfig) -> _Window | None:
@@ -532,4 +552,4 @@ def _slower_steps_fraction(
     return slower / len(peers_by_step)
 
 
-DETECTOR = Detector("straggler", STRAGGLER, StragglerConfig, detect, track=track)
+DETECTOR = Detector("straggler", STRAGGLER, StragglerConfig, detect, track=track, holds=holds)

@@ -501,6 +501,19 @@ def test_straggler_with_slower_compute_and_waiting_peers():
     assert f.evidence["window"] == 12 and f.evidence["peers_median_comm_seconds"] > 0.03
 
 
+def test_a_rank_still_slower_under_the_threshold_is_held_not_named():
+    """1.10x: under the 1.15x threshold and too little excess, so no finding, but still
+    slower than its peers: its incident, once open, stays open. 1.0x: not held."""
+    ranks = [rank(r, recent=_steps_for(30, comm=0.034)) for r in range(4)]
+    ranks[2] = rank(2, recent=_steps_for(30, compute=0.077, comm=0.02))
+    found, _, slower = straggler.judge(cluster(*ranks), NO_WARMUP, History())
+    assert found == [] and slower == {"straggler:j:2:0"}
+    h = advance_history(History(), cluster(*ranks), NO_WARMUP)
+    assert straggler.holds(h) == {"straggler:j:2:0"}
+    even = [rank(r, recent=_steps_for(30, comm=0.034)) for r in range(4)]
+    assert straggler.judge(cluster(*even), NO_WARMUP, History())[2] == frozenset()
+
+
 def test_straggler_needs_corroboration_a_full_window_and_two_ranks():
     slow_no_wait = [rank(0, recent=_steps_for(30)), rank(1, recent=_steps_for(30, compute=0.09))]
     assert _stragglers(slow_no_wait) == []  # peers do not wait longer in comm
@@ -567,8 +580,9 @@ def test_a_preempted_rank_is_not_a_straggler_but_is_told_apart():
     ranks = [rank(r, recent=_waiting(30, comm=0.034)) for r in range(4)]
     ranks[2] = rank(2, recent=_waiting(30, compute=0.084, wait=0.014))
     assert _stragglers(ranks) == []
-    found, [p] = straggler.judge(cluster(*ranks), NO_WARMUP, History())
+    found, [p], slower = straggler.judge(cluster(*ranks), NO_WARMUP, History())
     assert found == [] and (p.rank, p.key) == (2, "straggler:j:2:0")
+    assert slower == frozenset()  # preempted is not slower: its incident would not be held
     assert (p.ratio, p.own_ratio) == (pytest.approx(1.2), pytest.approx(1.0))
     assert (p.wait, p.peers_wait) == (pytest.approx(0.014), 0.0)
 

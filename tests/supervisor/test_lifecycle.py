@@ -180,6 +180,8 @@ def test_a_reported_fault_no_longer_seen_is_resolved():
     inc = incident(kind="straggler", state="reported")
     assert transitions([inc], [], [], [finding("straggler", inc.key)], cluster()) == []
     assert only(transitions([inc], [], [], [], cluster())).state == "resolved"
+    # held by its detector (the rank is still slower, under the threshold): stays reported
+    assert transitions([inc], [], [], [], cluster(), held={inc.key}) == []
 
 
 # -- attribution: our own action's consequences -------------------------------------------
