@@ -137,7 +137,17 @@ def _describe(inc: dict) -> str:
 
 
 def timeline(inc: dict) -> tuple[str, ...]:
-    """The incident's milestones, seconds after the fault (or its detection)."""
+    """The incident's milestones, seconds after the fault (or its detection), its lost
+    steps and its verdict: what the live view and `rankguard incidents` print."""
+    out = milestones(inc)
+    if inc.get("verdict"):
+        out += (f"verdict: {inc['verdict']}",)
+    return out
+
+
+def milestones(inc: dict) -> tuple[str, ...]:
+    """Fault, detected, acted, restarted, first step and resolved as offsets from the
+    fault (one format everywhere), then the steps lost."""
     origin = inc.get("occurred_at") or inc.get("detected_at")
     if origin is None:
         return ()
@@ -152,8 +162,6 @@ def timeline(inc: dict) -> tuple[str, ...]:
     out = [f"+{at - origin:5.1f}s {what}" for what, at in marks if isinstance(at, (int, float))]
     if inc.get("lost_steps") is not None:
         out.append(f"lost steps {inc['lost_steps']}")
-    if inc.get("verdict"):
-        out.append(f"verdict: {inc['verdict']}")
     return tuple(out)
 
 

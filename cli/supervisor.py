@@ -16,6 +16,8 @@ import typer
 
 from rankguard.supervisor.restart_phases import PHASES as RESTART_PHASES
 
+from .live_view import milestones
+
 Opt = typer.Option
 DEFAULT_SUPERVISOR = "http://127.0.0.1:9408"
 SupervisorUrl = Annotated[
@@ -302,12 +304,8 @@ def incidents(
         if inc.get("cause"):
             typer.echo(f"    cause: {inc['cause']} ({inc.get('cause_confidence')} confidence): "
                        f"{inc.get('cause_why')}")  # fmt: skip
-        phases = [(k, v) for k, v in (inc.get("phases") or {}).items() if v is not None]
-        if inc.get("time_to_recover") is not None:
-            phases.append(("fault to first step", inc["time_to_recover"]))
-        if phases:
-            lost = f", lost steps {inc['lost_steps']}" if inc.get("lost_steps") is not None else ""
-            typer.echo("    " + ", ".join(f"{k} {v:.2f}s" for k, v in phases) + lost)
+        if marks := milestones(inc):  # the live view's offsets from the fault
+            typer.echo("    " + "  ".join(marks))
         for e in inc.get("events") or []:  # the workers' own milestones (restart_phases.py)
             if e["what"] == "restart phases":
                 parts = [(k, e["detail"].get(k)) for k in RESTART_PHASES]

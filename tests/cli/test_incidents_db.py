@@ -32,7 +32,8 @@ def test_incidents_db_lists_and_leaves_the_file_unchanged(tmp_path):
     r = runner.invoke(app, ["incidents", "--db", str(db)])
     assert r.exit_code == 0, r.output
     assert "rank_dead job=run rank=1" in r.stdout and "rank 1 exited" in r.stdout
-    assert "fault to first step 4.00s" in r.stdout
+    # the live view's timeline: offsets from the fault
+    assert "+  0.5s detected  +  4.0s first step  +  4.0s resolved" in r.stdout, r.stdout
     r = runner.invoke(app, ["incidents", "--db", str(db), "--json"])
     assert [i["kind"] for i in json.loads(r.stdout)["incidents"]] == ["rank_dead"]
 
