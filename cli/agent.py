@@ -10,40 +10,62 @@ import typer
 Opt = typer.Option
 
 
+def _help(name: str, text: str) -> str:
+    from rankguard.agent.config import AgentConfig
+    from rankguard.service.settings import flag_help
+
+    return flag_help(text, AgentConfig, name, "agent")
+
+
 def agent(
     bind: Annotated[
         str,
-        Opt(help="HOST:PORT for /metrics and /v1 (loopback by default; 0.0.0.0:PORT exposes it)"),
+        Opt(help=_help("bind", "HOST:PORT for /metrics and /v1 (0.0.0.0:PORT exposes it)")),
     ] = None,
-    interval: Annotated[float, Opt(help="seconds between collections")] = None,
+    interval: Annotated[float, Opt(help=_help("interval", "seconds between collections"))] = None,
     token_file: Annotated[
         Path, Opt(help="bearer token for control endpoints (owner-only file, >= 16 chars)")
     ] = None,
     telemetry_socket: Annotated[
-        str, Opt(help="Unix datagram socket the trainer's ranks send to")
+        str, Opt(help=_help("telemetry_socket", "Unix datagram socket the trainer's ranks send to"))
     ] = None,
     telemetry_group: Annotated[
         str,
         Opt(
-            help="group of the telemetry socket (mode 0660): users whose ranks may send "
-            "[the agent's own group]"
+            help=_help(
+                "telemetry_group",
+                "group of the telemetry socket (mode 0660): users "
+                "whose ranks may send (unset: the agent's own group)",
+            )
         ),
     ] = None,
     telemetry_quota: Annotated[
         float,
         Opt(
-            help="telemetry records per second per sender uid (x10 for root and the "
-            "agent's uid) [2000]"
+            help=_help(
+                "telemetry_quota",
+                "telemetry records per second per sender uid (x10 for root and the agent's uid)",
+            )
         ),
     ] = None,
     telemetry_ranks_per_uid: Annotated[
-        int, Opt(help="rank table entries per sender uid (root and the agent's uid: all) [256]")
+        int,
+        Opt(
+            help=_help(
+                "telemetry_ranks_per_uid",
+                "rank table entries per sender uid (root and the agent's uid: all)",
+            )
+        ),
     ] = None,
     telemetry_batch_wait: Annotated[
         float,
         Opt(
-            help="seconds the receiver lets telemetry datagrams gather between drains (0: "
-            "one wake-up per datagram) [0.1 if net.unix.max_dgram_qlen >= 64, else 0]"
+            help=_help(
+                "telemetry_batch_wait",
+                "seconds the receiver lets telemetry datagrams "
+                "gather between drains (0: one wake-up per datagram; unset: 0.1 if "
+                "net.unix.max_dgram_qlen >= 64, else 0)",
+            )
         ),
     ] = None,
     ckpt_dir: Annotated[
@@ -62,10 +84,13 @@ def agent(
     discover_workers: Annotated[
         str,
         Opt(
-            help="watch torchrun workers that send no telemetry, found in /proc (zero-code "
-            "protection: death and hang, no steps): auto = those whose "
-            "RANKGUARD_TELEMETRY_SOCKET is this agent's socket, and those without one when "
-            "this agent has the default socket; all = also those without one; off [auto]"
+            help=_help(
+                "discover_workers",
+                "watch torchrun workers that send no telemetry, found in /proc (zero-code "
+                "protection: death and hang, no steps): auto = those whose "
+                "RANKGUARD_TELEMETRY_SOCKET is this agent's socket, and those without one when "
+                "this agent has the default socket; all = also those without one; off",
+            )
         ),
     ] = None,
     tls_cert: Annotated[

@@ -30,6 +30,21 @@ EXIT = {"healthy": 0, "degraded": 1, "unhealthy": 2}
 
 # the flags over the config file's [detectors.process_hang] settings, named in their help
 DETECTION = "Ranks without telemetry: flags over the config's [detectors.process_hang]"
+PROCESS_IDLE_HELP = "hung when all ranks but one made no CPU progress this long"
+
+
+def _loop_help(name: str, text: str) -> str:
+    from rankguard.service.settings import flag_help
+    from rankguard.supervisor.config import LoopSettings
+
+    return flag_help(text, LoopSettings, name, "supervisor")
+
+
+def _hang_help(name: str, text: str) -> str:
+    from rankguard.service.settings import flag_help
+    from rankguard.supervisor.detectors.process_hang import ProcessHangConfig
+
+    return flag_help(text, ProcessHangConfig, name, "detectors.process_hang")
 
 
 def supervisor(
@@ -59,15 +74,15 @@ def supervisor(
         Path, Opt(help="CA bundle (PEM) that https agents' certificates are checked against")
     ] = None,
     interval: Annotated[
-        float, Opt(help="seconds between reconcile passes [0.25; [supervisor] interval]")
+        float, Opt(help=_loop_help("interval", "seconds between reconcile passes"))
     ] = None,
     agent_timeout: Annotated[
-        float, Opt(help="seconds to wait for an agent's answer [2.0; [supervisor] agent_timeout]")
+        float, Opt(help=_loop_help("agent_timeout", "seconds to wait for an agent's answer"))
     ] = None,
     process_stopped_seconds: Annotated[
         float,
         Opt(
-            help="a rank stopped this long is hung (stopped_seconds; default 2.0)",
+            help=_hang_help("stopped_seconds", "a rank stopped this long is hung"),
             min=0,
             metavar="SECONDS",
             rich_help_panel=DETECTION,
@@ -76,8 +91,7 @@ def supervisor(
     process_idle_seconds: Annotated[
         float,
         Opt(
-            help="hung when all ranks but one made no CPU progress this long (idle_seconds; "
-            "default 120.0)",
+            help=_hang_help("idle_seconds", PROCESS_IDLE_HELP),
             min=0,
             metavar="SECONDS",
             rich_help_panel=DETECTION,

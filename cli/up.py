@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -24,13 +24,17 @@ from ..client import bootstrap, flight_recorder
 from ..client.checkpoint_store import KEY_FILE_ENV, CheckpointError, load_key
 from ..contract import startup_guard
 from ..contract.secrets import new_secret_file, private_dir_problem
+from ..supervisor.detectors.process_hang import ProcessHangConfig
 from . import live_view as lv
 from .keeper import KeptDaemon
 from .local_stack import free_ports, holder_up
 from .rendezvous import reachable, torchrun_args
+from .supervisor import PROCESS_IDLE_HELP
 
 Opt = typer.Option
 
+# the bundled trainer's run when up is not told otherwise (a short demonstration run)
+DEFAULT_PRESET, DEFAULT_STEPS, DEFAULT_CKPT_EVERY = "tiny", 300, 20
 EXIT_STOPPED = 3  # the supervisor stopped the job (crash loop): distinct from a plain failure
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143  # SIGTERM: 128 + 15
@@ -317,13 +321,19 @@ def up(
         ),
     ] = None,
     preset: Annotated[
-        str, Opt(help="model size: tiny, small or 1b (default: tiny)", rich_help_panel=TRAINER)
+        str,
+        Opt(
+            help=f"model size: tiny, small or 1b (default: {DEFAULT_PRESET})",
+            rich_help_panel=TRAINER,
+        ),
     ] = None,
     steps: Annotated[
-        int, Opt(help="optimizer steps to train (default: 300)", rich_help_panel=TRAINER)
+        int,
+        Opt(help=f"optimizer steps to train (default: {DEFAULT_STEPS})", rich_help_panel=TRAINER),
     ] = None,
     ckpt_every: Annotated[
-        int, Opt(help="save every N steps (default: 20)", rich_help_panel=TRAINER)
+        int,
+        Opt(help=f"save every N steps (default: {DEFAULT_CKPT_EVERY})", rich_help_panel=TRAINER),
     ] = None,
     trainer_arg: Annotated[
         list[str],
@@ -369,11 +379,11 @@ def up(
         float,
         Opt(
             "--process-idle-seconds",
-            help="a script's ranks are hung when all but one made no CPU progress this long",
+            help="a script's ranks are " + PROCESS_IDLE_HELP,
             min=1,
             rich_help_panel=FAULTS,
         ),
-    ] = 120.0,
+    ] = ProcessHangConfig.idle_seconds,
     cold_start: Annotated[
         bool,
         Opt(
@@ -411,15 +421,56 @@ def up(
     argument); 3 the supervisor stopped the job (a crash loop: see `rankguard incidents`);
     130 Ctrl-C, 143 SIGTERM (everything up started is ended and the summary printed).
     """
+    plan = _parse(script, nproc, max_restarts, run_dir, rendezvous, preset, steps, ckpt_every,
+                  trainer_arg, snapshot_every, ckpt_dir, no_ckpt_key, inject,
+                  process_idle_seconds, cold_start, warm_start)  # fmt: skip
+    stack = _prepare(plan)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        _start_daemons(plan, stack)
+        trainer, display, stuck_after_training = _train(plan, stack)
+        raise typer.Exit(_summarise(plan, stack, trainer, display, stuck_after_training))
+    except KeyboardInterrupt as exc:  # before training started: nothing to summarize
+        _ignore_signals()
+        how, code = _interruption(exc)
+        typer.echo(f"rankguard up: {how} while starting", err=True)
+        raise typer.Exit(code) from None
+    finally:
+        stack.end()
+
+
+@dataclass
+class _Plan:
+    """What up's arguments decided, every one checked (`_parse`): nothing started yet."""
+
+    script: list[str]  # a user's script and its arguments ([] for the bundled trainer)
+    nproc: int
+    max_restarts: int
+    run_dir: Path  # absolute: the export line and the paths in it work from any directory
+    rendezvous: str | None  # a running `rankguard rendezvous`, else up starts one
+    preset: str
+    steps: int
+    ckpt_every: int
+    trainer_arg: list[str]  # with the step= faults as the trainer's --fault flags
+    snapshot_every: int | None
+    ckpt_dir: Path | None  # a script keeps its checkpoints where it chooses
+    no_ckpt_key: bool
+    timed: list  # at= faults: up's own, on a timer
+    process_idle_seconds: float
+    warm: bool  # workers forked from a process that imported torch once
+
+
+def _parse(script, nproc, max_restarts, run_dir, rendezvous, preset, steps, ckpt_every,
+           trainer_arg, snapshot_every, ckpt_dir, no_ckpt_key, inject, process_idle_seconds,
+           cold_start, warm_start) -> _Plan:  # fmt: skip
+    """Every argument checked, the trainer's too, before anything is started or made: one
+    line and exit 2 for the first refused."""
     given = {"--preset": preset, "--steps": steps, "--ckpt-every": ckpt_every,
              "--trainer-arg": trainer_arg or None, "--cold-start": cold_start or None,
              "--warm-start": warm_start or None, "--snapshot-every": snapshot_every}  # fmt: skip
     if cold_start and warm_start:
-        raise typer.Exit(
-            _fail(
-                "--cold-start and --warm-start: choose one (warm is the default for the bundled trainer, cold for a script)"
-            )
-        )
+        raise typer.Exit(_fail("--cold-start and --warm-start: choose one (warm is the default "
+                               "for the bundled trainer, cold for a script)"))  # fmt: skip
     if script:
         _check_script(script)
         refused = [name for name in TRAINER_ONLY if given[name] is not None]
@@ -428,215 +479,66 @@ def up(
                 f"{', '.join(refused)}: only for the bundled trainer; a script takes its own "
                 "arguments after `--`"
             )
-    preset = preset if preset is not None else "tiny"
-    steps = steps if steps is not None else 300
-    ckpt_every = ckpt_every if ckpt_every is not None else 20
+    preset = preset if preset is not None else DEFAULT_PRESET
+    steps = steps if steps is not None else DEFAULT_STEPS
+    ckpt_every = ckpt_every if ckpt_every is not None else DEFAULT_CKPT_EVERY
     if nproc < 1:
         raise typer.Exit(_fail(f"--nproc {nproc}: the ranks on this machine: 1 or more"))
     if rendezvous is not None:
         _check_endpoint(rendezvous)
     faults = [parse_inject(s, script=bool(script)) for s in inject or []]
-    # step= faults are the trainer's own (--fault); at= faults are up's, on a timer
-    timed = [f for f in faults if f.at is not None]
-    trainer_arg = [
-        *(trainer_arg or []),
-        *(f"--fault={f.text()}" for f in faults if f.step is not None),
-    ]
-    if not script:  # the trainer's own checks, before anything is started or made
+    trainer_arg = [*(trainer_arg or []),
+                   *(f"--fault={f.text()}" for f in faults if f.step is not None)]  # fmt: skip
+    if not script:
         _check_trainer_args(preset, steps, ckpt_every, trainer_arg, snapshot_every)
-    # absolute: the export line and the paths in it work from any directory
     run_dir = (run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")).absolute()
-    # a script keeps its checkpoints where it chooses: up names none it did not make
     if ckpt_dir is not None:
         ckpt_dir = ckpt_dir.absolute()
     elif not script:
         ckpt_dir = run_dir / "ckpt"
-    _check_socket_room(run_dir)
-    _prepare_run_dir(run_dir, ckpt_dir)
-    key_file = None if no_ckpt_key else user_checkpoint_key()
-    token, rdzv_secret = run_dir / "token", run_dir / "rendezvous.key"
-    new_secret_file(token)
-    new_secret_file(rdzv_secret)
-    fault_file = run_dir / "faults"
-    _private_file(fault_file).close()
-    agent_port, sup_port, rdzv_port = free_ports(3)  # distinct: each is another daemon's
-    agent_url, sup_url = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{sup_port}"
-    env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str((run_dir / "telemetry.sock").absolute()),
-           "RANKGUARD_FAULT_FILE": str(fault_file), "RANKGUARD_SUPERVISOR": sup_url,
-           "RANKGUARD_STARTUP_TRACE": str((run_dir / STARTUP_TRACE).absolute())}  # fmt: skip
-    if key_file is not None:  # the trainer's and the client library's checkpoint key
-        env[KEY_FILE_ENV] = str(key_file)
-    procs: list[subprocess.Popen] = []
-    kept: list[KeptDaemon] = []
-    timers: list[threading.Timer] = []
-    db = run_dir / "rankguard.db"
-    daemon_env = dict(env)  # as started: later additions are for the trainer only
-    # The workers' flight recorders (what the Reporter reads while a rank stalls, and what
-    # NCCL's watchdog dumps on a collective timeout, into the run's folder), unless the
-    # user chose otherwise: client/flight_recorder.py
-    recorder = run_dir / "flight-recorder"
-    _own_dir(recorder, "the flight recorder's folder", private=True)
-    flight_recorder.enable(env, dump_to=str((recorder / "rank_").absolute()))
-    # zero-code scripts: the workers' collective watch reads those recorders live
-    bootstrap.put_on_path(env)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        starting = [
-            _start("agent", ["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
-                             "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"],
-                             *(["--ckpt-dir", str(ckpt_dir)] if ckpt_dir else []), "--interval", "0.5"],
-                   run_dir, daemon_env, lambda: _get(agent_url + "/healthz") is not None),
-            _start("supervisor", ["supervisor", "--agents", agent_url, "--db", str(db),
-                                  "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
-                                  "--process-idle-seconds", str(process_idle_seconds),
-                                  "--config", str(_local_supervisor_config(run_dir))],
-                   run_dir, daemon_env, lambda: _get(sup_url + "/healthz") is not None),
-        ]  # fmt: skip
-        procs.extend(d.proc for d in starting)  # ended on the way out if a start fails
-        # torchrun's rendezvous store in its own process, not inside torchrun: the job
-        # survives its restart (trainer/rendezvous.py), as on a cluster's control node
-        job = run_dir.name
-        if rendezvous is None:
-            starting.append(_start("rendezvous", ["rendezvous", "--port", str(rdzv_port), "--bind", "127.0.0.1"],
-                                   run_dir, daemon_env, lambda: reachable("127.0.0.1", rdzv_port)))  # fmt: skip
-            procs.append(starting[-1].proc)
-            rendezvous = f"127.0.0.1:{rdzv_port}"
-        rdzv = torchrun_args(rendezvous, job, rdzv_secret.absolute())
-        entry = ["rankguard.trainer"]
-        helpers: list[_Starting] = []  # started with the daemons, not restarted by `up`
+    return _Plan(
+        script=list(script or []), nproc=nproc, max_restarts=max_restarts, run_dir=run_dir,
+        rendezvous=rendezvous, preset=preset, steps=steps, ckpt_every=ckpt_every,
+        trainer_arg=trainer_arg, snapshot_every=snapshot_every, ckpt_dir=ckpt_dir,
+        no_ckpt_key=no_ckpt_key, timed=[f for f in faults if f.at is not None],
+        process_idle_seconds=process_idle_seconds,
         # warm by default for the bundled trainer; a script opts in (docs/architecture.md:
         # the agent sees a zero-code script's warm worker only through its shim)
-        warm = warm_start or not (cold_start or script)
-        if warm:  # restarts skip `import torch`: workers forked from a server that has it
-            helpers.append(_start_warm_server(run_dir, env))
-            env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
-            entry = ["rankguard.trainer.warm", "run"]
-        else:  # workers torchrun starts itself record their own exits: a start-up error
-            # (every one failing before its process group formed) ends the job, unrestarted
-            env[startup_guard.ENV] = str((run_dir / STARTUP_GUARD).absolute())
-        if snapshot_every:  # holder A, replicating to B: a second node's holder, on one machine
-            holders, flags = _start_holders(run_dir, daemon_env)
-            helpers += holders
-            trainer_arg = [*(trainer_arg or []), "--snapshot-every", str(snapshot_every), *flags]
-        procs.extend(h.proc for h in helpers)
-        for started in starting:
-            kept.append(_keep(started, daemon_env))
-            procs.remove(started.proc)  # the keeper's now (it may replace it)
-        for helper in helpers:
-            helper.wait()
-        if script:
-            # torchrun's c10d rendezvous shares one store across restarts, and a plain
-            # script's init_process_group (env://) writes its gloo addresses under the same
-            # keys each time: a restarted group could read the dead one's and hang (seen:
-            # docs/architecture.md). With this, each round gets a fresh store.
-            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-            # a named rendezvous, so the workers' TORCHELASTIC_RUN_ID (the job's name in the
-            # agent, discovery.py) is this run's name; --standalone would draw a random one
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", *rdzv,
-                   f"--nproc-per-node={nproc}",
-                   f"--max-restarts={max_restarts}", *(warm_script(script) if warm else script)]  # fmt: skip
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", *rdzv, f"--nproc-per-node={nproc}",
-                   f"--max-restarts={max_restarts}", "-m", *entry, "--preset", preset, "--steps", str(steps),
-                   "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(ckpt_every), "--job", job,
-                   "--summary", str(run_dir / "summary.json"), "--log-every", "50", *(trainer_arg or [])]  # fmt: skip
-        typer.echo(f"rankguard up: run {run_dir} | agent {agent_url} | supervisor {sup_url} "
-                   f"| rendezvous {rendezvous}")  # fmt: skip
-        # a second shell: `rankguard health`, `ranks`, `incidents`, `inject` find this run
-        line = export_line({"RANKGUARD_SUPERVISOR": sup_url, "RANKGUARD_AGENT": agent_url,
-                            "RANKGUARD_TOKEN_FILE": token, "RANKGUARD_FAULT_FILE": fault_file,
-                            "RANKGUARD_CKPT_DIR": ckpt_dir, KEY_FILE_ENV: key_file})  # fmt: skip
-        with _private_file(run_dir / EXPORT_FILE) as f:
-            f.write(line + "\n")
-        typer.echo(f"rankguard up: in another shell: {line}")
-        typer.echo(f"rankguard up: (or: . {run_dir / EXPORT_FILE})")
-        with _private_file(run_dir / "trainer.log") as log:
-            trainer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        procs.append(trainer)
-        start = time.monotonic()
-        display = _Display(sup_url, agent_url, job, None if script else steps, start)
-        watch = _Watch(display, kept)
-        for f in timed:  # daemon timers, cancelled below: a pending one never outlives the run
-            t = threading.Timer(
-                f.at, _inject, (f, agent_url, token, fault_file, ckpt_dir, job, display)
-            )
-            t.daemon = True
-            t.start()
-            timers.append(t)
-        try:
-            stuck_after_training = watch.run(trainer)
-        except KeyboardInterrupt as exc:
-            for sig in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut the cleanup
-                signal.signal(sig, signal.SIG_IGN)
-            how, code = _interruption(exc)
-            display.close()
-            typer.echo(f"rankguard up: {how}: stopping training", err=True)
-            _end(trainer)
-            _print_summary(display, how, db, run_dir)
-            typer.echo(f"rankguard up: incidents: rankguard incidents --db {db}")
-            raise typer.Exit(code) from None
-        for t in timers:
+        warm=warm_start or not (cold_start or script),
+    )  # fmt: skip
+
+
+@dataclass
+class _Stack:
+    """The run's files and environment (`_prepare`), then what `_start_daemons` started;
+    `end` ends all of it."""
+
+    run_dir: Path
+    job: str
+    env: dict  # the trainer's
+    daemon_env: dict  # the daemons', as they were started
+    key_file: Path | None
+    token: Path
+    fault_file: Path
+    db: Path
+    ports: tuple[int, int, int]  # agent, supervisor, rendezvous: distinct, each its daemon's
+    rendezvous: str = ""  # HOST:PORT torchrun meets at
+    procs: list[subprocess.Popen] = field(default_factory=list)  # ended on the way out
+    kept: list[KeptDaemon] = field(default_factory=list)  # restarted while the run lasts
+    timers: list[threading.Timer] = field(default_factory=list)
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[0]}"
+
+    @property
+    def sup_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[1]}"
+
+    def end(self) -> None:
+        for t in self.timers:  # a pending fault never outlives the run
             t.cancel()
-        display.look()
-        display.close()
-        cluster = _get(sup_url + "/v1/cluster") or {}
-        state = cluster.get("jobs", {}).get(job, {})
-        verdict = state.get("verdict") if state.get("state") == "stopped" else None
-        if trainer.returncode != 0 and verdict is None:
-            verdict = _stop_verdict(db, job)
-        completed = trainer.returncode == 0 or stuck_after_training
-        failed_at_start = None
-        if not completed:
-            exits = startup_guard.read(run_dir / STARTUP_GUARD)
-            failed_at_start = startup_guard.startup_failure(exits)
-        if failed_at_start is not None:
-            typer.echo(f"rankguard up: training failed at start: rank {failed_at_start.rank} "
-                       f"exited {failed_at_start.lived:.1f} s after its start, before its "
-                       "process group formed; not restarted (it would fail the same way)",
-                       err=True)  # fmt: skip
-            code, how = 1, "failed at start"
-        elif completed and script:
-            typer.echo(f"rankguard up: training completed: {' '.join(script)} exited 0")
-            code, how = 0, "completed"
-        elif completed and (run_dir / "summary.json").is_file():
-            summary = json.loads((run_dir / "summary.json").read_text())
-            typer.echo(f"rankguard up: training completed: step {summary['final_step']}, loss "
-                       f"{summary['final_loss']:.4f}, digest {summary['param_digest'][:16]}")  # fmt: skip
-            code, how = 0, "completed"
-        elif verdict is not None:
-            typer.echo(f"rankguard up: the supervisor stopped the job: {verdict}", err=True)
-            code, how = EXIT_STOPPED, "stopped by the supervisor"
-        else:
-            typer.echo(
-                f"rankguard up: training failed (exit {trainer.returncode}); see {run_dir}/trainer.log",
-                err=True,
-            )
-            code, how = 1, f"failed (exit {trainer.returncode})"
-        if code != 0:
-            # the worker's own record first: the log interleaves every rank's output
-            error = (failed_at_start and failed_at_start.error) or last_error(
-                (run_dir / "trainer.log").read_text(errors="replace")
-            )
-            if error:
-                whose = "the script's" if script else "the trainer's"
-                typer.echo(f"rankguard up: {whose} last error:\n{error}", err=True)
-        restarted = [f"{d.name} {d.restarts}x" for d in kept if d.restarts]
-        if restarted:
-            typer.echo(f"rankguard up: restarted during the run: {', '.join(restarted)}")
-        _print_summary(display, how, db, run_dir)
-        # the supervisor ends with `up`: point at its database, not at its URL
-        typer.echo(f"rankguard up: incidents: rankguard incidents --db {db}")
-        raise typer.Exit(code)
-    except KeyboardInterrupt as exc:  # before training started: nothing to summarize
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        how, code = _interruption(exc)
-        typer.echo(f"rankguard up: {how} while starting", err=True)
-        raise typer.Exit(code) from None
-    finally:
-        for t in timers:
-            t.cancel()
-        procs = [d.proc for d in kept] + procs
+        procs = [d.proc for d in self.kept] + self.procs
         for p in reversed(procs):
             if p.poll() is None:
                 p.terminate()
@@ -645,6 +547,211 @@ def up(
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _prepare(plan: _Plan) -> _Stack:
+    """The run directory, its secrets and the environment of everything up starts."""
+    run_dir = plan.run_dir
+    _check_socket_room(run_dir)
+    _prepare_run_dir(run_dir, plan.ckpt_dir)
+    key_file = None if plan.no_ckpt_key else user_checkpoint_key()
+    token, rdzv_secret = run_dir / "token", run_dir / "rendezvous.key"
+    new_secret_file(token)
+    new_secret_file(rdzv_secret)
+    fault_file = run_dir / "faults"
+    _private_file(fault_file).close()
+    ports = free_ports(3)
+    env = {**os.environ, "RANKGUARD_TELEMETRY_SOCKET": str(run_dir / "telemetry.sock"),
+           "RANKGUARD_FAULT_FILE": str(fault_file),
+           "RANKGUARD_SUPERVISOR": f"http://127.0.0.1:{ports[1]}",
+           "RANKGUARD_STARTUP_TRACE": str(run_dir / STARTUP_TRACE)}  # fmt: skip
+    if key_file is not None:  # the trainer's and the client library's checkpoint key
+        env[KEY_FILE_ENV] = str(key_file)
+    daemon_env = dict(env)  # as started: later additions are for the trainer only
+    # The workers' flight recorders (what the Reporter reads while a rank stalls, and what
+    # NCCL's watchdog dumps on a collective timeout, into the run's folder), unless the
+    # user chose otherwise: client/flight_recorder.py
+    recorder = run_dir / "flight-recorder"
+    _own_dir(recorder, "the flight recorder's folder", private=True)
+    flight_recorder.enable(env, dump_to=str(recorder / "rank_"))
+    # zero-code scripts: the workers' collective watch reads those recorders live
+    bootstrap.put_on_path(env)
+    if plan.warm:  # restarts skip `import torch`: workers forked from a server that has it
+        env["RANKGUARD_WARM_SOCKET"] = str(run_dir / "warm.sock")
+    else:  # workers torchrun starts itself record their own exits: a start-up error
+        # (every one failing before its process group formed) ends the job, unrestarted
+        env[startup_guard.ENV] = str(run_dir / STARTUP_GUARD)
+    if plan.script:
+        # torchrun's c10d rendezvous shares one store across restarts, and a plain
+        # script's init_process_group (env://) writes its gloo addresses under the same
+        # keys each time: a restarted group could read the dead one's and hang (seen:
+        # docs/architecture.md). With this, each round gets a fresh store.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return _Stack(run_dir=run_dir, job=run_dir.name, env=env, daemon_env=daemon_env,
+                  key_file=key_file, token=token, fault_file=fault_file,
+                  db=run_dir / "rankguard.db", ports=ports)  # fmt: skip
+
+
+def _start_daemons(plan: _Plan, stack: _Stack) -> None:
+    """The agent, the supervisor and (unless one was given) the rendezvous, kept running;
+    the warm server and the snapshot holders, started with them."""
+    run_dir, env, denv, token = stack.run_dir, stack.env, stack.daemon_env, stack.token
+    agent_port, sup_port, rdzv_port = stack.ports
+    agent_url, sup_url = stack.agent_url, stack.sup_url
+    ckpt = ["--ckpt-dir", str(plan.ckpt_dir)] if plan.ckpt_dir else []
+    starting = [
+        _start("agent", ["agent", "--bind", f"127.0.0.1:{agent_port}", "--token-file", str(token),
+                         "--telemetry-socket", env["RANKGUARD_TELEMETRY_SOCKET"], *ckpt,
+                         "--interval", "0.5"],
+               run_dir, denv, lambda: _get(agent_url + "/healthz") is not None),
+        _start("supervisor", ["supervisor", "--agents", agent_url, "--db", str(stack.db),
+                              "--token-file", str(token), "--bind", f"127.0.0.1:{sup_port}",
+                              "--process-idle-seconds", str(plan.process_idle_seconds),
+                              "--config", str(_local_supervisor_config(run_dir))],
+               run_dir, denv, lambda: _get(sup_url + "/healthz") is not None),
+    ]  # fmt: skip
+    stack.procs.extend(d.proc for d in starting)  # ended on the way out if a start fails
+    # torchrun's rendezvous store in its own process, not inside torchrun: the job
+    # survives its restart (trainer/rendezvous.py), as on a cluster's control node
+    stack.rendezvous = plan.rendezvous or f"127.0.0.1:{rdzv_port}"
+    if plan.rendezvous is None:
+        starting.append(_start("rendezvous", ["rendezvous", "--port", str(rdzv_port),
+                                              "--bind", "127.0.0.1"],
+                               run_dir, denv, lambda: reachable("127.0.0.1", rdzv_port)))  # fmt: skip
+        stack.procs.append(starting[-1].proc)
+    helpers: list[_Starting] = []  # started with the daemons, not restarted by `up`
+    if plan.warm:
+        helpers.append(_start_warm_server(run_dir, env))
+    if plan.snapshot_every:  # holder A, replicating to B: a second node's holder, on one machine
+        holders, flags = _start_holders(run_dir, denv)
+        helpers += holders
+        plan.trainer_arg += ["--snapshot-every", str(plan.snapshot_every), *flags]
+    stack.procs.extend(h.proc for h in helpers)
+    for started in starting:
+        stack.kept.append(_keep(started, denv))
+        stack.procs.remove(started.proc)  # the keeper's now (it may replace it)
+    for helper in helpers:
+        helper.wait()
+
+
+def _torchrun_command(plan: _Plan, stack: _Stack) -> list[str]:
+    rdzv = torchrun_args(stack.rendezvous, stack.job, (stack.run_dir / "rendezvous.key"))
+    # a named rendezvous, so the workers' TORCHELASTIC_RUN_ID (the job's name in the
+    # agent, discovery.py) is this run's name; --standalone would draw a random one
+    head = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", *rdzv,
+            f"--nproc-per-node={plan.nproc}", f"--max-restarts={plan.max_restarts}"]  # fmt: skip
+    if plan.script:
+        return [*head, *(warm_script(plan.script) if plan.warm else plan.script)]
+    entry = ["rankguard.trainer.warm", "run"] if plan.warm else ["rankguard.trainer"]
+    return [*head, "-m", *entry, "--preset", plan.preset, "--steps", str(plan.steps),
+            "--ckpt-dir", str(plan.ckpt_dir), "--ckpt-every", str(plan.ckpt_every),
+            "--job", stack.job, "--summary", str(stack.run_dir / "summary.json"),
+            "--log-every", "50", *plan.trainer_arg]  # fmt: skip
+
+
+def _train(plan: _Plan, stack: _Stack) -> tuple[subprocess.Popen, _Display, bool]:
+    """torchrun with the job, the live view until it exits, the timed faults on their
+    timers: (torchrun, the view, whether it was stopped after every rank had finished).
+    Ctrl-C or SIGTERM meanwhile: training stopped, the summary printed, exit 130 or 143."""
+    run_dir, sup_url, agent_url = stack.run_dir, stack.sup_url, stack.agent_url
+    cmd = _torchrun_command(plan, stack)
+    typer.echo(f"rankguard up: run {run_dir} | agent {agent_url} | supervisor {sup_url} "
+               f"| rendezvous {stack.rendezvous}")  # fmt: skip
+    # a second shell: `rankguard health`, `ranks`, `incidents`, `inject` find this run
+    line = export_line({"RANKGUARD_SUPERVISOR": sup_url, "RANKGUARD_AGENT": agent_url,
+                        "RANKGUARD_TOKEN_FILE": stack.token,
+                        "RANKGUARD_FAULT_FILE": stack.fault_file,
+                        "RANKGUARD_CKPT_DIR": plan.ckpt_dir, KEY_FILE_ENV: stack.key_file})  # fmt: skip
+    with _private_file(run_dir / EXPORT_FILE) as f:
+        f.write(line + "\n")
+    typer.echo(f"rankguard up: in another shell: {line}")
+    typer.echo(f"rankguard up: (or: . {run_dir / EXPORT_FILE})")
+    with _private_file(run_dir / "trainer.log") as log:
+        trainer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=stack.env)
+    stack.procs.append(trainer)
+    display = _Display(sup_url, agent_url, stack.job, None if plan.script else plan.steps,
+                       time.monotonic())  # fmt: skip
+    for f in plan.timed:  # daemon timers, cancelled at the end
+        t = threading.Timer(f.at, _inject, (f, agent_url, stack.token, stack.fault_file,
+                                            plan.ckpt_dir, stack.job, display))  # fmt: skip
+        t.daemon = True
+        t.start()
+        stack.timers.append(t)
+    try:
+        stuck_after_training = _Watch(display, stack.kept).run(trainer)
+    except KeyboardInterrupt as exc:
+        _ignore_signals()  # a second one must not cut the cleanup
+        how, code = _interruption(exc)
+        display.close()
+        typer.echo(f"rankguard up: {how}: stopping training", err=True)
+        _end(trainer)
+        _print_summary(display, how, stack.db, run_dir)
+        typer.echo(f"rankguard up: incidents: rankguard incidents --db {stack.db}")
+        raise typer.Exit(code) from None
+    for t in stack.timers:
+        t.cancel()
+    display.look()
+    display.close()
+    return trainer, display, stuck_after_training
+
+
+def _summarise(
+    plan: _Plan, stack: _Stack, trainer: subprocess.Popen, display: _Display, stuck: bool
+) -> int:
+    """How the run ended, in words and an exit code, the last error when it failed, and
+    the summary: completed 0; failed at start or later 1; stopped by the supervisor 3."""
+    run_dir, job, db = stack.run_dir, stack.job, stack.db
+    cluster = _get(stack.sup_url + "/v1/cluster") or {}
+    state = cluster.get("jobs", {}).get(job, {})
+    verdict = state.get("verdict") if state.get("state") == "stopped" else None
+    if trainer.returncode != 0 and verdict is None:
+        verdict = _stop_verdict(db, job)
+    completed = trainer.returncode == 0 or stuck
+    failed_at_start = None
+    if not completed:
+        exits = startup_guard.read(run_dir / STARTUP_GUARD)
+        failed_at_start = startup_guard.startup_failure(exits)
+    if failed_at_start is not None:
+        typer.echo(f"rankguard up: training failed at start: rank {failed_at_start.rank} "
+                   f"exited {failed_at_start.lived:.1f} s after its start, before its "
+                   "process group formed; not restarted (it would fail the same way)",
+                   err=True)  # fmt: skip
+        code, how = 1, "failed at start"
+    elif completed and plan.script:
+        typer.echo(f"rankguard up: training completed: {' '.join(plan.script)} exited 0")
+        code, how = 0, "completed"
+    elif completed and (run_dir / "summary.json").is_file():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        typer.echo(f"rankguard up: training completed: step {summary['final_step']}, loss "
+                   f"{summary['final_loss']:.4f}, digest {summary['param_digest'][:16]}")  # fmt: skip
+        code, how = 0, "completed"
+    elif verdict is not None:
+        typer.echo(f"rankguard up: the supervisor stopped the job: {verdict}", err=True)
+        code, how = EXIT_STOPPED, "stopped by the supervisor"
+    else:
+        typer.echo(f"rankguard up: training failed (exit {trainer.returncode}); see "
+                   f"{run_dir}/trainer.log", err=True)  # fmt: skip
+        code, how = 1, f"failed (exit {trainer.returncode})"
+    if code != 0:
+        # the worker's own record first: the log interleaves every rank's output
+        error = (failed_at_start and failed_at_start.error) or last_error(
+            (run_dir / "trainer.log").read_text(errors="replace")
+        )
+        if error:
+            whose = "the script's" if plan.script else "the trainer's"
+            typer.echo(f"rankguard up: {whose} last error:\n{error}", err=True)
+    restarted = [f"{d.name} {d.restarts}x" for d in stack.kept if d.restarts]
+    if restarted:
+        typer.echo(f"rankguard up: restarted during the run: {', '.join(restarted)}")
+    _print_summary(display, how, db, run_dir)
+    # the supervisor ends with `up`: point at its database, not at its URL
+    typer.echo(f"rankguard up: incidents: rankguard incidents --db {db}")
+    return code
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 FINISHED_GRACE_SECONDS = 60.0  # torchrun exits within a second or so of its last worker

@@ -182,3 +182,12 @@ def settings_fields(cls: type, prefix: str) -> list[tuple[str, Any, Any]]:
         else:
             out.append((f"{prefix}.{f.name}", tp, getattr(default, f.name)))
     return out
+
+
+def flag_help(text: str, cls: type, name: str, table: str) -> str:
+    """The help of a flag over a setting: `text`, then the setting's key in the settings
+    file and its default, read from `cls` (so no help repeats a default by hand). An unset
+    (None) default is left to `text` to describe."""
+    default = getattr(cls(), name)
+    shown = "" if default is None else f" = {_toml_value(default)}"
+    return f"{text} [{table}] {name}{shown}"

@@ -135,24 +135,28 @@ DEFAULT_SIGINT = ["-c", "import os, signal, sys; signal.signal(signal.SIGINT, si
                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]  # fmt: skip
 
 
-class UpPty:
-    """`rankguard up` on a pseudo-terminal (its stdout and stderr a tty, as in a shell),
-    the terminal's output read continuously (a full pty would block up's writes)."""
+class Pty:
+    """A command on a pseudo-terminal (its stdin, stdout and stderr a tty, as in a shell),
+    in its own session, the terminal's output read continuously (a full pty would block
+    the command's writes). With `controlling`, the terminal is its session's controlling
+    one, as a shell's: Ctrl-C typed there (`type(b"\x03")`) signals its foreground group."""
 
-    def __init__(self, tmp_path: Path, *args: str, columns: int = 160):
+    def __init__(self, argv: list[str], env: dict, cwd: Path | None = None, columns: int = 160,
+                 controlling: bool = False):  # fmt: skip
         import fcntl
         import struct
         import termios
 
-        self.run = tmp_path / "run"
         master, slave = os.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color"}
-        env.pop("COLUMNS", None)
+
+        def own_terminal() -> None:  # in the child, before exec
+            os.setsid()
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
         self.proc = subprocess.Popen(
-            [sys.executable, *DEFAULT_SIGINT, "-m", "rankguard.cli.main", "up", "--nproc", "2",
-             "--run-dir", str(self.run), *args],
-            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+            argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
+            start_new_session=not controlling, preexec_fn=own_terminal if controlling else None,
         )  # fmt: skip
         os.close(slave)
         self._master = master
@@ -169,6 +173,10 @@ class UpPty:
             if not chunk:
                 return
             self._raw += chunk
+
+    def type(self, keys: bytes) -> None:
+        """Keys typed at the terminal (b"\x03": Ctrl-C, sent to its foreground group)."""
+        os.write(self._master, keys)
 
     def text(self) -> str:
         """Everything shown so far, escape sequences removed."""
@@ -193,10 +201,25 @@ class UpPty:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()  # up ends what it started (its SIGTERM handler)
+            self.proc.terminate()
             self.proc.wait(timeout=60)
+
+
+class UpPty(Pty):
+    """`rankguard up` on a pseudo-terminal."""
+
+    def __init__(self, tmp_path: Path, *args: str, columns: int = 160):
+        self.run = tmp_path / "run"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color"}
+        env.pop("COLUMNS", None)
+        super().__init__(
+            [sys.executable, *DEFAULT_SIGINT, "-m", "rankguard.cli.main", "up", "--nproc", "2",
+             "--run-dir", str(self.run), *args],
+            env, columns=columns,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        super().close()  # up ends what it started (its SIGTERM handler)
         for pid in left_running(self.run):  # a safety net: tests assert there are none
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
-        with contextlib.suppress(OSError):
-            os.close(self._master)
