@@ -11,7 +11,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .fsio import _open_beneath, _open_dir_at, _read_regular_at, _read_tree, _checksum_fd, _tree_size
+from .fsio import (
+    _checksum_fd,
+    _open_beneath,
+    _open_dir_at,
+    _read_regular_at,
+    _read_tree,
+    _tree_size,
+)
 from .layout import (
     _MAX_MANIFEST_BYTES,
     _MAX_SMALL_FILE,

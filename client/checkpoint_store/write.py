@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from .fsio import (
+    _checksum_file,
     _fsync_dir,
     _fsync_fd,
     _lstat_mode,
     _open_dir_at,
     _overwrite_in_place_at,
     _read_regular_at,
-    _checksum_file,
     _walk_files,
     _write_durably_at,
 )

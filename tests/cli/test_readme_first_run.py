@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,14 +65,17 @@ def shell(line: str, cwd: Path, env: dict, timeout: float = 60) -> subprocess.Co
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
                     reason="needs the repository's git checkout to copy what a clone has")  # fmt: skip
-def test_the_readmes_first_run_works_as_written_from_a_fresh_copy(tmp_path):
+def test_the_readmes_first_run_works_as_written_from_a_fresh_copy():
     commands = readme_commands()
     setup, activate = "scripts/run --steps 5000", ". .venv/bin/activate"
     queries = "rankguard health; rankguard ranks; rankguard incidents"
     inject = "rankguard inject stop --rank 1"
     for line in (setup, activate, queries, inject):
         assert line in commands, f"the README no longer says {line!r}: update this test"
-    repo = fresh_copy(tmp_path / "rankguard")
+    # a short path, as a user's clone: up's Unix sockets live in its run directory (a
+    # path of at most 107 bytes), which pytest's own tmp_path would already exceed
+    home = Path(tempfile.mkdtemp(prefix="rg-", dir="/tmp"))
+    repo = fresh_copy(home / "rankguard")
     env = clean_env()
     first = Pty(["bash", "-c", setup], env, cwd=repo, controlling=True)
     run = None
@@ -81,7 +85,7 @@ def test_the_readmes_first_run_works_as_written_from_a_fresh_copy(tmp_path):
         first.wait_for(r"training@\d+", 900)
         (run,) = (repo / "runs").glob("up-*")
         assert (run / "env.sh").is_file()
-        elsewhere = tmp_path / "elsewhere"
+        elsewhere = home / "elsewhere"
         elsewhere.mkdir()
         second = f". {repo}/.venv/bin/activate && . {run}/env.sh && "
         shown = shell(second + queries, elsewhere, env)
@@ -103,3 +107,4 @@ def test_the_readmes_first_run_works_as_written_from_a_fresh_copy(tmp_path):
         first.close()
         for pid in left_running(run) if run else ():
             os.kill(pid, 9)
+        shutil.rmtree(home, ignore_errors=True)
