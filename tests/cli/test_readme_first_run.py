@@ -82,7 +82,7 @@ def test_the_readmes_first_run_works_as_written_from_a_fresh_copy():
     try:
         # the first run installs (pip's progress on screen), then the live view
         first.wait_for(r"installing rankguard", 60)
-        first.wait_for(r"training@\d+", 900)
+        first.wait_for(r"\btraining\s+\d+", 900)  # a rank training, in the live view
         (run,) = (repo / "runs").glob("up-*")
         assert (run / "env.sh").is_file()
         elsewhere = home / "elsewhere"
