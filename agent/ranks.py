@@ -460,6 +460,8 @@ class _Rank:
         # process starts without one (its predecessor's says nothing about it)
         self.collectives: tuple[Collective, ...] = ()
         self.collectives_at: float | None = None
+        # a zero-code worker's optimizer step, from its watch's beacons (None: not known)
+        self.script_step: int | None = None
 
     def note_collectives(self, record: TelemetryRecord, now: float) -> None:
         """Keep a record's wavefront; an evidence record (``progress`` false) that names
@@ -599,6 +601,7 @@ class _Rank:
             gpu=gpu,
             main_thread=self._main_answer(to_unix),
             collectives=self.collectives,
+            script_step=None if telemetry else self.script_step,
             collectives_age_seconds=None
             if self.collectives_at is None
             else max(0.0, now - self.collectives_at),
@@ -742,11 +745,16 @@ class RankTable:
         key = (record.job, record.rank)
         with self._lock:
             if not record.progress and (found := self._worker_of(sender_pid)) is not None:
-                # a zero-code worker's wavefront (client/collective_watch.py): evidence
-                # for the rank found in /proc, which stays a process rank
-                found.note_collectives(record, now)
+                # a zero-code worker's wavefront or step beacon (client/collective_watch.py):
+                # evidence for the rank found in /proc, which stays a process rank
+                if record.collectives is not None:
+                    found.note_collectives(record, now)
+                if record.step > 0:
+                    found.script_step = record.step
                 return
             rank = self._ranks.get(key)
+            if rank is None and not record.progress and record.collectives is None:
+                return  # a step beacon from a worker not found in /proc (yet): nothing to note
             if rank is None:
                 stat = self._stat(sender_pid)
                 self._check_job_owner(key, uid, self._launcher_of(sender_pid, stat))

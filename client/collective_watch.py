@@ -14,6 +14,12 @@ The agent attaches it to the worker it found in /proc, by the kernel-verified se
 (agent/ranks.py), and ``supervisor/detectors/process_hang.py`` compares the job's
 wavefronts: the rank that never enqueued the collective its peers wait in is the culprit.
 
+Steps. While collectives move, the watch also sends the script's optimizer step
+(client/optimizer_steps.py, counted by a hook the bootstrap registers) when it changed,
+at most every ``BEACON_SECONDS``: a record with ``progress`` false, ``collectives`` null
+and that ``step``, which the agent keeps as the worker's ``script_step``. An incident then
+names the step a zero-code rank died or hung at.
+
 A rank stuck in Python, in its DataLoader or in native code that releases the GIL still
 runs this thread, so it reports itself behind; a stopped rank reports nothing (the agent
 sees it stopped). A Reporter in the same process has its own stall watch
@@ -29,23 +35,28 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..contract.telemetry import NO_STEP, SCHEMA_VERSION, Collective, socket_path_from_env
-from . import flight_recorder
+from . import flight_recorder, optimizer_steps
 from .sender import TelemetrySender
 
 LOOK_SECONDS = 0.5  # how often the sequence ids are read
 STILL_SECONDS = 2.0  # standing still this long: the wavefront is sent
 REPEAT_SECONDS = 5.0  # an unchanged wavefront is sent again this often (the agent ages it)
 REPORTER_THREAD = "rankguard-wavefront"  # the Reporter's own stall watch
+BEACON_SECONDS = 1.0  # the script's step is sent at most this often, when it changed
 
 
-def evidence_record(environ: Mapping[str, str], front: tuple[Collective, ...]) -> dict:
-    """The record that carries a worker's wavefront: its place from torchrun's variables,
-    no step, no timings (the agent reads only the collectives from it)."""
+def evidence_record(
+    environ: Mapping[str, str], front: tuple[Collective, ...] | None, step: int = 0
+) -> dict:
+    """The record that carries a worker's wavefront (or, with `front` None, its script's
+    step): its place from torchrun's variables, no timings (the agent reads only the
+    collectives and the step from it)."""
     return dict(
         v=SCHEMA_VERSION, job=environ["TORCHELASTIC_RUN_ID"], rank=int(environ["RANK"]),
         local_rank=int(environ["LOCAL_RANK"]), world_size=int(environ.get("WORLD_SIZE", "1")),
         pid=os.getpid(), restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        phase="train", time=time.time(), collectives=front, progress=False, **NO_STEP,
+        phase="train", time=time.time(), collectives=front, progress=False,
+        **{**NO_STEP, "step": step},
     )  # fmt: skip
 
 
@@ -90,13 +101,32 @@ def run(environ: Mapping[str, str]) -> None:
     Reporter found watching the same rank."""
     sender = TelemetrySender(socket_path_from_env(environ))
     watch = CollectiveWatch()
+    beacon = StepBeacon()
     while True:
         time.sleep(LOOK_SECONDS)
         if any(t.name == REPORTER_THREAD for t in threading.enumerate()):
             return  # a Reporter watches this rank itself
         try:
-            front = watch.look(time.monotonic())
+            now = time.monotonic()
+            front = watch.look(now)
             if front is not None:
                 sender.send(evidence_record(environ, front))
+            elif watch.sent is None and (step := beacon.due(optimizer_steps.step(), now)):
+                sender.send(evidence_record(environ, None, step))
         except Exception:  # torch refused a dump, a bad variable: never the script's problem
             continue
+
+
+class StepBeacon:
+    """When to send the script's step: when it changed, at most every BEACON_SECONDS."""
+
+    def __init__(self) -> None:
+        self.sent: int | None = None
+        self.sent_at = float("-inf")
+
+    def due(self, step: int | None, now: float) -> int | None:
+        """The step to send now, or None."""
+        if not step or step == self.sent or now - self.sent_at < BEACON_SECONDS:
+            return None
+        self.sent, self.sent_at = step, now
+        return step

@@ -463,6 +463,9 @@ class RankAnswer:
     # since its process was replaced)
     collectives: tuple[CollectiveAnswer, ...] = ()
     collectives_age_seconds: float | None = None
+    # a zero-code worker's optimizer step, from its watch (None for a telemetry rank, whose
+    # `step` is its own, and for a worker whose step is not known)
+    script_step: int | None = None
     recent: tuple[Sample, ...] = ()
     recent_from: int | None = None  # incremental answers: the window's oldest seq
 
@@ -516,6 +519,8 @@ class RankAnswer:
             out["collectives"] = [c.to_json() for c in self.collectives]
         if self.collectives_age_seconds is not None:
             out["collectives_age_seconds"] = _finite_or_none(self.collectives_age_seconds)
+        if self.script_step is not None:  # left out when unknown: only zero-code workers
+            out["script_step"] = self.script_step
         if incremental:
             out["recent_from"] = self.recent_from
         out["recent"] = [s.to_json() for s in self.recent]
@@ -582,6 +587,7 @@ class RankAnswer:
             collectives_age_seconds=_float(o, "collectives_age_seconds", optional=True)
             if "collectives_age_seconds" in o
             else None,
+            script_step=_int(o, "script_step", optional=True) if "script_step" in o else None,
             recent=_list(o, "recent", lambda s: Sample.from_json(s, incremental), _MAX_SAMPLES),
             recent_from=_int(o, "recent_from", optional=True) if incremental else None,
         )
@@ -713,6 +719,9 @@ def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
     age = o.get("collectives_age_seconds")
     if age is not None and not _fin(age):
         return None
+    script_step = o.get("script_step")  # optional on the wire: a zero-code worker's
+    if script_step is not None and not _nat(script_step):
+        return None
     samples = []
     for item in recent:
         sample = _sample_fast(item, incremental)
@@ -735,7 +744,8 @@ def _rank_fast(o: Any, incremental: bool) -> RankAnswer | None:
         cpu_seconds=cpu_seconds, cpu_utilization=cpu_utilization,
         cpu_active_at=cpu_active_at, records_received=records_received, client_errors={},
         stand_in=None, gpu=gpu, main_thread=main, collectives=collectives or (),
-        collectives_age_seconds=age, recent=tuple(samples), recent_from=recent_from,
+        collectives_age_seconds=age, script_step=script_step, recent=tuple(samples),
+        recent_from=recent_from,
     )  # fmt: skip
 
 

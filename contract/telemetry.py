@@ -52,6 +52,9 @@ Rules:
 * ``progress`` (optional, default true) is a ``bool``: a record with ``progress`` false is
   evidence, not progress (the Reporter's wavefront while the rank stalls): the agent keeps
   its ``collectives`` and when they came, and nothing else (not a heartbeat, not a step).
+  From a zero-code worker (client/collective_watch.py) it may carry ``collectives`` null
+  and a ``step`` over 0: the script's optimizer step, a beacon the agent keeps as the
+  worker's ``script_step`` (what an incident names), nothing else.
 
 Unknown extra fields in a datagram are ignored (forward compatible within a schema
 version); a different ``v`` is refused with reason ``wrong_version``.

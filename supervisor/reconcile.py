@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, BackgroundCalls, Poller
 from .detectors import REGISTRY, DetectorConfig, pick_culprit_from_stacks, run_all
-from .detectors.common import restart_via
+from .detectors.common import known_step, restart_via
 from .events import apply_deaths
 from .heap import HeapPacer
 from .history import History, advance, advance_every_pass
@@ -489,8 +489,9 @@ class Supervisor:
             incident, created = self.store.upsert_finding(
                 finding, now,
                 restart_before=restart,
-                # a zero-code worker reports no step: unknown, not 0
-                step_at_detect=max((r.step for r in ranks if r.step is not None), default=None),
+                # a zero-code worker reports no step: its optimizer's count, else unknown
+                step_at_detect=max((s for r in ranks if (s := known_step(r)) is not None),
+                                   default=None),
                 checkpoint_step=self._checkpoint_step(obs, finding.job),
             )  # fmt: skip
             if created:

@@ -89,6 +89,9 @@ class RankObs:
     collectives: tuple[CollectiveAnswer, ...] = ()
     collectives_age_seconds: float | None = None
     exit_code: int | None = None  # its waitpid status, when the agent read it (a zombie)
+    # a zero-code worker's optimizer step, counted by its watch (None: a telemetry rank,
+    # whose `step` is its own, or not known)
+    script_step: int | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -118,6 +121,7 @@ class RankObs:
             stand_in_since=shim.state_since if shim else None, resume_skips=a.resume_skips,
             gpu=a.gpu, main_thread=a.main_thread, collectives=a.collectives,
             collectives_age_seconds=a.collectives_age_seconds, exit_code=a.exit_code,
+            script_step=a.script_step,
         )  # fmt: skip
 
 

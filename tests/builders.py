@@ -82,13 +82,14 @@ def rank(
     cpu=None,
     recent=(),
     world=2,
+    script_step=None,
 ):
     return RankObs(
         node=node, job=job, rank=r, world_size=world, pid=1000 + 100 * restart + r,
         restart=restart, state=state, step=step, phase=phase, heartbeat_age_seconds=age,
         exited_at=exited_at, step_seconds=0.1, compute_seconds=0.07, comm_seconds=0.02,
         comm_compute_ratio=0.3, loss=loss, checkpoint_step=ckpt, cpu_utilization=cpu,
-        recent=tuple(recent),
+        recent=tuple(recent), script_step=script_step,
     )  # fmt: skip
 
 

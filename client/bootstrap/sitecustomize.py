@@ -49,6 +49,47 @@ def _start():
         threading.Thread(
             target=_watch, args=args, name="rankguard-collectives", daemon=True
         ).start()
+        sys.meta_path.insert(0, _OptimizerImport())
+
+
+class _OptimizerImport:
+    """A meta path finder for one module, torch.optim.optimizer: once the script's import
+    of it has run, torch's global optimizer post-step hook counts the script's steps
+    (rankguard.client.optimizer_steps), registered in the importing thread, before any
+    step. Every other import, and this one, is left to the finders after it."""
+
+    NAME = "torch.optim.optimizer"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.NAME:
+            return None
+        try:
+            return self._counted(name, path, target)
+        except Exception:  # the import goes on without the count: never the script's problem
+            return None
+
+    def _counted(self, name, path, target):
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)  # once
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is not None and hasattr(loader, "exec_module"):
+            run = loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                with contextlib.suppress(Exception):
+                    from rankguard.client import optimizer_steps
+
+                    module.register_optimizer_step_post_hook(optimizer_steps.hook)
+
+            loader.exec_module = exec_module
+        return spec
 
 
 def _at_exit(path, environ):

@@ -37,10 +37,18 @@ def gpu_note(rank: RankObs | None) -> tuple[dict, str]:
 
 
 def progress(r: RankObs) -> str:
-    """Where a rank was, for a finding's summary: a zero-code worker reports no step."""
+    """Where a rank was, for a finding's summary: a zero-code worker reports no step, but
+    its watch may count its optimizer's."""
     if r.step is None and r.phase is None:
+        if r.script_step is not None:
+            return f"step {r.script_step} (its optimizer's count)"
         return "no step reported"
     return f"step {r.step}, phase {r.phase}"
+
+
+def known_step(r: RankObs) -> int | None:
+    """The rank's step: its own report, else a zero-code worker's optimizer count."""
+    return r.step if r.step is not None else r.script_step
 
 
 def node_url(obs: ClusterObs, node: str) -> str | None:

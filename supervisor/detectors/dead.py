@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..model import RANK_DEAD, Finding, History
 from ..state import DEAD_STATES, ClusterObs, RankObs
 from ..wavefront import BEHIND, FRESH_SECONDS, Wavefront, read_wavefront
-from .common import gpu_note, incarnation, node_url, progress
+from .common import gpu_note, incarnation, known_step, node_url, progress
 from .registration import Detector
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def _finding(r: RankObs, url: str | None, dead: list[RankObs], obs=None, ranks=(
             "state": r.state,
             "exit_code": r.exit_code,  # the first to die's waitpid status (supervisor/causes.py)
             "pid": named.pid,
-            "step": named.step,
+            "step": known_step(named),
             "phase": named.phase,
             "restart": r.restart,
             "node_url": url,

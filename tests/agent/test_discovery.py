@@ -296,6 +296,31 @@ def test_table_a_found_workers_wavefront_is_its_evidence_and_it_stays_a_process_
             proc.wait()
 
 
+def test_table_a_found_workers_step_beacon_is_its_script_step_and_nothing_else():
+    """The watch's beacon (collectives null, the script's optimizer step): the found
+    worker's `script_step`, its wavefront and its step untouched; from a process the
+    table does not know, nothing is registered."""
+    front = (Collective("0", "default_pg", 13, 12, "gloo:all_reduce", "[[4]]", 1800.0),)
+    beacon = dataclasses.replace(_telemetry(1, job="run-id"), step=137, progress=False,
+                                 collectives=None)  # fmt: skip
+    with RankTable() as table:
+        proc = _child()
+        try:
+            table.adopt(_found(proc, job="run-id@7"))
+            evidence = dataclasses.replace(beacon, pid=proc.pid, step=0, collectives=front)
+            table.update(evidence, sender_pid=proc.pid)
+            table.update(dataclasses.replace(beacon, pid=proc.pid), sender_pid=proc.pid)
+            (answer,) = table.answers()
+            assert (answer.source, answer.script_step, answer.step) == ("process", 137, None)
+            assert answer.collectives == front  # a beacon takes no wavefront back
+            assert answer.to_json()["script_step"] == 137
+            table.update(dataclasses.replace(beacon, pid=os.getpid()), sender_pid=os.getpid())
+            assert len(table.snapshot()) == 1
+        finally:
+            proc.kill()
+            proc.wait()
+
+
 # --------------------------------------------------------------------------- detector
 
 

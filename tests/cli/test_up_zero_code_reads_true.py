@@ -1,7 +1,8 @@
 """A zero-code job (`rankguard up -- examples/ddp_plain.py`) reads as it is: healthy while
 healthy (no checkpoint directory rankguard invented and then found missing), goodput
 unknown rather than 0.0%, "restarted" rather than "resuming" from a checkpoint nobody
-saw, and the example resumes from its own checkpoint after a kill."""
+saw, and the example resumes from its own checkpoint after a kill, which its incident
+names with the step it happened at."""
 
 from __future__ import annotations
 
@@ -118,6 +119,10 @@ def test_the_example_resumes_from_its_own_checkpoint_after_a_kill(tmp_path):
     assert resumed and resumed[0] >= 20, log[-3000:]
     incidents = read_incidents(up.run)
     assert [i["kind"] for i in incidents if i["rank"] == 1][:1] == ["rank_dead"], incidents
+    # the incident names the step it died at: AdamW's own count, read by the watch's hook
+    (death,) = [i for i in incidents if i["rank"] == 1][:1]
+    assert death["step_at_detect"] is not None and death["step_at_detect"] >= 20, death
+    assert f"step {death['step_at_detect']} (its optimizer's count)" in death["summary"], death
     # nobody saw a resume: the live view says restarted, never resuming
     assert "resuming" not in output, output[-3000:]
     assert left_running(up.run) == []

@@ -188,6 +188,19 @@ def test_the_agents_answer_carries_the_wavefront_and_its_age():
     assert got.collectives == () and got.collectives_age_seconds is None
 
 
+def test_a_zero_code_workers_script_step_is_carried_and_checked():
+    r = answer(script_step=137)["ranks"][0]
+    assert r["script_step"] == 137
+    for read in (RankAnswer.from_json, RankAnswer._read):
+        assert read(r).script_step == 137
+    assert "script_step" not in answer()["ranks"][0]  # unknown: left out, read as None
+    assert RankAnswer.from_json(answer()["ranks"][0]).script_step is None
+    for bad in (-1, "7", True, 1.5):
+        with pytest.raises(ContractError) as e:
+            RankAnswer.from_json({**r, "script_step": bad})
+        assert e.value.field == "script_step"
+
+
 @pytest.mark.parametrize(("name", "value", "reason"), FIELD_BAD)
 def test_an_agents_bad_wavefront_is_refused_naming_its_field(name, value, reason):
     obj = answer(collectives=FRONT, collectives_age_seconds=1.5)

@@ -91,6 +91,13 @@ def test_a_zero_code_workers_death_says_no_step_was_reported():
     [f] = dead.detect(obs, History(), CFG)
     assert "(pid 1001, no step reported, restart 0)" in f.summary, f.summary
     assert f.evidence["step"] is None  # stored as unknown, not as step 0
+    # its watch counted its optimizer's steps: named, and stored
+    obs = cluster(rank(0, step=None, phase=None, script_step=41),
+                  rank(1, state="exited", exited_at=T0 - 1, step=None, phase=None,
+                       script_step=40))  # fmt: skip
+    [f] = dead.detect(obs, History(), CFG)
+    assert "(pid 1001, step 40 (its optimizer's count), restart 0)" in f.summary, f.summary
+    assert f.evidence["step"] == 40
 
 
 def test_dead_rank_reported_with_exit_time_and_evidence():
