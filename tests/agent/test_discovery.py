@@ -272,13 +272,20 @@ def test_table_a_found_worker_that_sends_telemetry_is_one_rank():
             proc.wait()
 
 
+WATCH_FRONT = (Collective("0", "default_pg", 13, 12, "gloo:all_reduce", "[[4]]", 1800.0),)
+
+
+def _watch_record(**kw):
+    """A record of a zero-code worker's collective watch (progress false)."""
+    return dataclasses.replace(_telemetry(1, job="run-id"), progress=False, **kw)
+
+
 def test_table_a_found_workers_wavefront_is_its_evidence_and_it_stays_a_process_rank():
     """A zero-code worker's collective watch (client/collective_watch.py) names the job by
     torchrun's run id, which the table may hold under another name: the record is matched
     by the kernel-verified sender pid, and the worker stays a process rank."""
-    front = (Collective("0", "default_pg", 13, 12, "gloo:all_reduce", "[[4]]", 1800.0),)
-    evidence = dataclasses.replace(_telemetry(1, job="run-id"), step=0, progress=False,
-                                   collectives=front)  # fmt: skip
+    front = WATCH_FRONT
+    evidence = _watch_record(step=0, collectives=front)
     with RankTable() as table:
         proc = _child()
         try:
@@ -300,9 +307,8 @@ def test_table_a_found_workers_step_beacon_is_its_script_step_and_nothing_else()
     """The watch's beacon (collectives null, the script's optimizer step): the found
     worker's `script_step`, its wavefront and its step untouched; from a process the
     table does not know, nothing is registered."""
-    front = (Collective("0", "default_pg", 13, 12, "gloo:all_reduce", "[[4]]", 1800.0),)
-    beacon = dataclasses.replace(_telemetry(1, job="run-id"), step=137, progress=False,
-                                 collectives=None)  # fmt: skip
+    front = WATCH_FRONT
+    beacon = _watch_record(step=137, collectives=None)
     with RankTable() as table:
         proc = _child()
         try:
