@@ -201,7 +201,15 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
         pressure = {n.node: n.telemetry_pressure_age for n in obs.nodes}
         if all(records_lost_while_busy(obs.time, r, pressure.get(r.node)) for r in judged):
             return None  # missing evidence, not evidence of a hang
-        culprit, reason = pick_culprit(live, cfg, wave := read_wavefront(live))
+        # Behind a partition the ranks out of view cannot be compared: a lower step or a
+        # flight-recorder wavefront among the ranks in view names the wrong one.
+        partition = (
+            None if any(r.state == "stopped" for r in live) else _behind_unreachable(obs, ranks)
+        )
+        if partition is not None:
+            culprit, (reason, behind) = None, partition
+        else:
+            culprit, reason = pick_culprit(live, cfg, wave := read_wavefront(live))
         decided_by = "budget"
         phases = [phase_of[r.rank] for r in judged]
         hung_phase = max(set(phases), key=lambda p: (phases.count(p), str(p)))

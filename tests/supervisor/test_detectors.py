@@ -320,6 +320,10 @@ def test_hang_behind_an_unreachable_agent_restarts_through_a_reachable_rank():
     assert (ev["missing_ranks"], ev["unreachable_nodes"]) == (1, ["n2"])
     assert ev["restart_via"]["rank"] == 0 and ev["restart_via"]["pid"] == seen[0].pid
     assert "unreachable" in ev["culprit_reason"]
+    # a lower step in view says nothing about the ranks out of view: still the partition
+    lower = [seen[0], dataclasses.replace(seen[1], step=29)]
+    [f] = hang.detect(cluster(*lower, nodes=(down,)), History(), CFG)
+    assert f.rank is None and f.evidence["missing_ranks"] == 1, f.evidence
     # every rank in view, or every agent reachable: an ordinary hang, stacks needed
     [f] = hang.detect(cluster(*seen), History(), CFG)
     assert "restart_via" not in f.evidence and f.evidence["stacks_needed"] is True
