@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
@@ -150,6 +151,10 @@ def make_ckpt(root: Path, step: int, world_size: int = 2, size: int = 4096) -> P
     return cs.commit(partial, step, world_size, entries, {"loss": 2.5, "tokens": step * 1000})
 
 
+# The property tests' budget: enough examples to find a counterexample, no per-example deadline.
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
 def flip_byte(path: Path, offset: int = 100) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -158,7 +163,8 @@ def flip_byte(path: Path, offset: int = 100) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-_json = st.recursive(
+# Any JSON value, for the property tests that feed hostile input to a parser.
+json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda children: (
         st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)

@@ -18,7 +18,8 @@ import time
 import urllib.request
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from builders import FAST
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rankguard.agent.collectors import CollectorContext, settings_for
@@ -241,7 +242,7 @@ def test_parse_request_refuses_with_one_error_type(header):
     assert req.op == "put" or req.size == 0
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@FAST
 @given(st.binary(max_size=64) | st.builds(lambda b: struct.pack(">I", len(b)) + b,
                                           st.binary(max_size=64)))  # fmt: skip
 def test_frame_parser_on_arbitrary_bytes(raw):

@@ -14,7 +14,8 @@ import time
 from contextlib import contextmanager
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from builders import FAST, json_values
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rankguard.client import DROP_REASONS, TelemetrySender
@@ -459,17 +460,6 @@ def records(draw) -> TelemetryRecord:
         collectives=draw(st.none() | collectives()),
         progress=draw(st.booleans()),
     )
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=12,
-)
-
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def decode_ok_or_telemetry_error(data: bytes) -> None:

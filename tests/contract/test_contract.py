@@ -12,7 +12,8 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from builders import FAST, json_values
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rankguard.contract import (
@@ -44,8 +45,6 @@ from rankguard.contract.answers import (
 from rankguard.contract.errors import REASONS
 from rankguard.contract.states import STAND_IN_STATES
 from rankguard.contract.telemetry import PHASES
-
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 finite = st.floats(allow_nan=False, allow_infinity=False)
 any_float = st.floats()  # NaN and infinities too
@@ -399,15 +398,6 @@ def test_a_malformed_node_answer_names_its_field():
         with pytest.raises(ContractError) as err:
             NodeAnswer.from_json({**good, key: value})
         assert err.value.field == field, str(err.value)
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=6)
-    ),
-    max_leaves=20,
-)
 
 
 @FAST

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from builders import FAST, json_values
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rankguard.contract import RANK_STATES, ContractError
 from rankguard.contract.answers import RankEventAnswer, RankEventsAnswer
 from rankguard.contract.errors import REASONS
-
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 events = st.builds(
     RankEventAnswer,
@@ -104,15 +103,6 @@ def test_a_missing_field_is_named():
     with pytest.raises(ContractError) as err:
         RankEventsAnswer.from_json(answer)
     assert (err.value.reason, err.value.field) == ("missing_field", "events[0].state")
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=6)
-    ),
-    max_leaves=20,
-)
 
 
 @FAST
