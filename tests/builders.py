@@ -18,6 +18,8 @@ from prometheus_client.exposition import generate_latest
 
 from rankguard.client import checkpoint_store as cs
 from rankguard.client.checkpoint_store import FileEntry
+from rankguard.contract import ContractError
+from rankguard.contract.errors import REASONS
 from rankguard.supervisor.detectors import DetectorConfig
 from rankguard.supervisor.reconcile import Supervisor
 from rankguard.supervisor.state import ClusterObs, NodeObs, RankObs, StepSample
@@ -171,6 +173,24 @@ json_values = st.recursive(
     ),
     max_leaves=20,
 )
+
+
+def break_one_field(data, obj: dict) -> tuple[str, object]:
+    """Replace one field of `obj`, drawn by hypothesis' `data`, by a JSON value of another
+    type; (the field's name, the value put there)."""
+    name = data.draw(st.sampled_from(sorted(obj)))
+    value = data.draw(json_values.filter(lambda v: type(v) is not type(obj[name])))
+    obj[name] = value
+    return name, value
+
+
+def assert_only_contract_errors(model, value) -> None:
+    """`model.from_json` on any JSON value returns or raises a ContractError with a known
+    reason, never another exception."""
+    try:
+        model.from_json(value)
+    except ContractError as e:
+        assert e.reason in REASONS
 
 
 @contextlib.contextmanager
