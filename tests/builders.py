@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,20 @@ T0 = 1_700_000_000.0
 
 
 CFG = DetectorConfig()
+
+
+def telemetry_fields(**overrides) -> dict:
+    """A valid telemetry record's fields, sent now by this process (rank 0 of job "llama"
+    training at step 10); `overrides` replace or add fields."""
+    f = dict(
+        v=1, job="llama", rank=0, local_rank=0, world_size=4, pid=os.getpid(), restart=0,
+        step=10, phase="train", time=time.time(), step_seconds=2.0, data_wait_seconds=0.1,
+        compute_seconds=1.2, comm_seconds=0.5, comm_exposed_seconds=0.2,
+        optimizer_seconds=0.1, checkpoint_block_seconds=0.0, tokens_per_second=1000.0,
+        mfu=0.4, peak_memory_bytes=2**30, loss=2.5, checkpoint_step=None,
+    )  # fmt: skip
+    f.update(overrides)
+    return f
 
 
 # A child process that registers as rank 1 of job "j" (its own pid, step 7) with one
