@@ -189,6 +189,14 @@ json_values = st.recursive(
     max_leaves=20,
 )
 
+# Smaller JSON values without NaN, for the property tests whose input goes over the wire.
+json_values_without_nan = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+
 
 def break_one_field(data, obj: dict) -> tuple[str, object]:
     """Replace one field of `obj`, drawn by hypothesis' `data`, by a JSON value of another
