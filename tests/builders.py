@@ -207,6 +207,13 @@ def break_one_field(data, obj: dict) -> tuple[str, object]:
     return name, value
 
 
+def set_at(obj, path: tuple, value) -> None:
+    """Put `value` at `path` (keys and list indices, outermost first) inside `obj`."""
+    for key in path[:-1]:
+        obj = obj[key]
+    obj[path[-1]] = value
+
+
 def assert_only_contract_errors(model, value) -> None:
     """`model.from_json` on any JSON value returns or raises a ContractError with a known
     reason, never another exception."""

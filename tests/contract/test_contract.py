@@ -12,7 +12,7 @@ import json
 import math
 
 import pytest
-from builders import FAST, assert_only_contract_errors, break_one_field, json_values
+from builders import FAST, assert_only_contract_errors, break_one_field, json_values, set_at
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -329,10 +329,7 @@ def valid_ranks_json() -> dict:
 )
 def test_a_malformed_ranks_answer_names_its_field(path, value, reason):
     answer = valid_ranks_json()
-    target = answer
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
+    set_at(answer, path, value)
     with pytest.raises(ContractError) as err:
         RanksAnswer.from_json(answer)
     field = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")

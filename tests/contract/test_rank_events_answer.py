@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from builders import FAST, assert_only_contract_errors, break_one_field, json_values
+from builders import FAST, assert_only_contract_errors, break_one_field, json_values, set_at
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -73,10 +73,7 @@ def _good() -> dict:
 )
 def test_a_malformed_answer_names_its_field(path, value, reason, field):
     answer = _good()
-    target = answer
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
+    set_at(answer, path, value)
     with pytest.raises(ContractError) as err:
         RankEventsAnswer.from_json(answer)
     assert (err.value.reason, err.value.field) == (reason, field), str(err.value)
