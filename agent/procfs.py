@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+_Parsed = TypeVar("_Parsed")
 
 
 def _sysconf(name: str, default: int) -> int:
@@ -422,36 +426,36 @@ def per_second(prev: float | None, cur: float, seconds: float | None) -> float |
 # --- readers -----------------------------------------------------------------------
 
 
+def _read(path: Path, parse: Callable[..., _Parsed]) -> _Parsed:
+    """`parse` of the file at `path`; its errors name that path."""
+    return parse(path.read_text(), file=str(path))
+
+
 def read_stat(proc_root: Path) -> CpuStat:
-    path = proc_root / "stat"
-    return parse_stat(path.read_text(), file=str(path))
+    return _read(proc_root / "stat", parse_stat)
 
 
 def read_meminfo(proc_root: Path) -> dict[str, int]:
-    path = proc_root / "meminfo"
-    return parse_meminfo(path.read_text(), file=str(path))
+    return _read(proc_root / "meminfo", parse_meminfo)
 
 
 def read_loadavg(proc_root: Path) -> LoadAvg:
-    path = proc_root / "loadavg"
-    return parse_loadavg(path.read_text(), file=str(path))
+    return _read(proc_root / "loadavg", parse_loadavg)
 
 
 def read_diskstats(proc_root: Path) -> dict[str, DiskStats]:
-    path = proc_root / "diskstats"
-    return parse_diskstats(path.read_text(), file=str(path))
+    return _read(proc_root / "diskstats", parse_diskstats)
 
 
 def read_net_dev(proc_root: Path) -> dict[str, NetDevStats]:
-    path = proc_root / "net" / "dev"
-    return parse_net_dev(path.read_text(), file=str(path))
+    return _read(proc_root / "net" / "dev", parse_net_dev)
 
 
 def read_mounts(proc_root: Path) -> list[Mount]:
     path = proc_root / "self" / "mounts"
     if not path.exists():
         path = proc_root / "mounts"
-    return parse_mounts(path.read_text(), file=str(path))
+    return _read(path, parse_mounts)
 
 
 def _read_pid_file(proc_root: Path, pid: int | str, name: str) -> tuple[str, str]:

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from .daemon_options import LogLevel, PrintConfig, TlsCert, TlsKey
+
 Opt = typer.Option
 
 
@@ -93,10 +95,8 @@ def agent(
             )
         ),
     ] = None,
-    tls_cert: Annotated[
-        Path, Opt(help="serve HTTPS with this certificate (PEM chain); needs --tls-key")
-    ] = None,
-    tls_key: Annotated[Path, Opt(help="the certificate's private key (owner-only)")] = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
     config: Annotated[
         Path,
         Opt(
@@ -104,10 +104,8 @@ def agent(
             "(docs/configuration.md); flags override it"
         ),
     ] = None,
-    print_config: Annotated[
-        bool, Opt("--print-config", help="print the effective configuration as TOML and exit")
-    ] = False,
-    log_level: Annotated[str, Opt(help="debug, info, warning, error")] = "info",
+    print_config: PrintConfig = False,
+    log_level: LogLevel = "info",
 ) -> None:
     """Run the node agent: GPU, host, storage, network and rank telemetry collection,
     Prometheus /metrics, the /v1 JSON API and token-guarded control of local ranks.

@@ -16,6 +16,7 @@ import typer
 
 from rankguard.supervisor.restart_phases import PHASES as RESTART_PHASES
 
+from .daemon_options import LogLevel, PrintConfig, TlsCert, TlsKey
 from .live_view import milestones
 
 Opt = typer.Option
@@ -66,10 +67,8 @@ def supervisor(
         ),
     ] = None,
     bind: Annotated[str, Opt(help="HOST:PORT for /metrics and /v1")] = "127.0.0.1:9408",
-    tls_cert: Annotated[
-        Path, Opt(help="serve HTTPS with this certificate (PEM chain); needs --tls-key")
-    ] = None,
-    tls_key: Annotated[Path, Opt(help="the certificate's private key (owner-only)")] = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
     ca_file: Annotated[
         Path, Opt(help="CA bundle (PEM) that https agents' certificates are checked against")
     ] = None,
@@ -104,10 +103,8 @@ def supervisor(
             "(docs/configuration.md); flags override it"
         ),
     ] = None,
-    print_config: Annotated[
-        bool, Opt("--print-config", help="print the effective configuration as TOML and exit")
-    ] = False,
-    log_level: Annotated[str, Opt(help="debug, info, warning, error")] = "info",
+    print_config: PrintConfig = False,
+    log_level: LogLevel = "info",
 ) -> None:
     """Watch every agent, detect dead, hung and straggling ranks, bad numerics and node
     faults, and restart the job through torchrun from the newest validated checkpoint.

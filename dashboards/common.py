@@ -82,6 +82,16 @@ def _targets(queries: Sequence[Query]) -> list[Target]:
     ]
 
 
+def _basics(title: str, description: str, queries: Sequence[Query]) -> dict:
+    """What every panel builder passes alike: the text and the queries on $datasource."""
+    return {
+        "title": title,
+        "description": description,
+        "dataSource": DATASOURCE,
+        "targets": _targets(queries),
+    }
+
+
 @dataclass(frozen=True)
 class Cell:
     """A panel and its size; `layout` gives positions and ids."""
@@ -112,10 +122,7 @@ def timeseries(
         # Draw the operating target as a dashed line.
         extra["fieldConfig"]["defaults"]["custom"] = {"thresholdsStyle": {"mode": "dashed"}}
     panel = TimeSeries(
-        title=title,
-        description=description,
-        dataSource=DATASOURCE,
-        targets=_targets(queries),
+        **_basics(title, description, queries),
         unit=unit,
         stacking={"mode": "normal", "group": "A"} if stacked else {"mode": "none"},
         fillOpacity=60 if stacked or bars else 10,
@@ -142,10 +149,7 @@ def stat(
     decimals: int | None = None,
 ) -> Cell:
     panel = Stat(
-        title=title,
-        description=description,
-        dataSource=DATASOURCE,
-        targets=_targets(queries),
+        **_basics(title, description, queries),
         format=unit,
         decimals=decimals,
         reduceCalc="lastNotNull",
@@ -169,10 +173,7 @@ def table(
     rename: dict[str, str] | None = None,
 ) -> Cell:
     panel = Table(
-        title=title,
-        description=description,
-        dataSource=DATASOURCE,
-        targets=_targets(queries),
+        **_basics(title, description, queries),
         unit=unit,
         transformations=[
             {"id": "merge", "options": {}},
@@ -202,10 +203,7 @@ def heatmap(
     where one line per GPU is not. Grafana's heatmap with `calculate: false` over
     series-as-buckets data."""
     panel = Heatmap(
-        title=title,
-        description=description,
-        dataSource=DATASOURCE,
-        targets=_targets([query]),
+        **_basics(title, description, [query]),
         dataFormat="tsbuckets",
         hideZeroBuckets=False,
         extraJson={
@@ -272,31 +270,38 @@ def templating() -> Templating:
     )  # fmt: skip
 
 
+def _annotation(name: str, colour: str, counter: str, *, title: str, text: str) -> dict:
+    """A mark wherever the supervisor's `counter` (labelled by `kind`) went up."""
+    return {
+        "name": name,
+        "datasource": DATASOURCE,
+        "enable": True,
+        "iconColor": colour,
+        "expr": f"sum by (kind) (increase({counter}[$__interval])) > 0",
+        "step": "30s",
+        "titleFormat": title,
+        "textFormat": text,
+        "useValueForTime": False,
+    }
+
+
 def annotations(extra: Sequence[dict] = ()) -> Annotations:
     """Incidents and restarts the supervisor recorded, as marks on every time axis."""
     base = [
-        {
-            "name": "Incidents",
-            "datasource": DATASOURCE,
-            "enable": True,
-            "iconColor": "red",
-            "expr": "sum by (kind) (increase(rankguard_supervisor_incidents_total[$__interval])) > 0",
-            "step": "30s",
-            "titleFormat": "incident: {{kind}}",
-            "textFormat": "supervisor recorded a {{kind}} incident",
-            "useValueForTime": False,
-        },
-        {
-            "name": "Restarts",
-            "datasource": DATASOURCE,
-            "enable": True,
-            "iconColor": "orange",
-            "expr": "sum by (kind) (increase(rankguard_supervisor_restarts_total[$__interval])) > 0",
-            "step": "30s",
-            "titleFormat": "restart after {{kind}}",
-            "textFormat": "the job restarted after a {{kind}} incident",
-            "useValueForTime": False,
-        },
+        _annotation(
+            "Incidents",
+            "red",
+            "rankguard_supervisor_incidents_total",
+            title="incident: {{kind}}",
+            text="supervisor recorded a {{kind}} incident",
+        ),
+        _annotation(
+            "Restarts",
+            "orange",
+            "rankguard_supervisor_restarts_total",
+            title="restart after {{kind}}",
+            text="the job restarted after a {{kind}} incident",
+        ),
     ]
     return Annotations(list=base + list(extra))
 

@@ -66,20 +66,19 @@ def type_name(tp: Any) -> str:
     return " or ".join(names)
 
 
+# What a TOML value is, in words; bool before int, which it subclasses.
+_TOML_KINDS = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a number"),
+    (str, "a string"),
+    (Mapping, "a table"),
+    (list, "an array"),
+)
+
+
 def _toml_kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, Mapping):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
-    return type(value).__name__
+    return next((kind for t, kind in _TOML_KINDS if isinstance(value, t)), type(value).__name__)
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:

@@ -9,14 +9,18 @@ import dataclasses
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
 from rankguard.client import checkpoint_store as cs
 from rankguard.client.checkpoint_store import FileEntry
+from rankguard.contract import ContractError
+from rankguard.contract.errors import REASONS
 from rankguard.supervisor.detectors import DetectorConfig
 from rankguard.supervisor.reconcile import Supervisor
 from rankguard.supervisor.state import ClusterObs, NodeObs, RankObs, StepSample
@@ -28,6 +32,20 @@ T0 = 1_700_000_000.0
 
 
 CFG = DetectorConfig()
+
+
+def telemetry_fields(**overrides) -> dict:
+    """A valid telemetry record's fields, sent now by this process (rank 0 of job "llama"
+    training at step 10); `overrides` replace or add fields."""
+    f = dict(
+        v=1, job="llama", rank=0, local_rank=0, world_size=4, pid=os.getpid(), restart=0,
+        step=10, phase="train", time=time.time(), step_seconds=2.0, data_wait_seconds=0.1,
+        compute_seconds=1.2, comm_seconds=0.5, comm_exposed_seconds=0.2,
+        optimizer_seconds=0.1, checkpoint_block_seconds=0.0, tokens_per_second=1000.0,
+        mfu=0.4, peak_memory_bytes=2**30, loss=2.5, checkpoint_step=None,
+    )  # fmt: skip
+    f.update(overrides)
+    return f
 
 
 # A child process that registers as rank 1 of job "j" (its own pid, step 7) with one
@@ -150,6 +168,10 @@ def make_ckpt(root: Path, step: int, world_size: int = 2, size: int = 4096) -> P
     return cs.commit(partial, step, world_size, entries, {"loss": 2.5, "tokens": step * 1000})
 
 
+# The property tests' budget: enough examples to find a counterexample, no per-example deadline.
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
 def flip_byte(path: Path, offset: int = 100) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -158,13 +180,47 @@ def flip_byte(path: Path, offset: int = 100) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-_json = st.recursive(
+# Any JSON value, for the property tests that feed hostile input to a parser.
+json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda children: (
         st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
     ),
     max_leaves=20,
 )
+
+# Smaller JSON values without NaN, for the property tests whose input goes over the wire.
+json_values_without_nan = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+
+
+def break_one_field(data, obj: dict) -> tuple[str, object]:
+    """Replace one field of `obj`, drawn by hypothesis' `data`, by a JSON value of another
+    type; (the field's name, the value put there)."""
+    name = data.draw(st.sampled_from(sorted(obj)))
+    value = data.draw(json_values.filter(lambda v: type(v) is not type(obj[name])))
+    obj[name] = value
+    return name, value
+
+
+def set_at(obj, path: tuple, value) -> None:
+    """Put `value` at `path` (keys and list indices, outermost first) inside `obj`."""
+    for key in path[:-1]:
+        obj = obj[key]
+    obj[path[-1]] = value
+
+
+def assert_only_contract_errors(model, value) -> None:
+    """`model.from_json` on any JSON value returns or raises a ContractError with a known
+    reason, never another exception."""
+    try:
+        model.from_json(value)
+    except ContractError as e:
+        assert e.reason in REASONS
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,20 @@ def run_ok(args: list[str], **kw) -> subprocess.CompletedProcess:
     proc = torchrun(args, **kw)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     return proc
+
+
+def run_in_own_session(cmd: list[str], *, env: dict, cwd: Path, timeout: float) -> tuple[int, str]:
+    """(exit code, stdout and stderr together) of `cmd` run in a session of its own: on a
+    timeout its whole process tree (torchrun and its ranks) is killed by the group id, and
+    what it wrote so far is kept."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    return proc.returncode, output
 
 
 def read_json(path: Path) -> dict:

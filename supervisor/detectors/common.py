@@ -7,6 +7,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
+from ..model import RANK_HUNG, Finding
 from ..state import ClusterObs, RankObs, StepSample
 
 
@@ -34,6 +35,30 @@ def gpu_note(rank: RankObs | None) -> tuple[dict, str]:
     faults = gpu.faults()
     clause = f"; its GPU {gpu.uuid} (index {gpu.index}): {', '.join(faults)}" if faults else ""
     return {"gpu": gpu.to_json()}, clause
+
+
+def hang_finding(
+    job: str,
+    key: str,
+    culprit: RankObs | None,
+    *,
+    summary: str,
+    occurred_at: float,
+    evidence: dict,
+) -> Finding:
+    """A hang, as every hang detector reports it: `key` says what was judged within the
+    job; node and rank are the culprit's when one is named."""
+    return Finding(
+        kind=RANK_HUNG,
+        key=f"rank_hung:{job}:{key}",
+        severity="critical",
+        summary=summary,
+        job=job,
+        node=culprit.node if culprit else None,
+        rank=culprit.rank if culprit else None,
+        occurred_at=occurred_at,
+        evidence=evidence,
+    )
 
 
 def progress(r: RankObs) -> str:

@@ -45,6 +45,7 @@ from .common import (
     at_least,
     check_settings,
     gpu_note,
+    hang_finding,
     incarnation,
     node_url,
     positive,
@@ -244,15 +245,12 @@ def _job_hang(obs: ClusterObs, job: str, cfg: DetectorConfig, trace: PhaseTrace)
     occurred = obs.time - quiet
     if decided_by == "stopped" and culprit is not None and culprit.state_since is not None:
         occurred = culprit.state_since
-    return Finding(
-        kind=RANK_HUNG,
-        key=f"rank_hung:{job}:{restart}:{min_step}",
-        severity="critical",
+    return hang_finding(
+        job,
+        f"{restart}:{min_step}",
+        culprit,
         summary=f"job {job} hung at step {min_step} in phase {hung_phase}: {why}; "
         f"no progress for {quiet:.1f}s; {blame}{gpu_clause}",
-        job=job,
-        node=culprit.node if culprit else None,
-        rank=culprit.rank if culprit else None,
         occurred_at=occurred,
         evidence={
             "restart": restart,

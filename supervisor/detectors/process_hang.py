@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..model import RANK_HUNG, Finding, History
 from ..state import DEAD_STATES, LIVE_STATES, ClusterObs, RankObs
 from ..wavefront import BEHIND, DESYNC, Wavefront, read_wavefront
-from .common import check_settings, gpu_note, incarnation, node_url
+from .common import check_settings, gpu_note, hang_finding, incarnation, node_url
 from .registration import Detector
 
 if TYPE_CHECKING:
@@ -229,15 +229,12 @@ def _finding(
         evidence.update(pid=culprit.pid, node_url=node_url(obs, culprit.node))
     gpu, gpu_clause = gpu_note(culprit)
     evidence.update(gpu)
-    return Finding(
-        kind=RANK_HUNG,
-        key=f"rank_hung:{job}:{restart}:process",
-        severity="critical",
+    return hang_finding(
+        job,
+        f"{restart}:process",
+        culprit,
         summary=f"job {job} hung (no telemetry; judged by process): no progress for "
         f"{quiet:.1f}s; {blame}{gpu_clause}",
-        job=job,
-        node=culprit.node if culprit else None,
-        rank=culprit.rank if culprit else None,
         occurred_at=occurred_at,
         evidence=evidence,
     )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..model import RANK_HUNG, Finding, History
 from ..state import ClusterObs, RankObs
-from .common import incarnation, node_url
+from .common import hang_finding, incarnation, node_url
 from .registration import Detector
 
 if TYPE_CHECKING:
@@ -58,14 +58,11 @@ def _finding(obs: ClusterObs, r: RankObs, restart: int, stopped_for: float) -> F
         f"its stand-in (warm-start shim, pid {r.stand_in_pid}) has been stopped for "
         f"{stopped_for:.1f}s: torchrun cannot see the rank (it is {r.state})"
     )
-    return Finding(
-        kind=RANK_HUNG,
-        key=f"rank_hung:{r.job}:{restart}:stand_in:{r.rank}",
-        severity="critical",
+    return hang_finding(
+        r.job,
+        f"{restart}:stand_in:{r.rank}",
+        r,
         summary=f"job {r.job} rank {r.rank} on {r.node}: {reason}",
-        job=r.job,
-        node=r.node,
-        rank=r.rank,
         occurred_at=obs.time - stopped_for,
         evidence={
             "restart": restart,

@@ -4,6 +4,7 @@ grouping on literal data, the scanner on a fixture /proc tree), the rank table t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -196,8 +197,15 @@ def _telemetry(pid: int, job: str = "job", rank: int = 1) -> TelemetryRecord:
     )  # fmt: skip
 
 
-def _child(code: str = "import time; time.sleep(60)") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code])
+@contextlib.contextmanager
+def _child(code: str = "import time; time.sleep(60)"):
+    """A child process running `code`, killed (if still running) and reaped at the end."""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _found(proc: subprocess.Popen, rank: int = 1, job: str = "job", restart: int = 0):
@@ -218,58 +226,43 @@ def _row(table: RankTable, job: str = "job", rank: int = 1) -> dict | None:
 
 
 def test_table_watches_a_found_worker_without_steps_and_knows_its_exit():
-    with RankTable() as table:
-        proc = _child()
-        try:
-            assert table.adopt(_found(proc)) == 1
-            assert table.adopt(_found(proc)) == 0  # already watched
-            row = _row(table)
-            assert row["source"] == "process" and row["state"] == "alive"
-            assert row["step"] is None and row["heartbeat_age_seconds"] is None
-            assert table.verified_pid("job", 1) == proc.pid  # control actions can target it
-            os.kill(proc.pid, signal.SIGSTOP)
-            _wait(lambda: (table.refresh(), _row(table)["state"])[1] == "stopped")
-            os.kill(proc.pid, signal.SIGKILL)
-            _wait(lambda: _row(table)["state"] in ("zombie", "exited"))
-            assert _row(table)["state_detail"] == "killed by SIGKILL"
-        finally:
-            proc.kill()
-            proc.wait()
+    with RankTable() as table, _child() as proc:
+        assert table.adopt(_found(proc)) == 1
+        assert table.adopt(_found(proc)) == 0  # already watched
+        row = _row(table)
+        assert row["source"] == "process" and row["state"] == "alive"
+        assert row["step"] is None and row["heartbeat_age_seconds"] is None
+        assert table.verified_pid("job", 1) == proc.pid  # control actions can target it
+        os.kill(proc.pid, signal.SIGSTOP)
+        _wait(lambda: (table.refresh(), _row(table)["state"])[1] == "stopped")
+        os.kill(proc.pid, signal.SIGKILL)
+        _wait(lambda: _row(table)["state"] in ("zombie", "exited"))
+        assert _row(table)["state_detail"] == "killed by SIGKILL"
 
 
 def test_table_a_worker_that_exits_0_finished_and_a_restart_replaces_the_process():
     with RankTable() as table:
-        first = _child("import time; time.sleep(0.5)")
-        table.adopt(_found(first))
-        # the status is read from the zombie: its parent (here: us) reaps it only after
-        _wait(lambda: _row(table)["state"] == "finished")
-        first.wait()
-        second = _child()
-        try:
+        with _child("import time; time.sleep(0.5)") as first:
+            table.adopt(_found(first))
+            # the status is read from the zombie: its parent (here: us) reaps it only after
+            _wait(lambda: _row(table)["state"] == "finished")
+        with _child() as second:
             table.adopt(_found(second, restart=1))
             row = _row(table)
             assert (row["pid"], row["restart"], row["state"]) == (second.pid, 1, "alive")
             assert row["process_changes"] == 1
-        finally:
-            second.kill()
-            second.wait()
 
 
 def test_table_a_found_worker_that_sends_telemetry_is_one_rank():
-    with RankTable() as table:
-        proc = _child()
-        try:
-            table.adopt(_found(proc, job="uuid-1"))
-            assert _row(table, "uuid-1")["source"] == "process"
-            table.update(_telemetry(proc.pid, job="trainer-job"), sender_pid=proc.pid)
-            rows = table.snapshot()
-            assert [(r["job"], r["source"]) for r in rows] == [("trainer-job", "telemetry")]
-            # later scans leave it alone: its pid speaks telemetry
-            assert table.adopt(_found(proc, job="uuid-1")) == 0
-            assert len(table.snapshot()) == 1
-        finally:
-            proc.kill()
-            proc.wait()
+    with RankTable() as table, _child() as proc:
+        table.adopt(_found(proc, job="uuid-1"))
+        assert _row(table, "uuid-1")["source"] == "process"
+        table.update(_telemetry(proc.pid, job="trainer-job"), sender_pid=proc.pid)
+        rows = table.snapshot()
+        assert [(r["job"], r["source"]) for r in rows] == [("trainer-job", "telemetry")]
+        # later scans leave it alone: its pid speaks telemetry
+        assert table.adopt(_found(proc, job="uuid-1")) == 0
+        assert len(table.snapshot()) == 1
 
 
 WATCH_FRONT = (Collective("0", "default_pg", 13, 12, "gloo:all_reduce", "[[4]]", 1800.0),)
@@ -286,21 +279,16 @@ def test_table_a_found_workers_wavefront_is_its_evidence_and_it_stays_a_process_
     by the kernel-verified sender pid, and the worker stays a process rank."""
     front = WATCH_FRONT
     evidence = _watch_record(step=0, collectives=front)
-    with RankTable() as table:
-        proc = _child()
-        try:
-            table.adopt(_found(proc, job="run-id@7"))
-            table.update(dataclasses.replace(evidence, pid=proc.pid), sender_pid=proc.pid)
-            rows = table.snapshot()
-            assert [(r["job"], r["source"]) for r in rows] == [("run-id@7", "process")]
-            (answer,) = table.answers()
-            assert answer.collectives == front and answer.step is None
-            # from a process it does not know, evidence registers a rank as before
-            table.update(dataclasses.replace(evidence, pid=os.getpid()), sender_pid=os.getpid())
-            assert len(table.snapshot()) == 2
-        finally:
-            proc.kill()
-            proc.wait()
+    with RankTable() as table, _child() as proc:
+        table.adopt(_found(proc, job="run-id@7"))
+        table.update(dataclasses.replace(evidence, pid=proc.pid), sender_pid=proc.pid)
+        rows = table.snapshot()
+        assert [(r["job"], r["source"]) for r in rows] == [("run-id@7", "process")]
+        (answer,) = table.answers()
+        assert answer.collectives == front and answer.step is None
+        # from a process it does not know, evidence registers a rank as before
+        table.update(dataclasses.replace(evidence, pid=os.getpid()), sender_pid=os.getpid())
+        assert len(table.snapshot()) == 2
 
 
 def test_table_a_found_workers_step_beacon_is_its_script_step_and_nothing_else():
@@ -309,22 +297,17 @@ def test_table_a_found_workers_step_beacon_is_its_script_step_and_nothing_else()
     table does not know, nothing is registered."""
     front = WATCH_FRONT
     beacon = _watch_record(step=137, collectives=None)
-    with RankTable() as table:
-        proc = _child()
-        try:
-            table.adopt(_found(proc, job="run-id@7"))
-            evidence = dataclasses.replace(beacon, pid=proc.pid, step=0, collectives=front)
-            table.update(evidence, sender_pid=proc.pid)
-            table.update(dataclasses.replace(beacon, pid=proc.pid), sender_pid=proc.pid)
-            (answer,) = table.answers()
-            assert (answer.source, answer.script_step, answer.step) == ("process", 137, None)
-            assert answer.collectives == front  # a beacon takes no wavefront back
-            assert answer.to_json()["script_step"] == 137
-            table.update(dataclasses.replace(beacon, pid=os.getpid()), sender_pid=os.getpid())
-            assert len(table.snapshot()) == 1
-        finally:
-            proc.kill()
-            proc.wait()
+    with RankTable() as table, _child() as proc:
+        table.adopt(_found(proc, job="run-id@7"))
+        evidence = dataclasses.replace(beacon, pid=proc.pid, step=0, collectives=front)
+        table.update(evidence, sender_pid=proc.pid)
+        table.update(dataclasses.replace(beacon, pid=proc.pid), sender_pid=proc.pid)
+        (answer,) = table.answers()
+        assert (answer.source, answer.script_step, answer.step) == ("process", 137, None)
+        assert answer.collectives == front  # a beacon takes no wavefront back
+        assert answer.to_json()["script_step"] == 137
+        table.update(dataclasses.replace(beacon, pid=os.getpid()), sender_pid=os.getpid())
+        assert len(table.snapshot()) == 1
 
 
 # --------------------------------------------------------------------------- detector

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from builders import STEP_RECORD_CHILD
+from builders import STEP_RECORD_CHILD, telemetry_fields
 from test_agent_api import agent, get_json  # noqa: F401  (the fixture)
 
 from rankguard.agent.ranks import RankTable
@@ -113,15 +113,7 @@ def test_evidence_is_shown_and_the_heartbeat_ages_on(agent, stalled):  # noqa: F
 
 
 def _record(**kw) -> TelemetryRecord:
-    f = dict(
-        v=1, job="llama", rank=0, local_rank=0, world_size=2, pid=os.getpid(), restart=0,
-        step=10, phase="train", time=time.time(), step_seconds=2.0, data_wait_seconds=0.1,
-        compute_seconds=1.2, comm_seconds=0.5, comm_exposed_seconds=0.2,
-        optimizer_seconds=0.1, checkpoint_block_seconds=0.0, tokens_per_second=1000.0,
-        mfu=0.4, peak_memory_bytes=2**30, loss=2.5, checkpoint_step=None,
-    )  # fmt: skip
-    f.update(kw)
-    return TelemetryRecord(**f)
+    return TelemetryRecord(**telemetry_fields(world_size=2, **kw))
 
 
 @pytest.fixture

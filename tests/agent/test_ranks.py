@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from builders import telemetry_fields
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,20 +48,8 @@ from rankguard.contract.telemetry import PHASES, REASONS, TelemetryRecord, encod
 # --------------------------------------------------------------------------- helpers
 
 
-def fields(**overrides) -> dict:
-    f = dict(
-        v=1, job="llama", rank=0, local_rank=0, world_size=4, pid=os.getpid(), restart=0,
-        step=10, phase="train", time=time.time(), step_seconds=2.0, data_wait_seconds=0.1,
-        compute_seconds=1.2, comm_seconds=0.5, comm_exposed_seconds=0.2,
-        optimizer_seconds=0.1, checkpoint_block_seconds=0.0, tokens_per_second=1000.0,
-        mfu=0.4, peak_memory_bytes=2**30, loss=2.5, checkpoint_step=None,
-    )  # fmt: skip
-    f.update(overrides)
-    return f
-
-
 def rec(**overrides) -> TelemetryRecord:
-    return TelemetryRecord(**fields(**overrides))
+    return TelemetryRecord(**telemetry_fields(**overrides))
 
 
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.005):
@@ -90,7 +79,8 @@ time.sleep(float(sys.argv[3]))
 
 def spawn_rank(path: Path, sleep: float = 30.0, **overrides) -> subprocess.Popen:
     """A real process that sends one valid record with its own pid, then sleeps."""
-    args = [sys.executable, "-c", CHILD, str(path), json.dumps(fields(**overrides)), str(sleep)]
+    record = json.dumps(telemetry_fields(**overrides))
+    args = [sys.executable, "-c", CHILD, str(path), record, str(sleep)]
     return subprocess.Popen(args)
 
 
@@ -211,8 +201,8 @@ _json_values = st.recursive(
     ),
     max_leaves=8,
 )
-_mutated_records = st.tuples(st.sampled_from(sorted(fields())), _json_values).map(
-    lambda kv: json.dumps({**fields(), kv[0]: kv[1]}).encode()
+_mutated_records = st.tuples(st.sampled_from(sorted(telemetry_fields())), _json_values).map(
+    lambda kv: json.dumps({**telemetry_fields(), kv[0]: kv[1]}).encode()
 )
 
 
@@ -413,7 +403,7 @@ def test_the_main_threads_own_state_is_told_apart_from_the_process_cpu(
     says busy either way, the main thread's own run time, state and syscall do not."""
     for rank, where in ((0, "thread"), (1, "main")):
         args = [sys.executable, "-c", SPINNER, str(sock_path),
-                json.dumps(fields(rank=rank, local_rank=rank)), where]  # fmt: skip
+                json.dumps(telemetry_fields(rank=rank, local_rank=rank)), where]  # fmt: skip
         children.append(subprocess.Popen(args))
     wait_for(lambda: rank_of(table, rank=0) and rank_of(table, rank=1))
     table.refresh()
@@ -728,7 +718,8 @@ def test_an_exit_first_drains_what_the_process_sent(table, sock_path, raw, child
         r.pacer.min_batch = 0  # wait after every drain, the first one too
         raw(encode(rec(job="prime")))
         wait_for(lambda: r.stats()["accepted"] == 1)  # now waiting up to 30 s
-        args = [sys.executable, "-c", child_code, str(sock_path), json.dumps(fields()), "0"]
+        record = json.dumps(telemetry_fields())
+        args = [sys.executable, "-c", child_code, str(sock_path), record, "0"]
         child = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         children.append(child)
         assert child.stdout.readline().strip() == "1"

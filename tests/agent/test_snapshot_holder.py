@@ -18,7 +18,8 @@ import time
 import urllib.request
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from builders import FAST, json_values_without_nan
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rankguard.agent.collectors import CollectorContext, settings_for
@@ -218,19 +219,17 @@ def test_replication_over_tcp_with_the_token_and_a_refusing_peer(tmp_path):
             h.shutdown()
 
 
-_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
-    max_leaves=12,
-)  # fmt: skip
 _FIELDS = st.sampled_from(["op", "job", "step", "rank", "world", "local_world", "keep",
                            "checksum", "size", "kind", "after", "all_ranks", "replica"])  # fmt: skip
 _OPS = st.sampled_from([*wire.OPS, "drop", 3, None])
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(_FIELDS, _JSON | _OPS | st.integers(-(2**70), 2**70), max_size=10))
+@given(
+    st.dictionaries(
+        _FIELDS, json_values_without_nan | _OPS | st.integers(-(2**70), 2**70), max_size=10
+    )
+)
 def test_parse_request_refuses_with_one_error_type(header):
     try:
         req = wire.parse_request(header, max_payload=1024)
@@ -241,7 +240,7 @@ def test_parse_request_refuses_with_one_error_type(header):
     assert req.op == "put" or req.size == 0
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@FAST
 @given(st.binary(max_size=64) | st.builds(lambda b: struct.pack(">I", len(b)) + b,
                                           st.binary(max_size=64)))  # fmt: skip
 def test_frame_parser_on_arbitrary_bytes(raw):

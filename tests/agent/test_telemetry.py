@@ -11,9 +11,11 @@ import shutil
 import socket
 import tempfile
 import time
+from contextlib import contextmanager
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from builders import FAST, json_values
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rankguard.client import DROP_REASONS, TelemetrySender
@@ -460,17 +462,6 @@ def records(draw) -> TelemetryRecord:
     )
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=12,
-)
-
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
 def decode_ok_or_telemetry_error(data: bytes) -> None:
     try:
         rec = decode(data)
@@ -573,42 +564,46 @@ def bind_receiver(path) -> socket.socket:
     return rx
 
 
-def test_sender_real_receiver(sock_dir):
-    path = sock_dir / "t.sock"
+def receive(rx: socket.socket) -> TelemetryRecord:
+    return decode(rx.recv(MAX_DATAGRAM_BYTES + 1))
+
+
+@contextmanager
+def sender_and_receiver(path):
+    """A sender aimed at a bound receiver at ``path``; both closed afterwards."""
     rx = bind_receiver(path)
     sender = TelemetrySender(str(path))
     try:
+        yield sender, rx
+    finally:
+        sender.close()
+        rx.close()
+
+
+def test_sender_real_receiver(sock_dir):
+    with sender_and_receiver(sock_dir / "t.sock") as (sender, rx):
         sent = []
         for i in range(8):  # below the kernel's default datagram queue length (10)
             rec = make(step=i, loss=math.nan if i == 3 else float(i), phase=PHASES[i % 6])
             assert sender.send(rec) is True
             sent.append(rec)
-        got = [decode(rx.recv(MAX_DATAGRAM_BYTES + 1)) for _ in sent]
+        got = [receive(rx) for _ in sent]
         for a, b in zip(got, sent, strict=True):
             assert_same(a, b)
         assert (sender.sent, sender.dropped, sender.dropped_by_reason) == (8, 0, {})
         # A mapping is accepted too.
         assert sender.send(valid_fields(step=99)) is True
-        assert decode(rx.recv(MAX_DATAGRAM_BYTES + 1)).step == 99
-    finally:
-        sender.close()
-        rx.close()
+        assert receive(rx).step == 99
 
 
 def test_sender_many_records_with_draining_receiver(sock_dir):
-    path = sock_dir / "t.sock"
-    rx = bind_receiver(path)
-    sender = TelemetrySender(str(path))
-    try:
+    with sender_and_receiver(sock_dir / "t.sock") as (sender, rx):
         received = []
         for i in range(200):
             assert sender.send(make(step=i)) is True
-            received.append(decode(rx.recv(MAX_DATAGRAM_BYTES + 1)))
+            received.append(receive(rx))
         assert [r.step for r in received] == list(range(200))
         assert sender.sent == 200 and sender.dropped == 0
-    finally:
-        sender.close()
-        rx.close()
 
 
 def test_sender_no_receiver_is_fast_and_silent(sock_dir):
@@ -624,11 +619,8 @@ def test_sender_no_receiver_is_fast_and_silent(sock_dir):
 
 
 def test_sender_full_queue_never_blocks(sock_dir):
-    path = sock_dir / "full.sock"
-    rx = bind_receiver(path)  # never reads until the end
-    sender = TelemetrySender(str(path))
-    try:
-        rec = make()
+    with sender_and_receiver(sock_dir / "full.sock") as (sender, rx):
+        rec = make()  # the receiver reads nothing until the end
         start = time.monotonic()
         results = [sender.send(rec) for _ in range(2000)]
         assert time.monotonic() - start < 5.0
@@ -641,15 +633,12 @@ def test_sender_full_queue_never_blocks(sock_dir):
         drained = 0
         while True:
             try:
-                decode(rx.recv(MAX_DATAGRAM_BYTES + 1))
+                receive(rx)
                 drained += 1
             except BlockingIOError:
                 break
         assert drained == sender.sent
         assert sender.send(rec) is True
-    finally:
-        sender.close()
-        rx.close()
 
 
 def test_sender_receiver_goes_away_and_comes_back(sock_dir):
@@ -658,7 +647,7 @@ def test_sender_receiver_goes_away_and_comes_back(sock_dir):
     sender = TelemetrySender(str(path))
     try:
         assert sender.send(make(step=1)) is True
-        assert decode(rx.recv(MAX_DATAGRAM_BYTES + 1)).step == 1
+        assert receive(rx).step == 1
         rx.close()  # socket closed, stale file left behind
         assert sender.send(make(step=2)) is False
         assert sender.dropped_by_reason == {"refused": 1}
@@ -667,7 +656,7 @@ def test_sender_receiver_goes_away_and_comes_back(sock_dir):
         assert sender.dropped_by_reason == {"refused": 1, "no_socket": 1}
         rx = bind_receiver(path)  # agent restarted: no reconnect needed
         assert sender.send(make(step=4)) is True
-        assert decode(rx.recv(MAX_DATAGRAM_BYTES + 1)).step == 4
+        assert receive(rx).step == 4
         assert (sender.sent, sender.dropped) == (2, 2)
     finally:
         sender.close()
@@ -685,10 +674,7 @@ def test_sender_disabled():
 
 
 def test_sender_invalid_records_are_dropped(sock_dir):
-    path = sock_dir / "inv.sock"
-    rx = bind_receiver(path)
-    sender = TelemetrySender(str(path))
-    try:
+    with sender_and_receiver(sock_dir / "inv.sock") as (sender, rx):
         assert sender.send(valid_fields(step=-1)) is False  # mapping that fails validation
         assert sender.send({"v": 1}) is False  # missing fields
         bad = make()
@@ -697,9 +683,6 @@ def test_sender_invalid_records_are_dropped(sock_dir):
         assert sender.send(object()) is False  # type: ignore[arg-type]
         assert sender.dropped_by_reason == {"invalid": 4}
         assert sender.send(make()) is True
-    finally:
-        sender.close()
-        rx.close()
 
 
 def test_sender_odd_paths_do_not_raise(sock_dir):

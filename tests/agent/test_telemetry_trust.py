@@ -183,6 +183,16 @@ def wait_step(agent, job: str, rank: int, step: int) -> dict:
     )  # fmt: skip
 
 
+def victim_at_step(stack, step: int, job: str = "victim", period: float = 0.05):
+    """(launcher, worker pid): `launch_victim` of `job`, stopped with the test, once its
+    rank 0 reported `step`."""
+    agent, _, procs = stack
+    launcher, victim = launch_victim(agent.socket, job, period=period)
+    procs.append(launcher)
+    wait_step(agent, job, 0, step)
+    return launcher, victim
+
+
 def incidents(sup, job: str) -> list[dict]:
     return [i for i in http_json(sup.url + "/v1/incidents")["incidents"] if i["job"] == job]
 
@@ -214,9 +224,7 @@ def test_socket_is_0660_with_the_configured_group_and_refuses_outsiders(stack):
 @as_root
 def test_a_foreign_registration_with_a_nan_does_not_get_the_real_rank_killed(stack):
     agent, sup, procs = stack
-    launcher, victim = launch_victim(agent.socket, "victim")
-    procs.append(launcher)
-    wait_step(agent, "victim", 0, 8)
+    launcher, victim = victim_at_step(stack, 8)
     out = as_attacker(
         """
 import sys
@@ -243,9 +251,7 @@ for i in range(20):
 @as_root
 def test_forged_deaths_of_another_users_rank_do_not_stop_the_job(stack):
     agent, sup, procs = stack
-    launcher, victim = launch_victim(agent.socket, "victim")
-    procs.append(launcher)
-    wait_step(agent, "victim", 0, 5)
+    launcher, victim = victim_at_step(stack, 5)
     # Three short-lived processes, each claiming rank 1 of the job with restart 1, 2, 3
     # and exiting at once: a crash loop, if they were believed.
     out = as_attacker(
@@ -277,9 +283,7 @@ def test_a_fake_torchrun_of_another_user_is_never_signalled(stack):
     line says torchrun): it was taken for the attacker's stand-in, and stop-job of the
     attacker's own job SIGTERMed the victim's launcher, SIGKILL killed the victim."""
     agent, _, procs = stack
-    launcher, victim = launch_victim(agent.socket, "victim")
-    procs.append(launcher)
-    wait_step(agent, "victim", 0, 3)
+    launcher, victim = victim_at_step(stack, 3)
     # The attacker's rank is a child of the attacker's own (non-torchrun) process.
     attacker = as_attacker(
         """
@@ -318,9 +322,7 @@ print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
 @as_root
 def test_a_flood_from_another_user_does_not_get_a_busy_rank_killed_as_hung(stack):
     agent, sup, procs = stack
-    launcher, victim = launch_victim(agent.socket, "victim", period=0.05)
-    procs.append(launcher)
-    wait_step(agent, "victim", 0, 20)  # enough steps for the 1 s hang floor to apply
+    launcher, victim = victim_at_step(stack, 20)  # enough steps for the 1 s hang floor to apply
     flood = as_attacker(
         """
 import sys
@@ -354,9 +356,7 @@ print(sent)
 @as_root
 def test_filling_the_table_with_invented_ranks_pushes_nobody_out(stack):
     agent, _, procs = stack
-    launcher, victim = launch_victim(agent.socket, "victim", period=0.2)
-    procs.append(launcher)
-    wait_step(agent, "victim", 0, 1)
+    launcher, victim = victim_at_step(stack, 1, period=0.2)
     out = as_attacker(
         """
 import sys
@@ -375,9 +375,7 @@ for i in range(1100):
                ["rank_quota"] >= 1100 - 256, 60, "the fill counted")  # fmt: skip
     wait_until(lambda: metric(agent.url, "rankguard_telemetry_rejected_total", "rank_quota")
                >= 1100 - 256, 30, "the fill counted on /metrics")  # fmt: skip
-    late, late_pid = launch_victim(agent.socket, "late", period=0.2)  # a new job still fits
-    procs.append(late)
-    wait_step(agent, "late", 0, 1)
+    late, late_pid = victim_at_step(stack, 1, job="late", period=0.2)  # a new job still fits
     table = ranks(agent)
     assert table[("victim", 0)]["pid"] == victim
     assert sum(job.startswith("fill-") for job, _ in table) == 256

@@ -83,6 +83,24 @@ def _stubs(tmp_path: Path) -> Path:
     return bin_dir
 
 
+def _one_node_env(tmp_path: Path, agent, job_id: str, **variables: str) -> dict:
+    """What the batch script sees on a one-node job ("localhost", two ranks) whose node
+    runs `agent`: the stubs first on PATH, this rankguard and Python, the job's folder;
+    `variables` add to it (the supervisor's port, or a running supervisor's URL)."""
+    return {
+        **os.environ,
+        "PATH": f"{_stubs(tmp_path)}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+        "RANKGUARD": str(Path(sys.executable).with_name("rankguard")), "PYTHON": sys.executable,
+        "RANKGUARD_DIR": str(tmp_path / "job"),
+        "RANKGUARD_AGENT_PORT": agent.url.rsplit(":", 1)[1],
+        "RANKGUARD_TOKEN_FILE": str(tmp_path / "token"),
+        "RANKGUARD_TELEMETRY_SOCKET": str(agent.socket),
+        "RDZV_PORT": str(free_port()), "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+        **variables,
+    }  # fmt: skip
+
+
 TRAINER_ARGS = ("--preset", "tiny", "--steps", "20", "--log-every", "0")
 
 
@@ -110,18 +128,7 @@ def test_sbatch_runs_your_own_script_after_dashdash(tmp_path):
     """`-- SCRIPT ARGS`: torchrun runs the user's script instead of the bundled trainer,
     watched zero-code by the node's agent, with the job's own supervisor."""
     agent = start_agent(tmp_path, "localhost")
-    env = {
-        **os.environ,
-        "PATH": f"{_stubs(tmp_path)}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4444", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
-        "RANKGUARD": str(Path(sys.executable).with_name("rankguard")), "PYTHON": sys.executable,
-        "RANKGUARD_DIR": str(tmp_path / "job"),
-        "RANKGUARD_AGENT_PORT": agent.url.rsplit(":", 1)[1],
-        "RANKGUARD_SUPERVISOR_PORT": str(free_port()),
-        "RANKGUARD_TOKEN_FILE": str(tmp_path / "token"),
-        "RANKGUARD_TELEMETRY_SOCKET": str(agent.socket),
-        "RDZV_PORT": str(free_port()), "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+    env = _one_node_env(tmp_path, agent, "4444", RANKGUARD_SUPERVISOR_PORT=str(free_port()))
     script = str(ROOT / "examples" / "ddp_plain.py")
     try:
         proc = _sbatch(tmp_path, env, args=("--", script, "--steps", "20", "--width", "32"))
@@ -159,18 +166,7 @@ def test_sbatch_uses_an_exported_supervisor_url(tmp_path):
     job to its end."""
     agent = start_agent(tmp_path, "localhost")
     supervisor = start_supervisor(tmp_path, [agent.url])
-    env = {
-        **os.environ,
-        "PATH": f"{_stubs(tmp_path)}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4343", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
-        "RANKGUARD": str(Path(sys.executable).with_name("rankguard")), "PYTHON": sys.executable,
-        "RANKGUARD_DIR": str(tmp_path / "job"),
-        "RANKGUARD_AGENT_PORT": agent.url.rsplit(":", 1)[1],
-        "RANKGUARD_TOKEN_FILE": str(tmp_path / "token"),
-        "RANKGUARD_TELEMETRY_SOCKET": str(agent.socket),
-        "RANKGUARD_SUPERVISOR": supervisor.url,
-        "RDZV_PORT": str(free_port()), "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+    env = _one_node_env(tmp_path, agent, "4343", RANKGUARD_SUPERVISOR=supervisor.url)
     try:
         proc = _sbatch(tmp_path, env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -192,25 +188,8 @@ def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
     `rankguard rendezvous` started as a step on the "first node", the trainer's telemetry reaches the node's agent, and the job's
     supervisor is started on its agents file and stopped at the end."""
     agent = start_agent(tmp_path, "localhost")
-    bin_dir = _stubs(tmp_path)
     sup_port, agent_port = free_port(), int(agent.url.rsplit(":", 1)[1])
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NODELIST": "localhost",
-        "SLURM_JOB_NUM_NODES": "1",
-        "RANKGUARD": str(Path(sys.executable).with_name("rankguard")),
-        "PYTHON": sys.executable,
-        "RANKGUARD_DIR": str(tmp_path / "job"),
-        "RANKGUARD_AGENT_PORT": str(agent_port),
-        "RANKGUARD_SUPERVISOR_PORT": str(sup_port),
-        "RANKGUARD_TOKEN_FILE": str(tmp_path / "token"),
-        "RANKGUARD_TELEMETRY_SOCKET": str(agent.socket),
-        "RDZV_PORT": str(free_port()),
-        "NPROC_PER_NODE": "2",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = _one_node_env(tmp_path, agent, "4242", RANKGUARD_SUPERVISOR_PORT=str(sup_port))
     try:
         proc = _sbatch(tmp_path, env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

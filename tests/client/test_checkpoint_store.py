@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 import pytest
-from builders import _json, flip_byte, make_ckpt
-from hypothesis import HealthCheck, given, settings
+from builders import FAST, flip_byte, json_values, make_ckpt
+from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -386,11 +386,11 @@ def fuzz_ckpt(tmp_path_factory):
     return final, json.loads((final / "manifest.json").read_text())
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@FAST
 @given(
     kind=st.sampled_from(["bytes", "json", "mutate", "mutate_file", "drop"]),
     raw=st.binary(max_size=200),
-    value=_json,
+    value=json_values,
     key=st.sampled_from(_KEYS),
     fkey=st.sampled_from(["path", "size", "sha256"]),
 )

@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 
 import pytest
-from builders import _json, flip_byte, make_ckpt
+from builders import flip_byte, json_values, make_ckpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -509,7 +509,7 @@ open(os.path.join(d, "manifest.json"), "w").write(json.dumps(doc))
 @settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(value=_json, seal=_json)
+@given(value=json_values, seal=json_values)
 def test_with_a_key_no_manifest_content_raises_or_validates(tmp_path, value, seal):
     """Arbitrary JSON as the manifest, or as its seal: judged (never raised) and never valid."""
     key = b"z" * 32

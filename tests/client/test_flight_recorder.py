@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from harness import run_in_own_session
 
 from rankguard.client import Reporter
 from rankguard.client import flight_recorder as fr
@@ -249,17 +248,11 @@ def hang(tmp_path_factory) -> dict:
         env.pop(name, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", str(JOB), str(out), str(path)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, cwd=out, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    returncode, output = run_in_own_session(cmd, env=env, cwd=out, timeout=180)
     time.sleep(0.2)
     stop.set()
     sock.close()
-    assert proc.returncode == 0, output[-6000:]
+    assert returncode == 0, output[-6000:]
     assert "TRACE_BUFFER_SIZE is deprecated" not in output, output[-3000:]  # none of ours
     return {
         "records": records,

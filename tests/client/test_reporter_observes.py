@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import free_port
+from harness import free_port, run_in_own_session
 
 from rankguard.client import Reporter, StepTimer
 from rankguard.client.timing import backend_for, reduce_op
@@ -36,15 +34,8 @@ def job(tmp_path_factory) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=4", str(JOB), str(out), *CASES]  # fmt: skip
-    # its own session: on a timeout the whole tree goes, by its process group id
-    proc = subprocess.Popen(cmd, env=env, cwd=out, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    assert proc.returncode == 0, output[-6000:]
+    returncode, output = run_in_own_session(cmd, env=env, cwd=out, timeout=240)
+    assert returncode == 0, output[-6000:]
     return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in RANKS}
 
 

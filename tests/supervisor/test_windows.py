@@ -8,7 +8,8 @@ import os
 import subprocess
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from builders import FAST
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rankguard.agent.ranks import RankTable, RankTableFullError
@@ -61,7 +62,7 @@ op = st.one_of(
 )  # fmt: skip
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@FAST
 @given(
     ops=st.lists(op, max_size=60),
     history=st.integers(4, 40),
