@@ -1,5 +1,5 @@
-"""bench/goodput.py --quick end to end for plain torchrun and rankguard: every fault of the
-schedule reaches the timeline and the accounting adds up (no timing is asserted)."""
+"""bench/goodput.py --quick end to end under rankguard: every fault of the schedule reaches
+the timeline, is recovered, and the accounting adds up (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_the_report_names_each_stacks_fitted_steps():
 def quick(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("goodput")
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--stacks", "plain,rankguard",
+        [sys.executable, str(BENCH), "--quick", "--stacks", "rankguard",
          "--json", str(out / "g.json"), "--out", str(out / "g.md")],
         capture_output=True, text=True, timeout=900, cwd=out,
     )  # fmt: skip
@@ -149,13 +149,14 @@ def test_the_accounting_adds_up(quick):
             assert f["cost"] <= r["wall"]
 
 
-def test_rankguard_recovers_what_plain_torchrun_cannot(quick):
-    by = {r["stack"]: {f["kind"]: f for f in r["faults"]} for r in quick["results"]}
-    for kind in ("spin", "stop"):  # plain torchrun never notices a hang: the bench gives up
-        assert by["plain"][kind]["outcome"].startswith("not recovered"), by["plain"][kind]
-        assert by["rankguard"][kind]["outcome"].startswith("recovered"), by["rankguard"][kind]
-    assert by["plain"]["nan"]["outcome"].startswith("not recovered")
-    assert by["rankguard"]["nan"]["outcome"].startswith("recovered")
+def test_rankguard_recovers_every_fault_of_the_schedule(quick):
+    """Plain torchrun's side (it never notices a hang or a NaN) is the benchmark's to
+    measure (bench/results); the suite runs rankguard's alone, half the time."""
+    (r,) = quick["results"]
+    for f in r["faults"]:  # a short slowdown or stalled write may be ridden out
+        assert not f["outcome"].startswith("not recovered"), f
+        if f["kind"] in ("kill", "stop", "spin", "corrupt_kill", "nan"):
+            assert f["outcome"].startswith("recovered"), f
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
