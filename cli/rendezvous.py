@@ -96,6 +96,12 @@ def rendezvous(
         stream=sys.stderr,
     )
     log = logging.getLogger("rankguard.rendezvous")
+    # Block the stop signals before any thread starts (torch's import starts one, the
+    # store more), so they all inherit the mask and the main thread alone takes a signal
+    # in sigwait: a thread with them unblocked took a SIGTERM as its default, death
+    # without STOPPING=1 (seen once in 8 under load).
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     try:
         import torch.distributed as dist
     except ImportError:
@@ -103,10 +109,6 @@ def rendezvous(
         raise typer.Exit(2) from None
     from rankguard.service.sdnotify import notify, watchdog_interval
 
-    # Block the stop signals before the store's threads start, so they all inherit the
-    # mask and this thread alone takes the signal in sigwait.
-    stop = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     where = "every address" if bind in ("", "*") else bind
     try:
         sock = listening_socket(bind, port)
