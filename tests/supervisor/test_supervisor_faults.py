@@ -27,7 +27,7 @@ from harness import (
 
 pytestmark = pytest.mark.slow
 
-STEPS = 220  # the latest fault is at step 200: room to recover and finish
+STEPS = 110  # the latest fault is at step 100: room to recover and finish
 # A heavier step (~75 ms here) than the tiny default (~12 ms): on a 2-core machine shared
 # with the agent and the supervisor, a 12 ms step is one scheduler hiccup long, and the
 # straggler window would measure the scheduler rather than the ranks.
@@ -122,7 +122,7 @@ def assert_exact(rig: Rig, clean: dict) -> None:
 
 
 def test_clean_run_raises_no_hang_or_other_alarm(clean):
-    """220 steps with a checkpoint every 10: no hang, no death, no numerics alarm.
+    """110 steps with a checkpoint every 10: no hang, no death, no numerics alarm.
     (Stragglers are judged on their own below, with a step long enough to judge.)"""
     job = clean["cluster"]["jobs"]["job"]  # the supervisor really watched it to the end
     assert (job["state"], job["max_step"]) == ("finished", STEPS), (
@@ -144,18 +144,18 @@ def test_query_commands_on_a_healthy_run(clean):
 
 
 def test_clean_run_raises_no_lasting_straggler(rig):
-    """300 steps, about 100 s of training. On this 2-core host the ranks share their cores
+    """200 steps, about 65 s of training. On this 2-core host the ranks share their cores
     with the agent and the supervisor, and a rank is at times slowed 1.2-1.3x for a few
     seconds in ways its run-queue wait does not show (cache, the neighbour on its core):
     the detector names such a spell for as long as it lasts (twice in CI, 3 s each). What
     must hold is that no straggler lasts: every straggler incident resolved within 15 s,
     none open at the end, nothing else raised. How often the defaults name a clean run at
     all is measured over recorded runs (bench/results/straggler_replay.md)."""
-    proc = torchrun(["--steps", "300", *STRAGGLER_MODEL, "--job", "long"], cwd=rig.tmp,
+    proc = torchrun(["--steps", "200", *STRAGGLER_MODEL, "--job", "long"], cwd=rig.tmp,
                     env={"RANKGUARD_TELEMETRY_SOCKET": str(rig.agent.socket)}, timeout=400)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     time.sleep(0.5)
-    assert http_json(rig.supervisor.url + "/v1/cluster")["jobs"]["long"]["max_step"] == 300
+    assert http_json(rig.supervisor.url + "/v1/cluster")["jobs"]["long"]["max_step"] == 200
     incidents = rig.incidents()
     shown = json.dumps(incidents, indent=1)[:4000]
     assert all(i["kind"] == "straggler" for i in incidents), shown
@@ -164,34 +164,34 @@ def test_clean_run_raises_no_lasting_straggler(rig):
 
 
 def test_sigkilled_rank_detected_within_a_second_and_job_resumes_exactly(rig, clean):
-    proc = rig.train("--fault", "crash:step=57:rank=1")
+    proc = rig.train("--fault", "crash:step=27:rank=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(rig, clean)
     (inc,) = rig.incidents("rank_dead")
     assert inc["rank"] == 1 and inc["time_to_detect"] < 1.0, inc
     assert inc["restarted_at"] and inc["first_step_at"] and inc["state"] == "resolved"
-    assert inc["resumed_step"] == 50 and inc["lost_steps"] >= 6
+    assert inc["resumed_step"] == 20 and inc["lost_steps"] >= 6
 
 
 @pytest.mark.parametrize("wait_mode", ["block", "spin"])
 def test_hung_ranks_are_found_named_and_ended(rig, clean, wait_mode):
-    """Four hangs of rank 1 in one run, one per incarnation: frozen by SIGSTOP at step 60,
-    spinning in Python at step 120, sleeping at step 180, stuck spinning in native code at
-    step 200 (one run, not four: the suite's time). Each is found, named, its stacks
+    """Four hangs of rank 1 in one run, one per incarnation: frozen by SIGSTOP at step 30,
+    spinning in Python at step 60, sleeping at step 90, stuck spinning in native code at
+    step 100 (one run, not four: the suite's time). Each is found, named, its stacks
     captured, and ended; the job ends exact. In both wait modes: `spin` is how the waiting
     rank 0 looks on NCCL (its main thread busy, not asleep), and it computes the same."""
-    in_background(lambda: os.kill(when_step(rig, 1, 60)["pid"], signal.SIGSTOP))
+    in_background(lambda: os.kill(when_step(rig, 1, 30)["pid"], signal.SIGSTOP))
     proc = rig.train("--wait-mode", wait_mode,
-                     "--fault", "spin:step=120:rank=1:restart=1",
-                     "--fault", "hang:step=180:rank=1:restart=2",
-                     "--fault", "native-stall:step=200:rank=1:restart=3",
+                     "--fault", "spin:step=60:rank=1:restart=1",
+                     "--fault", "hang:step=90:rank=1:restart=2",
+                     "--fault", "native-stall:step=100:rank=1:restart=3",
                      max_restarts=4, timeout=420)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(rig, clean)
     hangs = sorted(rig.incidents("rank_hung"), key=lambda i: i["detected_at"])
     assert len(hangs) == 4, hangs
     assert hangs[0]["cause"] == "host", hangs[0]  # stopped from outside (SIGSTOP)
-    for inc, step in zip(hangs, (60, 120, 180, 200), strict=True):
+    for inc, step in zip(hangs, (30, 60, 90, 100), strict=True):
         assert inc["rank"] == 1 and inc["state"] == "resolved", inc
         assert step <= (inc["step_at_detect"] or 0) + 1, inc
         p99 = inc["evidence"].get("p99_step_seconds") or 0
@@ -225,30 +225,30 @@ def test_straggler_named_and_nothing_else_raised(rig):
 
 
 def test_nan_loss_resumes_from_a_checkpoint_before_it(rig, clean):
-    proc = rig.train("--fault", "nan:step=155:rank=0")
+    proc = rig.train("--fault", "nan:step=75:rank=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(rig, clean)
     (inc,) = rig.incidents("bad_numerics")
-    assert inc["resumed_step"] is not None and inc["resumed_step"] < 155, inc
+    assert inc["resumed_step"] is not None and inc["resumed_step"] < 75, inc
     assert inc["cause"] == "data", inc
 
 
 def test_corrupt_newest_checkpoint_at_restart_falls_back(rig, clean):
     def corrupt_then_wait():
-        when_step(rig, 0, 153)
-        shard = rig.tmp / "ckpt" / "step-00000150" / "__0_0.distcp"
+        when_step(rig, 0, 73)
+        shard = rig.tmp / "ckpt" / "step-00000070" / "__0_0.distcp"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
 
     in_background(corrupt_then_wait)
-    proc = rig.train("--fault", "crash:step=158:rank=1")
+    proc = rig.train("--fault", "crash:step=78:rank=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(rig, clean)
     (inc,) = rig.incidents("rank_dead")
-    assert inc["resumed_step"] == 140, inc
+    assert inc["resumed_step"] == 60, inc
     assert any(
-        p.name.startswith("step-00000150") for p in (rig.tmp / "ckpt" / "quarantine").iterdir()
+        p.name.startswith("step-00000070") for p in (rig.tmp / "ckpt" / "quarantine").iterdir()
     )
 
 
@@ -334,7 +334,7 @@ def test_supervisor_restart_mid_run_never_acts_twice(rig, clean):
         rig.supervisor = start_supervisor(rig.tmp, [rig.agent.url], db=rig.tmp / "rankguard.db")
 
     in_background(kill_supervisor_after_it_acts)
-    proc = rig.train("--fault", "spin:step=120:rank=1")
+    proc = rig.train("--fault", "spin:step=60:rank=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(rig, clean)
     wait_until(
