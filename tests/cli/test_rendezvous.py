@@ -219,7 +219,8 @@ def test_job_survives_a_store_restart_and_reforms_through_the_new_store(
     """The store is SIGKILLed mid-run and started again on its port: training goes on, and
     a later rank failure re-forms the group through the new (empty) store, from the newest
     checkpoint, to the last step."""
-    steps = 1500  # about 25 ms a step here: the store's restart falls mid-run
+    # about 25 ms a step here: the store's restart and the kill fall mid-run
+    steps = 1000
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKGUARD_TELEMETRY_SOCKET": "off",
            "RANKGUARD_RDZV_SECRET_FILE": str(secret_file),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}  # fmt: skip
@@ -255,6 +256,7 @@ def test_job_survives_a_store_restart_and_reforms_through_the_new_store(
         wait_until(lambda: running(back), 30, "torchrun back in the new store")
         assert _workers(tr.pid) == first_workers
         os.kill(first_workers[1], signal.SIGKILL)  # now a restart needs a new round
+        print(f"a worker killed after {ckpts()[-1].name} of {steps} steps")
         assert tr.wait(timeout=240) == 0, log.read_text()[-6000:]
     finally:  # torchrun and its workers: a SIGKILLed torchrun leaves its workers behind
         with contextlib.suppress(ProcessLookupError):
