@@ -72,13 +72,17 @@ def ranks(sup_url: str) -> list[dict]:
         return []  # the supervisor is being restarted
 
 
+# long enough for a fault at about step 120 and a restart from the checkpoint before it
+STEPS = 400
+
+
 def test_up_restarts_killed_daemons_and_a_later_rank_death_is_recorded(tmp_path):
     """One run (cold start: the other `up` tests cover warm workers) in which the agent,
     then the supervisor, is SIGKILLed; each comes back, and a rank killed afterwards is
     recorded through both restarted daemons."""
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "800", "--ckpt-every", "20",
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", str(STEPS), "--ckpt-every", "20",
          "--run-dir", str(run), *SMALL_MODEL, "--cold-start"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
@@ -109,7 +113,7 @@ def test_up_restarts_killed_daemons_and_a_later_rank_death_is_recorded(tmp_path)
         rank1 = next((r for r in live if r["rank"] == 1), None) or wait_until(
             lambda: next((r for r in ranks(sup_url) if r["rank"] == 1 and r["state"] == "alive"),
                          None), 30, "rank 1 alive")  # fmt: skip
-        assert rank1["step"] < 760, "training nearly over before the rank could be killed"
+        assert rank1["step"] < STEPS - 40, "training nearly over before the rank could be killed"
         os.kill(rank1["pid"], signal.SIGKILL)
         proc.wait(timeout=400)
     finally:
@@ -119,7 +123,7 @@ def test_up_restarts_killed_daemons_and_a_later_rank_death_is_recorded(tmp_path)
     text = out.text
     print(text)  # the timeline, for a failure or -s
     assert proc.returncode == 0, text[-4000:]
-    assert "training completed: step 800" in text
+    assert f"training completed: step {STEPS}" in text
     for daemon in ("agent", "supervisor"):
         assert f"rankguard up: {daemon} killed by SIGKILL; restarting it" in text
     assert "rankguard up: restarted during the run: agent 1x, supervisor 1x" in text
@@ -146,7 +150,7 @@ def test_up_warm_start_stopped_stub_is_a_fault_and_up_exits_after_training(tmp_p
     run = tmp_path / "run"
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "800",
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", str(STEPS),
          "--ckpt-every", "20", "--run-dir", str(run), *SMALL_MODEL],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
@@ -162,7 +166,7 @@ def test_up_warm_start_stopped_stub_is_a_fault_and_up_exits_after_training(tmp_p
         )  # fmt: skip
         stub = rank1["stand_in"]["pid"]
         assert stub != rank1["pid"] and rank1["stand_in"]["state"] == "alive"
-        assert rank1["step"] < 760, "training nearly over before the stub could be stopped"
+        assert rank1["step"] < STEPS - 40, "training nearly over before the stub could be stopped"
         os.kill(stub, signal.SIGSTOP)
         stopped_at = time.time()
         wait_until(lambda: all(r["state"] == "finished" and r["restart"] > rank1["restart"]
@@ -180,7 +184,7 @@ def test_up_warm_start_stopped_stub_is_a_fault_and_up_exits_after_training(tmp_p
     print(f"up exited {exit_after_training:.1f}s after training ended; whole run "
           f"{time.monotonic() - started:.0f}s")  # fmt: skip
     assert proc.returncode == 0, text[-4000:]
-    assert "training completed: step 800" in text
+    assert f"training completed: step {STEPS}" in text
     assert exit_after_training < 20
     with sqlite3.connect(run / "rankguard.db") as db:
         db.row_factory = sqlite3.Row
