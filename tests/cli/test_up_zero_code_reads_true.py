@@ -99,7 +99,7 @@ def _clean_run(here: Path, elsewhere: Path) -> None:
 def test_the_example_resumes_from_its_own_checkpoint_after_a_kill(tmp_path):
     """...and its incident names the step (the script's AdamW keeps one)."""
     ckpt = tmp_path / "ddp_plain.pt"
-    up = Up(tmp_path, "--", EXAMPLE, "--steps", "1000", "--save-every", "20", "--ckpt", str(ckpt))
+    up = Up(tmp_path, "--", EXAMPLE, "--steps", "500", "--save-every", "20", "--ckpt", str(ckpt))
     try:
         up.agent_url()
         deadline = time.monotonic() + 180
