@@ -70,12 +70,6 @@ def build(only: str | None = None) -> typer.Typer:
     return cli
 
 
-def __getattr__(name: str):
-    if name == "app":  # the whole command line, for the help tests and the docs
-        return build()
-    raise AttributeError(name)
-
-
 def main() -> None:
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     build(command if command in COMMANDS else None)()

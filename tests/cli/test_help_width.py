@@ -9,7 +9,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from rankguard.cli.main import app
+from rankguard.cli.main import build
+
+app = build()
 
 
 def _commands(cmd, path=()):

@@ -8,9 +8,11 @@ import json
 
 from typer.testing import CliRunner
 
-from rankguard.cli.main import app
+from rankguard.cli.main import build
 from rankguard.supervisor.model import Finding
 from rankguard.supervisor.store import IncidentStore
+
+app = build()
 
 
 def digest(path) -> str:

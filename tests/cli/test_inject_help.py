@@ -7,8 +7,10 @@ import re
 
 from typer.testing import CliRunner
 
-from rankguard.cli.main import app
+from rankguard.cli.main import build
 from rankguard.contract import faults as grammar
+
+app = build()
 
 
 def inject_help() -> str:

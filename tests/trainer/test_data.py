@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from rankguard.cli.main import app as cli_app
+from rankguard.cli.main import build
 from rankguard.trainer.data import (
     VOCAB_SIZE_BYTES,
     DataError,
@@ -27,6 +27,8 @@ from rankguard.trainer.data import (
     prepare_corpus,
     rank_slice,
 )
+
+cli_app = build()
 
 # ----------------------------------------------------------------------------- helpers
 
