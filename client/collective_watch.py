@@ -34,14 +34,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..contract.telemetry import NO_STEP, SCHEMA_VERSION, Collective, socket_path_from_env
+from ..contract.telemetry import (
+    NO_STEP,
+    SCHEMA_VERSION,
+    STALL_WATCH_THREAD,
+    Collective,
+    socket_path_from_env,
+)
 from . import flight_recorder, optimizer_steps
 from .sender import TelemetrySender
 
 LOOK_SECONDS = 0.5  # how often the sequence ids are read
 STILL_SECONDS = 2.0  # standing still this long: the wavefront is sent
 REPEAT_SECONDS = 5.0  # an unchanged wavefront is sent again this often (the agent ages it)
-REPORTER_THREAD = "rankguard-wavefront"  # the Reporter's own stall watch
 # the script's step is sent at most this often, when it changed: an incident names the
 # step last sent (a datagram a look costs the rank nothing it would notice)
 BEACON_SECONDS = LOOK_SECONDS
@@ -106,7 +111,7 @@ def run(environ: Mapping[str, str]) -> None:
     beacon = StepBeacon()
     while True:
         time.sleep(LOOK_SECONDS)
-        if any(t.name == REPORTER_THREAD for t in threading.enumerate()):
+        if any(t.name == STALL_WATCH_THREAD for t in threading.enumerate()):
             return  # a Reporter watches this rank itself
         try:
             now = time.monotonic()

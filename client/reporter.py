@@ -71,6 +71,7 @@ from ..contract.telemetry import (
     MAX_JOB_CHARS,
     PHASES,
     SCHEMA_VERSION,
+    STALL_WATCH_THREAD,
     Collective,
     TelemetryRecord,
     encode,
@@ -457,7 +458,7 @@ class Reporter:
                 on = flight_recorder.buffer_size() != 0
             if on and self.sender.enabled:
                 self._watcher = threading.Thread(
-                    target=self._watch, name="rankguard-wavefront", daemon=True
+                    target=self._watch, name=STALL_WATCH_THREAD, daemon=True
                 )
                 self._watcher.start()
         except Exception:

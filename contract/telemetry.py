@@ -87,6 +87,7 @@ __all__ = [
     "PHASES",
     "REASONS",
     "SCHEMA_VERSION",
+    "STALL_WATCH_THREAD",
     "SOCKET_ENV",
     "SPLIT_FIELDS",
     "Collective",
@@ -116,6 +117,9 @@ NO_STEP: Mapping[str, Any] = MappingProxyType(dict(
     tokens_per_second=0.0, mfu=0.0, peak_memory_bytes=0, loss=None, checkpoint_step=None,
 ))  # fmt: skip
 DEFAULT_SOCKET_PATH = "/run/rankguard/telemetry.sock"
+# The Reporter's stall watch thread, which sends a stalled rank's flight-recorder
+# wavefront: the zero-code watch steps aside for it, the supervisor finds it in stacks.
+STALL_WATCH_THREAD = "rankguard-wavefront"
 
 MAX_JOB_CHARS = 128
 #: Deepest JSON nesting decode will parse; a valid record has depth 1.

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, BackgroundCalls, Poller
-from .detectors import REGISTRY, DetectorConfig, pick_culprit_from_stacks, run_all
+from .detectors import (
+    REGISTRY,
+    DetectorConfig,
+    pick_culprit_from_stacks,
+    run_all,
+    wavefront_awaited,
+)
 from .detectors.common import known_step, restart_via
 from .events import apply_deaths
 from .heap import HeapPacer
@@ -434,6 +440,8 @@ class Supervisor:
             return dataclasses.replace(finding, evidence={**finding.evidence, "stacks": stacks})
         culprit = pick_culprit_from_stacks(stacks)
         evidence = {**finding.evidence, "stacks": stacks}
+        if culprit is None and wavefront_awaited(stacks, evidence, obs.time - finding.occurred_at):
+            return dataclasses.replace(finding, evidence=evidence)  # a later pass decides
         if culprit is None:
             # every rank's stack read and none singled out: the evidence is kept, and the job
             # restarts through one rank rather than wait for the watchdog's timeout

@@ -31,6 +31,7 @@ class FakeAgent(ThreadingHTTPServer):
         self.stream: dict[str, int] = {}  # path -> bytes to stream chunked, unannounced
         self.controls: list[tuple[str, dict, str]] = []  # (path, body, Authorization)
         self.control_delay: dict[str, float] = {}  # path -> seconds before its answer
+        self.stacks = "Thread 1\n  wait (x.py:1)\n"  # what a stacks control answers
         self.lock = threading.Lock()
         super().__init__((host, 0), _Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -99,7 +100,7 @@ class _Handler(BaseHTTPRequestHandler):
         with server.lock:
             server.controls.append((self.path, body, self.headers.get("Authorization", "")))
         time.sleep(server.control_delay.get(self.path, 0.0))  # an agent behind a cut link
-        result = {"result": {**body, "sent": True, "stacks": "Thread 1\n  wait (x.py:1)\n"}}
+        result = {"result": {**body, "sent": True, "stacks": server.stacks}}
         data = json.dumps(result).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))

@@ -17,7 +17,7 @@ from .. import history as _history
 from ..model import KINDS as _POLICY_KINDS
 from ..model import Finding, History
 from ..state import ClusterObs
-from .hang import pick_culprit_from_stacks
+from .hang import pick_culprit_from_stacks, wavefront_awaited
 from .registration import Detector, config_class
 
 log = logging.getLogger("rankguard.supervisor.detectors")
@@ -102,6 +102,7 @@ __all__ = [
     "advance_history",
     "config_class",
     "pick_culprit_from_stacks",
+    "wavefront_awaited",
     "registry",
     "run_all",
 ]

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from ...contract.telemetry import STALL_WATCH_THREAD
 from ..model import RANK_HUNG, Finding, History
 from ..phase_budgets import (
     PHASES,
@@ -612,6 +613,22 @@ def pick_culprit_from_stacks(stacks: dict[int, str]) -> int | None:
 
 # The trainer's background save threads (trainer/checkpoint.py's executor).
 SAVE_THREAD_PREFIX = "rankguard-ckpt"
+# How long past its stall a rank with a stall watch is given for its wavefront to arrive,
+# beyond twice the job's p99 step (a loaded host delays the watch and the agent's drain).
+WAVEFRONT_WAIT_SECONDS = 5.0
+
+
+def wavefront_awaited(stacks: dict[int, str], evidence: dict, stalled_for: float) -> bool:
+    """Whether a hang the stacks name no culprit for should wait for the flight recorders
+    before the job restarts: no wavefront read yet, a rank runs a stall watch that sends
+    one, and the stall is young. A desync restarted on the stacks alone would repeat."""
+    if "wavefront" in evidence:
+        return False
+    p99 = evidence.get("p99_step_seconds")
+    wait = WAVEFRONT_WAIT_SECONDS + 2 * (p99 if isinstance(p99, int | float) else 0.0)
+    if stalled_for >= wait:
+        return False
+    return any(STALL_WATCH_THREAD in thread_frames(dump or "") for dump in stacks.values())
 
 
 def _save_thread_culprit(stacks: dict[int, str]) -> int | None:

@@ -4,6 +4,7 @@ each rank process backs off while its hang persists; the skips are counted on /m
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 from builders import sup_metric as metric
 from fake_agents import FakeAgent, rank
 
+from rankguard.supervisor.detectors import DetectorConfig
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.stacks import StackBudget
 from rankguard.supervisor.store import IncidentStore
@@ -153,6 +155,7 @@ EXIT_WITH_A_CAPTURE_OUT = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from fake_agents import FakeAgent, rank
+from rankguard.supervisor.detectors import DetectorConfig
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.store import IncidentStore
 fast, slow = FakeAgent("a"), FakeAgent("b")
@@ -180,3 +183,58 @@ def test_a_capture_still_out_does_not_hold_the_supervisors_exit(tmp_path):
     took = time.monotonic() - started
     assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-2000:]
     assert took < 30, f"the exit waited {took:.0f} s for the capture (60 s)"
+
+
+# py-spy's dump of a rank waiting in a collective whose Reporter runs its stall watch
+WATCHED_STACKS = """Process 1000: python
+Thread 1000 (idle): "MainThread"
+    wait (torch/distributed/distributed_c10d.py:3151)
+    train_step (train.py:306)
+Thread 1001 (idle): "rankguard-wavefront"
+    _watch (rankguard/client/reporter.py:481)
+"""
+
+
+@pytest.fixture
+def two_waiting_ranks(tmp_path):
+    """Two ranks of a job at its first step (its budget set to 1 s) that stopped stepping
+    3 s ago; a stack dump of each shows it waiting in a collective."""
+    agent = FakeAgent("n")
+    agent.ranks = [rank("j", r, 2, heartbeat_age_seconds=3.0) for r in range(2)]
+    store = IncidentStore(tmp_path / "db.sqlite")
+    hang = DetectorConfig().hang
+    hang = dataclasses.replace(hang, phases=dataclasses.replace(hang.phases, first_step=1.0))
+    cfg = SupervisorConfig(detectors=DetectorConfig(hang=hang))
+    sup = Supervisor(store, lambda: [agent.url], "t" * 16, cfg)
+    yield sup, agent, store
+    sup.close()
+    store.close()
+    agent.close()
+
+
+def test_a_hang_with_a_stall_watch_waits_for_its_wavefront_before_restarting(
+    two_waiting_ranks,
+):
+    """The stacks name nobody. A rank running a Reporter's stall watch sends its
+    flight-recorder wavefront within about a second: until the stall is
+    WAVEFRONT_WAIT_SECONDS old, the job is not restarted on the stacks alone (a desync,
+    which the wavefront shows, must be stopped, not restarted)."""
+    sup, agent, store = two_waiting_ranks
+    agent.stacks = WATCHED_STACKS
+    sup.reconcile_once()
+    (hang,) = store.list_incidents()
+    assert set(hang.evidence["stacks"]) == {"0", "1"}, hang.evidence
+    assert "restart_via" not in hang.evidence and not store.actions(hang.id)
+    agent.ranks = [dataclasses.replace(r, heartbeat_age_seconds=60.0) for r in agent.ranks]
+    sup.reconcile_once()
+    (hang,) = store.list_incidents()
+    assert hang.evidence["restart_via"]["rank"] == 0, hang.evidence
+    assert [a.kind for a in store.actions(hang.id)] == ["kill_rank"]
+
+
+def test_without_a_stall_watch_the_stacks_restart_the_hang_at_once(two_waiting_ranks):
+    sup, agent, store = two_waiting_ranks
+    agent.stacks = WATCHED_STACKS.replace("rankguard-wavefront", "Thread-2")
+    sup.reconcile_once()
+    (hang,) = store.list_incidents()
+    assert hang.evidence["restart_via"]["rank"] == 0, hang.evidence
