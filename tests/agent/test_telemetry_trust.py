@@ -357,7 +357,9 @@ print(sent)
 def test_filling_the_table_with_invented_ranks_pushes_nobody_out(stack):
     agent, _, procs = stack
     launcher, victim = victim_at_step(stack, 1, period=0.2)
-    out = as_attacker(
+    # The attacker lives on after sending: the ranks of a process that ended make room for
+    # new ones (its longest-ended first), and a loaded agent may judge the queue late.
+    filler = as_attacker(
         """
 import sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -365,14 +367,26 @@ for i in range(1100):
     s.sendto(record(f"fill-{i}", 0), sys.argv[1])
     if i % 500 == 499:
         time.sleep(0.3)  # within the rate quota: this attack is about the table
+print("sent", flush=True)
+time.sleep(300)
 """,
         str(agent.socket),
+        wait=False,
     )
-    assert out.returncode == 0, out.stderr
+    procs.append(filler)
+    assert filler.stdout.readline() == "sent\n", filler.stderr.read()
     # Wait on the JSON view, not /metrics: with 258 ranks the exposition is ~1 MB, slow to
     # render on a loaded machine, and its counters lag the receiver by one collection.
-    wait_until(lambda: http_json(agent.url + "/v1/ranks", timeout=30)["telemetry"]["rejected"]
-               ["rank_quota"] >= 1100 - 256, 60, "the fill counted")  # fmt: skip
+    seen: list[dict] = []  # the receiver's counters at each look: what went wrong, if it did
+
+    def fill_counted() -> bool:
+        seen.append(http_json(agent.url + "/v1/ranks", timeout=30)["telemetry"])
+        return seen[-1]["rejected"]["rank_quota"] >= 1100 - 256
+
+    try:
+        wait_until(fill_counted, 60, "the fill counted")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the receiver's counters: {seen[-1:]}") from None
     wait_until(lambda: metric(agent.url, "rankguard_telemetry_rejected_total", "rank_quota")
                >= 1100 - 256, 30, "the fill counted on /metrics")  # fmt: skip
     late, late_pid = victim_at_step(stack, 1, job="late", period=0.2)  # a new job still fits

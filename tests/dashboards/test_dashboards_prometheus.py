@@ -48,9 +48,14 @@ def test_every_panel_query_has_data_and_rank_dead_fires(tmp_path):
     prom_dir = gen / "prometheus"
     (prom_dir / "live").mkdir()
     config = prom_dir / "test-prometheus.yml"
-    config.write_text(yamlout.dump(build.prometheus_config(
+    prom_config = build.prometheus_config(
         scrape_interval="1s", evaluation_interval="1s",
-        agent_targets="live/agents*.json", supervisor_targets="live/supervisor*.json")))  # fmt: skip
+        agent_targets="live/agents*.json", supervisor_targets="live/supervisor*.json")  # fmt: skip
+    for scrape in prom_config["scrape_configs"]:
+        # the files are also re-read every second: a host out of inotify instances (a
+        # shared CI runner) leaves file_sd on its 5-minute refresh otherwise
+        scrape["file_sd_configs"][0]["refresh_interval"] = "1s"
+    config.write_text(yamlout.dump(prom_config))
     prom = Prometheus(config, tmp_path)
     double = tmp_path / "nvml.json"
     write_state(double, make_double(n_gpus=2))
@@ -86,9 +91,21 @@ def test_every_panel_query_has_data_and_rank_dead_fires(tmp_path):
         write_state(double, state)
         # Prometheus must have scraped both daemons before the fault: a counter first
         # scraped after its incident starts at 1, and increase() never sees that step.
-        wait_until(lambda: prom.query('up{job="rankguard-supervisor"} == 1')
-                   and prom.query("rankguard_rank_gpu_memory_bytes"),
-                   120, "Prometheus scraping the supervisor and the ranks' GPU memory")  # fmt: skip
+        try:
+            wait_until(lambda: prom.query('up{job="rankguard-supervisor"} == 1')
+                       and prom.query("rankguard_rank_gpu_memory_bytes"),
+                       120, "Prometheus scraping the supervisor and the ranks' GPU memory")  # fmt: skip
+        except AssertionError as e:
+            targets = [(t["scrapePool"], t["health"], t["lastError"])
+                       for t in prom.get("/targets")["data"]["activeTargets"]]  # fmt: skip
+            memory = prom.query("rankguard_rank_gpu_memory_bytes")
+            now = [
+                (r["rank"], r["pid"], r["state"])
+                for r in http_json(f"http://{agent}/v1/ranks")["ranks"]
+            ]
+            listed = [g["processes"] for g in state["gpus"]]
+            raise AssertionError(f"{e}; targets {targets}; rank GPU memory {memory}; ranks (rank, "
+                                 f"pid, state) {now}; the double's processes {listed}") from None  # fmt: skip
         # The one fault: kill rank 1 once training is past its first checkpoint (a fixed
         # delay would race torch's start-up on a loaded machine).
         wait_until(lambda: min(r["step"] or 0 for r in http_json(f"http://{agent}/v1/ranks")["ranks"]) >= 25,
