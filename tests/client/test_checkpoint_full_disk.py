@@ -76,6 +76,10 @@ def test_full_checkpoint_disk_mid_run_training_completes_and_saves_resume(tmp_pa
 
         wait_for(lambda: failed_saves() >= 2 or proc.poll() is not None, 60, "a failed save")
         assert proc.poll() is None, log.read_text()[-4000:]  # still training
+        print(
+            "space returns; the trainer's log last named step",
+            re.findall(r"step (\d+)", log.read_text())[-1:],
+        )
         filler.unlink()  # space returns
         proc.wait(timeout=180)
     finally:
@@ -141,10 +145,15 @@ def alerts_fired_on(samples, instance: str, tmp_path: Path, alert: str, labels: 
     return proc.stdout
 
 
+# Enough steps to be still training once the disk is full, the incident is in and two saves
+# failed (before step 100 here), and to save again after.
+STEPS = 800
+
+
 def test_up_names_the_full_checkpoint_filesystem_and_training_completes(tmp_path, small_fs):
     run, root = tmp_path / "run", small_fs / "ckpt"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", "1500", "--ckpt-every", "10",
+        [sys.executable, "-m", "rankguard.cli.main", "up", "--steps", str(STEPS), "--ckpt-every", "10",
          "--ckpt-dir", str(root), "--run-dir", str(run), "--trainer-arg=--d-model=64",
          "--trainer-arg=--n-layer=2", "--trainer-arg=--n-head=2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -172,6 +181,10 @@ def test_up_names_the_full_checkpoint_filesystem_and_training_completes(tmp_path
         wait_for(lambda: log.read_text().count("not committed") + log.read_text().count("skipped")
                  >= 2 or proc.poll() is not None, 60, "failed saves")  # fmt: skip
         assert proc.poll() is None, "".join(lines)[-3000:]  # still training
+        print(
+            "space returns; the trainer's log last named step",
+            re.findall(r"step (\d+)", log.read_text())[-1:],
+        )
         filler.unlink()  # space returns
         proc.wait(timeout=300)
     finally:
@@ -181,7 +194,7 @@ def test_up_names_the_full_checkpoint_filesystem_and_training_completes(tmp_path
     reader.join(timeout=10)
     out = "".join(lines)
     assert proc.returncode == 0, out[-4000:]
-    assert "training completed: step 1500" in out
+    assert f"training completed: step {STEPS}" in out
     assert str(small_fs) in incident["summary"] and "(tmpfs)" in incident["summary"]
     assert incident["severity"] == "critical" and incident["action"] == "none"
     assert incident["cause"] == "storage", incident
@@ -194,7 +207,7 @@ def test_up_names_the_full_checkpoint_filesystem_and_training_completes(tmp_path
     assert not {"rank_dead", "rank_hung", "crash_loop"} & set(kinds), kinds  # no rank lost
     s = read_json(run / "summary.json")
     assert s["checkpoint_failures"] >= 1
-    assert s["newest_validated_checkpoint"] == 1500  # saves validate again by themselves
+    assert s["newest_validated_checkpoint"] == STEPS  # saves validate again by themselves
     doc = verify(root)
     bogus = [c for c in doc["checkpoints"] if c["state"] in ("incomplete", "corrupt")]
     assert not bogus, bogus
