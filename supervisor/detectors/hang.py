@@ -613,6 +613,23 @@ def pick_culprit_from_stacks(stacks: dict[int, str]) -> int | None:
 
 # The trainer's background save threads (trainer/checkpoint.py's executor).
 SAVE_THREAD_PREFIX = "rankguard-ckpt"
+
+
+def _save_thread_culprit(stacks: dict[int, str]) -> int | None:
+    """Every main thread waits (a save the trainer waits for, say): the rank whose save
+    thread is outside the checkpoint group's collective while every other rank's waits in
+    it, is the one the save waits for (a write stuck on slow storage)."""
+    outside = []
+    for rank, dump in stacks.items():
+        saves = [fs for name, fs in thread_frames(dump or "").items()
+                 if name.startswith(SAVE_THREAD_PREFIX) and fs]  # fmt: skip
+        if not saves:
+            return None
+        if all(thread_verdict(fs) == OUTSIDE for fs in saves):
+            outside.append(rank)
+    return outside[0] if len(outside) == 1 else None
+
+
 # How long past its stall a rank with a stall watch is given for its wavefront to arrive,
 # beyond twice the job's p99 step (a loaded host delays the watch and the agent's drain).
 WAVEFRONT_WAIT_SECONDS = 5.0
@@ -629,21 +646,6 @@ def wavefront_awaited(stacks: dict[int, str], evidence: dict, stalled_for: float
     if stalled_for >= wait:
         return False
     return any(STALL_WATCH_THREAD in thread_frames(dump or "") for dump in stacks.values())
-
-
-def _save_thread_culprit(stacks: dict[int, str]) -> int | None:
-    """Every main thread waits (a save the trainer waits for, say): the rank whose save
-    thread is outside the checkpoint group's collective while every other rank's waits in
-    it, is the one the save waits for (a write stuck on slow storage)."""
-    outside = []
-    for rank, dump in stacks.items():
-        saves = [fs for name, fs in thread_frames(dump or "").items()
-                 if name.startswith(SAVE_THREAD_PREFIX) and fs]  # fmt: skip
-        if not saves:
-            return None
-        if all(thread_verdict(fs) == OUTSIDE for fs in saves):
-            outside.append(rank)
-    return outside[0] if len(outside) == 1 else None
 
 
 DETECTOR = Detector("hang", RANK_HUNG, HangConfig, detect, track=track_phases)
