@@ -17,7 +17,9 @@ from prometheus_harness import Prometheus, prometheus_bin
 
 from rankguard.dashboards import build, rules, yamlout
 
-pytestmark = pytest.mark.slow
+# A clean job's exposed communication is its ranks waiting for each other: a test beside it
+# on the same cores slows one rank and makes it real (seen with two workers).
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 # ~75 ms steps: compute well above the tiny model's all-reduce, on two loaded cores
 MODEL = ["--d-model", "128", "--n-layer", "4", "--n-head", "4"]
