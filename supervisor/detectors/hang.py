@@ -641,8 +641,7 @@ def wavefront_awaited(stacks: dict[int, str], evidence: dict, stalled_for: float
     one, and the stall is young. A desync restarted on the stacks alone would repeat."""
     if "wavefront" in evidence:
         return False
-    p99 = evidence.get("p99_step_seconds")
-    wait = WAVEFRONT_WAIT_SECONDS + 2 * (p99 if isinstance(p99, int | float) else 0.0)
+    wait = WAVEFRONT_WAIT_SECONDS + 2 * (evidence.get("p99_step_seconds") or 0.0)
     if stalled_for >= wait:
         return False
     return any(STALL_WATCH_THREAD in thread_frames(dump or "") for dump in stacks.values())
