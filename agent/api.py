@@ -41,6 +41,7 @@ def agent_service(agent) -> Service:
         "/v1/control/signal": agent.control_signal,
         "/v1/control/stacks": agent.control_stacks,
         "/v1/control/stop-job": agent.control_stop_job,
+        "/v1/control/save": agent.control_save,
     })  # fmt: skip
     return service
 

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..contract.errors import ContractError
+from ..contract.save_requests import SaveRequest, encode, request_path
 from . import processes
 from .processes import (
     REFUSED,
@@ -229,3 +231,27 @@ def stop_job(table, body: dict) -> dict:
         with contextlib.suppress(ProcessLookupError):  # already gone: that is the goal
             os.kill(pid, signal.SIGTERM)
     return {"job": job, "launchers": sorted(launchers), "ranks_signalled": orphans}
+
+
+def write_save_request(table, socket_path: str, body: dict) -> dict:
+    """Ask a job's ranks on this node to checkpoint at a step (contract/save_requests.py):
+    the request goes, whole or not at all, where their Reporters read it; ``step`` None
+    withdraws it. Only for a job with live ranks here."""
+    try:
+        request = SaveRequest.from_json(body)
+    except ContractError as exc:
+        raise ControlError(400, f"bad save request: {exc}") from None
+    path = request_path(socket_path, request.job)
+    if request.step is None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return {"job": request.job, "withdrawn": True, "path": str(path)}
+    ranks = sorted(rank for job, rank, _ in table.processes() if job == request.job)
+    if not ranks:
+        raise ControlError(404, f"no live rank of job {request.job} on this node")
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(encode(request))
+    tmp.chmod(0o644)  # the ranks read it, whoever they run as
+    os.replace(tmp, path)
+    return {"job": request.job, "step": request.step, "ranks": ranks, "path": str(path)}

@@ -25,7 +25,7 @@ from .collectors import (
     settings_for,
 )
 from .config import AgentConfig, AgentConfigError, load_tls, read_token
-from .control import dump_stacks, send_signal, stop_job
+from .control import dump_stacks, send_signal, stop_job, write_save_request
 from .discovery import WorkerScanner
 from .exposition import MetricsPage, collector_meta, make_registry
 from .health import SEVERITIES, node_verdict
@@ -213,6 +213,11 @@ class Agent:
         self._audit(
             "stop-job", body, caller, {"pid": result["launchers"] or result["ranks_signalled"]}
         )
+        return result
+
+    def control_save(self, body: dict, caller: str) -> dict:
+        result = write_save_request(self.table, self.cfg.telemetry_socket, body)
+        self._audit(f"save at step {result.get('step')}", body, caller, {})
         return result
 
     # -- lifecycle ------------------------------------------------------------------

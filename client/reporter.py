@@ -66,6 +66,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..contract.errors import ContractError
+from ..contract.save_requests import MAX_REQUEST_BYTES, decode, request_path
 from ..contract.telemetry import (
     MAX_DATAGRAM_BYTES,
     MAX_JOB_CHARS,
@@ -105,6 +107,8 @@ STALL_READ_SECONDS = 1.0
 TIMEOUT_CHECK_STEPS = 3
 TIMEOUT_MARGIN_SECONDS = 2.0
 STALL_REPEAT_SECONDS = 5.0
+# How often save_requested() reads the request file: far under its lead (ten seconds)
+SAVE_REQUEST_POLL_SECONDS = 0.5
 
 # Every key Reporter.errors can hold, with what it means (logged at its first count). The
 # attach_* and untimed_* ones say which communication is not timed: it counts as compute.
@@ -123,6 +127,8 @@ _REASONS = {
     "are not timed",
     "flight_recorder": "reading the flight recorder while the rank stalled failed (torch's "
     "dump raised or gave what could not be read): that wavefront was not sent",
+    "save_request": "the supervisor's save request beside the telemetry socket could not be "
+    "read (not a request, or too large): ignored",
     "internal": "anything else caught on the way",
 }
 #: Every key Reporter.errors can hold.
@@ -421,6 +427,8 @@ class Reporter:
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._evidence_sent = 0  # records the stall watch sent (ProcessProgress ignores them)
+        self._save_read_at = 0.0  # monotonic time of the next read of the save request
+        self._save_step: int | None = None  # the step this incarnation is asked to save at
         self.heartbeat()
         if model is not None:
             self.attach(model)
@@ -748,6 +756,40 @@ class Reporter:
             self._count("bad_value")
             return
         self.checkpoint_step = step
+
+    def save_requested(self, step: int) -> bool:
+        """Whether the supervisor asked this job to checkpoint at ``step``: its predictive
+        drain takes a node whose GPU is failing out at the job's next checkpoint, and a
+        save now costs less than waiting for the scheduled one. Ask once a step, after the
+        optimizer step, and save as a scheduled save would: every rank of the job is asked
+        for the same step. Reads the request (contract/save_requests.py) at most every half
+        second; never raises."""
+        try:
+            now = time.monotonic()
+            if now >= self._save_read_at:
+                self._save_read_at = now + SAVE_REQUEST_POLL_SECONDS
+                self._save_step = self._read_save_request()
+            return self._save_step is not None and step == self._save_step
+        except Exception:
+            self._count("internal")
+            return False
+
+    def _read_save_request(self) -> int | None:
+        if self.sender.path is None:
+            return None
+        try:
+            with open(request_path(self.sender.path, self.job), "rb") as f:
+                data = f.read(MAX_REQUEST_BYTES + 1)
+        except OSError:  # none (the usual case), or unreadable
+            return None
+        try:
+            request = decode(data)
+        except ContractError:
+            self._count("save_request")
+            return None
+        if request.job != self.job or request.restart != self.restart:
+            return None  # another incarnation's, or a digest's collision
+        return request.step
 
     def data_skipped(self, steps: Any) -> None:
         """The data steps (whole numbers >= 1) this run's resume skips, e.g. the batches

@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from ..contract.errors import ContractError
+from ..contract.save_requests import SaveRequest
 
 # An agent's answer larger than this is refused unread: a healthy node's /v1/ranks is
 # ~140 KB (8 ranks x 64 steps, docs/scaling.md), and one hostile 300 MB answer took the
@@ -224,6 +225,9 @@ class AgentClient:
 
     def stop_job(self, job: str) -> dict:
         return self.post("/v1/control/stop-job", {"job": job})
+
+    def request_save(self, request: SaveRequest) -> dict:
+        return self.post("/v1/control/save", request.to_json())
 
 
 # -- event-driven ------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..contract.causes import LOW, UNKNOWN
+from ..contract.save_requests import save_step
 from .causes import Cause, classify
 from .model import (
     ACT_EXCLUDE_NODE,
@@ -100,9 +101,12 @@ class PolicyConfig:
     dry_run: str = ""
     # predictive drain: a node whose GPU trends toward failure (`gpu_failing`) is excluded
     # at its jobs' next checkpoint boundary, so the fault costs the steps since that
-    # checkpoint, not a crash's; after `predictive_drain_wait_seconds` without one, at once
+    # checkpoint, not a crash's; after `predictive_drain_wait_seconds` without one, at once.
+    # Meanwhile each job is asked to save this far ahead of its newest step (every rank
+    # must have the request before that step)
     predictive_drain: bool = False
     predictive_drain_wait_seconds: float = 1800.0
+    predictive_drain_save_lead_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_restarts < 1:
@@ -125,6 +129,9 @@ class PolicyConfig:
         if not self.predictive_drain_wait_seconds > 0:
             raise ValueError("predictive_drain_wait_seconds must be > 0, got "
                              f"{self.predictive_drain_wait_seconds}")  # fmt: skip
+        if not self.predictive_drain_save_lead_seconds > 0:
+            raise ValueError("predictive_drain_save_lead_seconds must be > 0, got "
+                             f"{self.predictive_drain_save_lead_seconds}")  # fmt: skip
         if self.max_exclusions < 0:
             raise ValueError(f"max_exclusions must be >= 0, got {self.max_exclusions}")
         if not 0 <= self.max_exclusion_share <= 1:
@@ -285,7 +292,9 @@ def _node_fault(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
 
 def _failing(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
     """A GPU predicted to fail: drained at the next checkpoint boundary of every job on the
-    node (a checkpoint first seen after the prediction), when predictive drain is on."""
+    node (a checkpoint first seen after the prediction), when predictive drain is on. While
+    it waits, each job that reports steps is asked to save now (`target["save"]`: a step
+    `predictive_drain_save_lead_seconds` ahead, contract/save_requests.py); the loop asks once per incident."""
     if not cfg.predictive_drain:
         return Decision(f, ACT_NONE, "report only: a failing GPU (predictive drain is off)")
     info = view.incidents.get(f.key)
@@ -299,12 +308,28 @@ def _failing(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
     )
     if waiting and not overdue:
         why = f"predictive drain: waiting for the next checkpoint of {', '.join(waiting)}"
-        return _defer(Decision(f, ACT_NONE, why), why)
+        saves = {} if ACT_EXCLUDE_NODE in cfg.dry_runs else _save_requests(jobs, waiting, cfg)
+        return Decision(f, ACT_NONE, why, {"save": saves} if saves else {}, deferred=True)
     if waiting:
         why = f"no checkpoint within {cfg.predictive_drain_wait_seconds:g}s"
     else:
         why = "its jobs' next checkpoint was taken" if jobs else "no job on it"
     return Decision(f, ACT_EXCLUDE_NODE, f"predictive drain: a failing GPU, {why}", _node_target(f))
+
+
+def _save_requests(jobs: Mapping, waiting: list[str], cfg: PolicyConfig) -> dict[str, dict]:
+    """The save each waiting job is asked for: its incarnation and the step to save at."""
+    out = {}
+    for job in waiting:
+        where = jobs[job] if isinstance(jobs[job], Mapping) else {}
+        step, restart = _int(where.get("step")), _int(where.get("restart"))
+        pace = where.get("step_seconds")
+        if step is None or restart is None:
+            continue  # a job that reports no steps (zero-code) saves on its own schedule
+        pace = float(pace) if isinstance(pace, (int, float)) else None
+        lead = cfg.predictive_drain_save_lead_seconds
+        out[job] = {"restart": restart, "step": save_step(step, pace, lead)}
+    return out
 
 
 def _seen_after(ckpt: object, since: float | None) -> bool:

@@ -8,6 +8,7 @@ policy are pure; this module does the I/O around them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
+from ..contract.save_requests import SaveRequest
 from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, BackgroundCalls, Poller
 from .detectors import (
@@ -64,6 +66,7 @@ from .tokens import AgentTokens
 log = logging.getLogger("rankguard.supervisor")
 
 EV_RESTART_PHASES = "restart phases"  # timeline event: restart_phases.phases() of a restart
+EV_SAVE_REQUESTED = "save requested"  # predictive drain asked the jobs on the node to save
 PHASES_WAIT_SECONDS = 60.0  # how long after a restart its workers' milestones are awaited
 
 
@@ -341,6 +344,7 @@ class Supervisor:
                                  len(obs.nodes))  # fmt: skip
         decisions = decide(findings, view, self.cfg.policy, now)  # decide
         outcomes += [o for d in decisions if (o := self._act(d, obs, now)) is not None]  # act
+        self._request_saves(decisions, obs, now)
         held = {k for d in self.cfg.detectors.REGISTRY if d.holds for k in d.holds(self.history)}
         moves = transitions(self.store.open_incidents(), decisions, outcomes, findings, obs, held)
         for t in moves:  # record what it meant
@@ -549,6 +553,49 @@ class Supervisor:
         log.warning("incident %s: %s (%s)", incident_id, decision.action, decision.reason)
         stacks = bool(result.get("stacks")) or "stacks" in decision.finding.evidence
         return Outcome(incident_id, decision.action, True, decision.reason, stacks=stacks)
+
+    def _request_saves(self, decisions: list[Decision], obs: ClusterObs, now: float) -> None:
+        """Predictive drain's "save now" (policy._failing): each job the drain waits for is
+        asked once per incident to save at a step, through every agent with ranks of it."""
+        for d in decisions:
+            saves = d.target.get("save")
+            inc = self.store.by_key(d.finding.key) if saves else None
+            if inc is None or self.store.has_event(inc.id, EV_SAVE_REQUESTED):
+                continue
+            detail = {job: self._request_save(SaveRequest(job, want["restart"], want["step"],
+                                                          d.finding.summary[:200]), obs)
+                      for job, want in sorted(saves.items())}  # fmt: skip
+            self.store.add_event(inc.id, EV_SAVE_REQUESTED, now, detail)
+            log.warning("incident %s: save requested: %s", inc.id, detail)
+
+    def _request_save(self, request: SaveRequest, obs: ClusterObs) -> dict:
+        """Every rank must save at the same step (a sharded save is a collective): a job
+        with ranks out of view is not asked, and a request one agent refused is withdrawn
+        from the others."""
+        ranks = [r for r in obs.current_ranks(request.job)
+                 if r.restart == request.restart and not r.dead]  # fmt: skip
+        nodes = {r.node for r in ranks}
+        urls = sorted(n.url for n in obs.nodes if n.node in nodes)
+        world = max((r.world_size for r in ranks), default=0)
+        out: dict = {"step": request.step, "restart": request.restart, "agents": 0}
+        if len({r.rank for r in ranks}) < world or not ranks:
+            return {**out, "error": "not every rank of the incarnation is in view"}
+        asked, errors = [], {}
+        for url in urls:
+            try:
+                self.client_for(url).request_save(request)
+                asked.append(url)
+            except AgentError as exc:
+                errors[url] = str(exc)
+        if errors:
+            for url in asked:
+                with contextlib.suppress(AgentError):
+                    self.client_for(url).request_save(dataclasses.replace(request, step=None))
+            return {
+                **out,
+                "error": "withdrawn: " + "; ".join(f"{u}: {e}" for u, e in errors.items()),
+            }
+        return {**out, "agents": len(asked)}
 
     @staticmethod
     def _pin(decision: Decision, obs: ClusterObs) -> dict:

@@ -31,6 +31,7 @@ class FakeAgent(ThreadingHTTPServer):
         self.stream: dict[str, int] = {}  # path -> bytes to stream chunked, unannounced
         self.controls: list[tuple[str, dict, str]] = []  # (path, body, Authorization)
         self.control_delay: dict[str, float] = {}  # path -> seconds before its answer
+        self.control_refused: set[str] = set()  # paths answered 404, as for a rank not here
         self.stacks = "Thread 1\n  wait (x.py:1)\n"  # what a stacks control answers
         self.lock = threading.Lock()
         super().__init__((host, 0), _Handler)
@@ -100,9 +101,14 @@ class _Handler(BaseHTTPRequestHandler):
         with server.lock:
             server.controls.append((self.path, body, self.headers.get("Authorization", "")))
         time.sleep(server.control_delay.get(self.path, 0.0))  # an agent behind a cut link
-        result = {"result": {**body, "sent": True, "stacks": server.stacks}}
+        refused = self.path in server.control_refused
+        result = (
+            {"error": "no live rank here"}
+            if refused
+            else {"result": {**body, "sent": True, "stacks": server.stacks}}
+        )
         data = json.dumps(result).encode()
-        self.send_response(200)
+        self.send_response(404 if refused else 200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

@@ -344,7 +344,9 @@ class Trainer:
         self._pending_loss[step] = total
         self.step = step
 
-        ckpt_due = bool(self.ckpt and self.ckpt.due(step))
+        # a scheduled save, or one the supervisor asked for (predictive drain: a failing
+        # GPU leaves at the job's next checkpoint; every rank is asked for the same step)
+        ckpt_due = bool(self.ckpt and (self.ckpt.due(step) or self.telemetry.save_requested(step)))
         snap_due = bool(self.snap and self.snap.due(step))
         if (ckpt_due or snap_due) and self._loss_finite_everywhere(total):
             self.last_loss = float(total)

@@ -73,19 +73,30 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
                 by_code.setdefault(code, []).append(reason)
         # one finding per (node, code), even when several GPUs share the code
         out.extend(
-            _finding(n, code, reasons, _jobs_on(n, history) if code in FAILING_CODES else None)
+            _finding(n, code, reasons, _jobs_on(n, obs, history) if code in FAILING_CODES else None)
             for code, reasons in sorted(by_code.items())
         )  # fmt: skip
     return out
 
 
-def _jobs_on(n: NodeObs, history: History) -> dict[str, dict]:
+def _jobs_on(n: NodeObs, obs: ClusterObs, history: History) -> dict[str, dict]:
     """The jobs with live ranks on the node, each with its newest validated checkpoint step
-    and when the supervisor first saw it (detectors/checkpoint.py keeps that)."""
+    and when the supervisor first saw it (detectors/checkpoint.py keeps that), and where
+    its current incarnation is: its newest step and median step time (a save request's
+    step, supervisor/policy.py), None for a job that reports no steps."""
     out = {}
     for job in sorted({r.job for r in n.ranks if not r.dead}):
         step, _, seen = history.checkpoint_progress.get(job, (None, 0, None))
-        out[job] = {"checkpoint_step": step, "checkpoint_seen_at": seen}
+        ranks = [r for r in obs.current_ranks(job) if r.source == "telemetry"]
+        steps = [r.step for r in ranks if r.step is not None]
+        paces = sorted(r.step_seconds for r in ranks if r.step_seconds)
+        out[job] = {
+            "checkpoint_step": step,
+            "checkpoint_seen_at": seen,
+            "restart": max((r.restart for r in ranks), default=None),
+            "step": max(steps) if steps else None,
+            "step_seconds": paces[len(paces) // 2] if paces else None,
+        }
     return out
 
 

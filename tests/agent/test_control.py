@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 from test_discovery import _found
 
-from rankguard.agent.control import descendants, send_signal
+from rankguard.agent.control import ControlError, descendants, send_signal, write_save_request
 from rankguard.agent.ranks import RankTable
+from rankguard.client import Reporter
 
 # A rank with a DataLoader-like worker blocked in a read (it never notices its parent's
 # death), which has a child of its own.
@@ -56,3 +58,57 @@ def test_sigkill_of_a_rank_ends_what_it_started_and_other_signals_do_not():
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
+
+
+def test_a_save_request_reaches_the_jobs_reporter_and_only_for_its_step_and_incarnation(tmp_path):
+    """The agent writes the supervisor's request beside its socket, readable by any user;
+    the job's Reporter of that incarnation saves at that step only; a withdrawal, another
+    incarnation or a garbled file asks nothing; a job without ranks here is refused."""
+    sock = str(tmp_path / "telemetry.sock")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with RankTable() as table:
+            table.adopt(_found(proc, job="job", restart=2))
+            with pytest.raises(ControlError) as refused:
+                write_save_request(table, sock, {"job": "other", "restart": 0, "step": 5})
+            assert refused.value.status == 404
+            for bad in ({"job": "job", "restart": 2, "step": "soon"}, {"job": "job"}):
+                with pytest.raises(ControlError) as refused:
+                    write_save_request(table, sock, bad)
+                assert refused.value.status == 400 and "bad save request" in str(refused.value)
+            out = write_save_request(table, sock, {"job": "job", "restart": 2, "step": 40})
+            assert (out["step"], out["ranks"]) == (40, [1])
+            assert os.stat(out["path"]).st_mode & 0o777 == 0o644
+            assert os.listdir(os.path.dirname(out["path"])) == [os.path.basename(out["path"])]
+
+            def asked(restart: int, step: int) -> bool:
+                rg = Reporter(job="job", socket_path=sock, restart=restart, flight_recorder=False)
+                try:
+                    return rg.save_requested(step)
+                finally:
+                    rg.close()
+
+            assert asked(2, 40) and not asked(2, 39) and not asked(2, 41)
+            assert not asked(1, 40)  # the incarnation before: not its request
+            out = write_save_request(table, sock, {"job": "job", "restart": 2, "step": None})
+            assert out["withdrawn"] and not os.path.exists(out["path"]) and not asked(2, 40)
+            with open(out["path"], "w") as f:
+                f.write("{not json")
+            rg = Reporter(job="job", socket_path=sock, restart=2, flight_recorder=False)
+            assert not rg.save_requested(40) and rg.errors.get("save_request") == 1
+            rg.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_reporter_reads_the_request_at_most_twice_a_second(tmp_path, monkeypatch):
+    sock = str(tmp_path / "telemetry.sock")
+    rg = Reporter(job="job", socket_path=sock, restart=0, flight_recorder=False)
+    reads = []
+    monkeypatch.setattr(rg, "_read_save_request", lambda: reads.append(1) or 7)
+    try:
+        assert [rg.save_requested(s) for s in (6, 7, 8, 7)] == [False, True, False, True]
+        assert len(reads) == 1  # four steps within half a second: one read
+    finally:
+        rg.close()

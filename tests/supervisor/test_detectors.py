@@ -833,11 +833,11 @@ def test_healthy_and_unreachable_nodes_give_no_node_fault():
         assert f.evidence["hardware"] is False and f.severity == "warning", code
 
 
-def test_a_failing_gpu_names_the_jobs_on_its_node_and_when_their_checkpoint_was_seen():
+def test_a_failing_gpu_names_the_jobs_on_its_node_their_checkpoint_and_step():
     reasons = [
         {"code": "gpu_failing", "severity": "degraded", "message": "GPU 1: 3 remaps pending"}
     ]
-    ranks = (rank(0, job="a"), rank(1, job="a"), rank(0, job="b", state="exited"))
+    ranks = (rank(0, job="a"), rank(1, job="a", step=11), rank(0, job="b", state="exited"))
     obs = ClusterObs(T0, (nodeobs(*ranks, reasons=reasons, status="degraded"),))
     history = History(checkpoint_progress={"a": (40, 0, T0 - 5), "b": (10, 0, T0 - 50)})
     [f] = node.detect(obs, history, CFG)
@@ -846,8 +846,10 @@ def test_a_failing_gpu_names_the_jobs_on_its_node_and_when_their_checkpoint_was_
         "warning",
         False,
     )
-    # the dead rank's job is not on the node any more: only a
-    assert f.evidence["jobs"] == {"a": {"checkpoint_step": 40, "checkpoint_seen_at": T0 - 5}}
+    # the dead rank's job is not on the node any more: only a, with where it is (the step
+    # a save request is computed from: its newest, and its median step time)
+    assert f.evidence["jobs"] == {"a": {"checkpoint_step": 40, "checkpoint_seen_at": T0 - 5,
+                                        "restart": 0, "step": 11, "step_seconds": 0.1}}  # fmt: skip
 
 
 # -- unreachable and history ----------------------------------------------------------------

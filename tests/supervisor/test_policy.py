@@ -519,3 +519,28 @@ def test_a_failing_gpu_is_drained_at_the_next_checkpoint_boundary_when_predictiv
     assert one(failing(700.0, 90.0), seen_at_100, on).reason.endswith("no checkpoint within 600s")
     d = one(failing(100.0, None, jobs={}), cfg=on)
     assert d.action == ACT_EXCLUDE_NODE and d.reason.endswith("no job on it")
+
+
+def test_a_failing_gpu_asks_each_job_that_reports_steps_to_save_about_ten_seconds_ahead():
+    on = PolicyConfig(predictive_drain=True)
+    jobs = {
+        "fast": {"checkpoint_seen_at": 90.0, "restart": 2, "step": 500, "step_seconds": 0.25},
+        "slow": {"checkpoint_seen_at": 90.0, "restart": 0, "step": 7, "step_seconds": 30.0},
+        "zero_code": {"checkpoint_seen_at": 90.0, "restart": 0, "step": None},
+    }
+    d = one(failing(100.0, 90.0, jobs=jobs), cfg=on)
+    assert d.deferred and d.action == ACT_NONE
+    # 10 s of 0.25 s steps is 40 ahead; a 30 s step still saves 3 steps ahead (the request
+    # must reach every rank first); a job without steps keeps its own schedule
+    assert d.target["save"] == {
+        "fast": {"restart": 2, "step": 540},
+        "slow": {"restart": 0, "step": 10},
+    }
+    # a dry-run drain asks nobody to save
+    dry = PolicyConfig(predictive_drain=True, dry_run="exclude_node")
+    assert "save" not in one(failing(100.0, 90.0, jobs=jobs), cfg=dry).target
+    # once the checkpoint is taken, the node goes: no save asked any more
+    seen = PolicyView(incidents={"node_fault:n1:gpu_failing": IncidentInfo(1, (), 95.0)})
+    d = one(failing(130.0, 120.0, jobs={"fast": {**jobs["fast"], "checkpoint_seen_at": 120.0}}),
+            seen, on)  # fmt: skip
+    assert d.action == ACT_EXCLUDE_NODE and "save" not in d.target

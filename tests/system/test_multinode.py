@@ -285,37 +285,42 @@ def test_node_with_hardware_fault_is_excluded(rig, resumed_reference):
     assert act["result"]["scheduler"]["argv"][:2] == ["scontrol", "update"], act
 
 
-def test_a_failing_gpu_is_drained_at_the_next_checkpoint_boundary(tmp_path, resumed_reference):
+def test_a_failing_gpu_is_drained_once_the_job_has_saved_when_asked(tmp_path):
     """Predictive drain: node 2's GPU trends toward failure (correctable ECC errors piling
-    up and a row remap pending, replayed through the NVML double). The supervisor waits for
-    the job's next checkpoint, then excludes the node; the job goes on without it from that
-    checkpoint instead of from one taken before the GPU was seen failing."""
+    up and a row remap pending, replayed through the NVML double). The job takes no
+    scheduled checkpoint in this run; the supervisor asks every rank to save at a step two
+    seconds ahead, waits for that checkpoint, then excludes the node; the job goes on
+    without it from the state saved at the drain."""
     from rankguard.agent.nvml_double import make_double, write_state
 
     config = tmp_path / "supervisor.toml"
-    config.write_text("[policy]\npredictive_drain = true\n")
+    config.write_text("[policy]\npredictive_drain = true\n"
+                      "predictive_drain_save_lead_seconds = 2\n")  # fmt: skip
     rig = Rig(tmp_path, supervisor_args=("--config", str(config)))
     try:
         victim = rig.nodes[2]
-        rig.train()
-        rank = rig.when(rig.nodes[0], lambda r: (r["checkpoint_step"] or 0) >= 10, "checkpoint 10")
-        before = rank["checkpoint_step"]
+        rig.train("--ckpt-every", "1000")
+        rig.when(rig.nodes[0], lambda r: (r["step"] or 0) >= 5, "step 5")
         rows = {"correctable": 3, "uncorrectable": 0, "pending": True, "failure": False}
         write_state(victim.nvml_state, make_double(
             n_gpus=1, ecc={"corrected": 400, "uncorrected": 0}, remapped_rows=rows))  # fmt: skip
         rcs = rig.wait(lost(rig, victim))
         assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
-        s = assert_shrunk_exactly(rig, resumed_reference)
-        assert s["resumed_from"] > before, (s, before)  # the checkpoint taken after the signal
         # the pending remap is reported on its own too (row_remap_pending), not acted on
         (fault,) = [i for i in rig.incidents("node_fault") if i["key"].endswith(":gpu_failing")]
         assert fault["node"] == victim.name, fault
         assert fault["cause"] == "gpu" and "row remaps pending" in fault["summary"], fault
+        (asked,) = [e["detail"] for e in fault["events"] if e["what"] == "save requested"]
+        assert asked["job"]["agents"] == 3 and "error" not in asked["job"], asked
         (act,) = fault["actions"]
         assert act["kind"] == "exclude_node" and act["ok"], act
         assert fault["action_reason"] == (
             "predictive drain: a failing GPU, its jobs' next checkpoint was taken"
         ), fault
+        s = rig.summary()
+        assert (s["final_step"], s["world_size"], s["global_batch"]) == (STEPS, 2, 12), s
+        # resumed from the save it was asked for: the only checkpoint this run took
+        assert s["resumed_from"] == asked["job"]["step"], (s, asked)
     finally:
         rig.close()
 

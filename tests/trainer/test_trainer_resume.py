@@ -178,3 +178,22 @@ def test_fsdp2_matches_ddp_after_a_crash_and_resume(tmp_path, clean_40):
     s = read_json(tmp_path / "s.json")
     assert s["resumed_from"] == 20 and s["final_step"] == 40
     assert s["final_loss"] == pytest.approx(clean_40["final_loss"], rel=1e-4)
+
+
+def test_a_save_the_supervisor_asks_for_is_taken_at_its_step_by_every_rank(tmp_path):
+    """A save request (what the agent writes for predictive drain) beside the telemetry
+    socket: both ranks save at step 7 though no save is scheduled, as one checkpoint (a
+    collective save that only one rank took would hang the run)."""
+    from rankguard.contract.save_requests import SaveRequest, encode, request_path
+
+    sock = tmp_path / "telemetry.sock"
+    path = request_path(sock, "asked")
+    path.parent.mkdir()
+    path.write_bytes(encode(SaveRequest("asked", 0, 7, "test")))
+    run_ok(
+        ["--steps", "12", "--job", "asked", "--ckpt-dir", str(tmp_path / "ckpt"),
+         "--ckpt-every", "1000", "--keep", "0", "--summary", str(tmp_path / "s.json")],
+        cwd=tmp_path, env={"RANKGUARD_TELEMETRY_SOCKET": str(sock)},
+    )  # fmt: skip
+    assert _steps(tmp_path / "ckpt") == {"step-00000007": "validated"}
+    assert read_json(tmp_path / "s.json")["checkpoint_saves"] == 1
