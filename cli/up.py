@@ -45,8 +45,15 @@ class _Terminated(KeyboardInterrupt):
     the daemons and torchrun running without it)."""
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise _Terminated()
+# Every Ctrl-C or SIGTERM taken, so one raised while the main thread ran a finalizer (a
+# `__del__`, where Python prints and drops it) still ends up as an interruption.
+_SIGNALLED: list[KeyboardInterrupt] = []
+
+
+def _on_signal(signum, frame) -> None:
+    exc = _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    _SIGNALLED.append(exc)
+    raise exc
 
 
 def _interruption(exc: KeyboardInterrupt) -> tuple[str, int]:
@@ -425,7 +432,8 @@ def up(
                   trainer_arg, snapshot_every, ckpt_dir, no_ckpt_key, inject,
                   process_idle_seconds, cold_start, warm_start)  # fmt: skip
     stack = _prepare(plan)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
     try:
         _start_daemons(plan, stack)
         trainer, display, stuck_after_training = _train(plan, stack)
@@ -679,6 +687,8 @@ def _train(plan: _Plan, stack: _Stack) -> tuple[subprocess.Popen, _Display, bool
         stack.timers.append(t)
     try:
         stuck_after_training = _Watch(display, stack.kept).run(trainer)
+        if _SIGNALLED:  # taken, and dropped on the way (see _SIGNALLED)
+            raise _SIGNALLED[-1]
     except KeyboardInterrupt as exc:
         _ignore_signals()  # a second one must not cut the cleanup
         how, code = _interruption(exc)

@@ -33,10 +33,13 @@ def test_slow_rank_shows_longer_compute_and_peers_wait_longer(tmp_path):
     before = med(1, "compute_seconds", 3, 9) / med(0, "compute_seconds", 3, 9)
     after = med(1, "compute_seconds", 12, 30) / med(0, "compute_seconds", 12, 30)
     assert 0.6 < before < 1.6 and after > 1.5, (before, after)
-    # ...and stays about twice: the slowdown does not compound step after step
-    # (the injected sleep is not counted into the next step's natural compute time)
-    growth = med(1, "compute_seconds", 25, 30) / med(1, "compute_seconds", 12, 17)
-    assert growth < 1.5, growth
+    # ...and stays about twice: the slowdown does not compound step after step (the
+    # injected sleep is not counted into the next step's natural compute time; compounding
+    # would double it each step). Against rank 0's compute at the same steps, since a busy
+    # host slows both for seconds.
+    late = med(1, "compute_seconds", 25, 30) / med(0, "compute_seconds", 25, 30)
+    early = med(1, "compute_seconds", 12, 17) / med(0, "compute_seconds", 12, 17)
+    assert late / early < 2, (early, late)
     # ...and rank 0 waits for it in the all-reduce: its comm/compute ratio is the tell.
     assert med(0, "comm_compute_ratio", 12, 30) > med(1, "comm_compute_ratio", 12, 30)
 
