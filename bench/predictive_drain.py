@@ -112,6 +112,7 @@ def run_once(tmp: Path, drain: bool, args) -> dict:
         wait_until(lambda: (look().get("checkpoint_step") or 0) >= args.ckpt_every, 180,
                    "the first checkpoint")  # fmt: skip
         write_state(states[VICTIM], degrading())
+        degraded_at = time.time()
         failed_at = time.monotonic() + args.xid_after
         while any(p.poll() is None for p in launchers[:VICTIM]):
             if failed_at and time.monotonic() >= failed_at:
@@ -131,6 +132,9 @@ def run_once(tmp: Path, drain: bool, args) -> dict:
         summary = json.loads((tmp / "summary.json").read_text())
         incidents = http_json(sup.url + "/v1/incidents")["incidents"]
         faults = [i for i in incidents if i["kind"] == "node_fault" and i["actions"]]
+        faults.sort(key=lambda i: i["actions"][0]["requested_at"])
+        asked = [e["detail"].get("job", {}).get("step") for i in incidents
+                 for e in i["events"] if e["what"] == "save requested"]  # fmt: skip
         old = reached.get(0, 0)
         resumed = summary.get("resumed_from")
         return {
@@ -139,6 +143,9 @@ def run_once(tmp: Path, drain: bool, args) -> dict:
             "old_reached": old, "resumed_from": resumed,
             "steps_again": None if resumed is None else max(0, old - resumed),
             "excluded_by": [i["key"].rsplit(":", 1)[-1] for i in faults],
+            "excluded_after_s": [round(i["actions"][0]["requested_at"] - degraded_at, 1)
+                                 for i in faults],
+            "save_asked_at_step": asked[0] if asked else None,
             "action_reason": [i["action_reason"] for i in faults],
         }  # fmt: skip
     finally:
@@ -156,15 +163,18 @@ def report(rows: list[dict], command: str) -> str:
         "",
         f"    {command}",
         "",
-        "| run | drain | excluded by | resumed from | old incarnation reached | steps trained "
-        "again | job wall (s) | final step, world |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | drain | excluded by (s after the degradation) | save asked at step | resumed "
+        "from | old incarnation reached | steps trained again | job wall (s) | final step, "
+        "world |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for k, r in enumerate(rows):
+        excluded = ", ".join(f"{why} ({t:g})" for why, t in
+                             zip(r["excluded_by"], r["excluded_after_s"], strict=True))  # fmt: skip
         lines.append(
-            f"| {k // 2 + 1} | {'on' if r['drain'] else 'off'} | {', '.join(r['excluded_by'])} "
-            f"| {r['resumed_from']} | {r['old_reached']} | {r['steps_again']} "
-            f"| {r['wall_seconds']} | {r['final_step']}, {r['world_size']} |"
+            f"| {k // 2 + 1} | {'on' if r['drain'] else 'off'} | {excluded} "
+            f"| {r['save_asked_at_step']} | {r['resumed_from']} | {r['old_reached']} "
+            f"| {r['steps_again']} | {r['wall_seconds']} | {r['final_step']}, {r['world_size']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -172,8 +182,8 @@ def report(rows: list[dict], command: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs (on, off)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--ckpt-every", type=int, default=150, help="the job's scheduled saves")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--ckpt-every", type=int, default=1000, help="the job's scheduled saves")
     p.add_argument("--xid-after", type=float, default=20.0,
                    help="seconds from the degradation to XID 48")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0)

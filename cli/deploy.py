@@ -98,3 +98,59 @@ def agent_token_cmd(
     for host in hosts:
         token = derive_agent_token(tokens.secret, host.strip("[]"))
         typer.echo(token if len(hosts) == 1 else f"{host} {token}")
+
+
+@app.command("kubernetes")
+def kubernetes_cmd(
+    values: Annotated[
+        Path,
+        typer.Option("--values", help="TOML file of values (docs/deploy.md lists every key)"),
+    ] = None,
+    set_: Annotated[
+        list[str],
+        typer.Option(
+            "--set",
+            help="KEY=VALUE over the file, e.g. agent.interval=2 or "
+            "namespace=gpu-ops (a TOML value; plain text is a string)",
+        ),  # fmt: skip
+    ] = None,
+) -> None:
+    """Print every Kubernetes object rankguard needs, as YAML for `kubectl apply -f -`: the
+    agent DaemonSet and its headless Service, the supervisor with its volume claim, PDB and
+    Service, the rendezvous store, and for the Prometheus operator a ServiceMonitor, a
+    PrometheusRule and the dashboards as ConfigMaps. Create the token Secret first
+    (docs/deploy.md).
+
+    Exit codes: 0 printed; 2 a bad value (named by its key).
+    """
+    from rankguard.cli.kubernetes import KubeValues, dump, render
+    from rankguard.service.settings import SettingsError, build, read_toml
+
+    try:
+        table = read_toml(values) if values else {}
+        for item in set_ or []:
+            key, sep, text = item.partition("=")
+            if not sep or not key:
+                raise SettingsError(f"--set {item!r}: expected KEY=VALUE")
+            *parents, last = key.split(".")
+            node = table
+            for part in parents:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise SettingsError(f"--set {key}: {part} is not a table")
+            node[last] = _toml_value(text)
+        chosen = build(KubeValues, table, "")
+    except SettingsError as exc:
+        typer.echo(f"rankguard deploy kubernetes: {exc}", err=True)
+        raise typer.Exit(EXIT_ERROR) from None
+    typer.echo(dump(render(chosen)), nl=False)
+
+
+def _toml_value(text: str):
+    """A --set value as TOML reads it (2, true, "x", {a = "b"}); anything else as text."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text

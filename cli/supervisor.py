@@ -53,6 +53,13 @@ def supervisor(
     agents_file: Annotated[
         Path, Opt(help="file with one agent URL per line, re-read when it changes")
     ] = None,
+    agents_dns: Annotated[
+        str,
+        Opt(
+            help="http(s)://NAME:PORT: an agent at every address NAME resolves to, resolved "
+            "again every 10 s (Kubernetes: the agents' headless Service)"
+        ),  # fmt: skip
+    ] = None,
     db: Annotated[Path, Opt(help="SQLite file for incidents (kept across restarts)")] = Path(
         "rankguard.db"
     ),
@@ -116,7 +123,12 @@ def supervisor(
     from rankguard.service.httpd import ServeError
     from rankguard.service.logs import LogConfigError, setup_logging
     from rankguard.service.settings import SettingsError
-    from rankguard.supervisor.agents import AgentsFile, parse_agents, trust_agents_signed_by
+    from rankguard.supervisor.agents import (
+        AgentsDns,
+        AgentsFile,
+        parse_agents,
+        trust_agents_signed_by,
+    )
     from rankguard.supervisor.config import load as load_settings
     from rankguard.supervisor.daemon import run_supervisor
     from rankguard.supervisor.reconcile import Supervisor
@@ -145,14 +157,21 @@ def supervisor(
     if print_config:
         typer.echo(settings.to_toml(), nl=False)
         return
-    if not agents and not agents_file:
-        raise refuse("give --agents URL... or --agents-file FILE")
-    if agents and agents_file:
-        raise refuse("give --agents or --agents-file, not both")
+    given = [o for o, v in (("--agents", agents), ("--agents-file", agents_file),
+                            ("--agents-dns", agents_dns)) if v]  # fmt: skip
+    if not given:
+        raise refuse("give --agents URL..., --agents-file FILE or --agents-dns URL")
+    if len(given) > 1:
+        raise refuse(f"give one of {', '.join(given)}, not several")
     if agents:
         _, bad = parse_agents("\n".join(agents))
         if bad:
             raise refuse(f"--agents {bad[1]!r} is not an http(s) URL")
+    elif agents_dns:
+        try:
+            dns = AgentsDns(agents_dns)
+        except ValueError as exc:
+            raise refuse(str(exc)) from None
     else:
         try:
             _, bad = parse_agents(agents_file.read_text())
@@ -182,7 +201,10 @@ def supervisor(
         raise refuse(f"{exc.filename}: no such file") from None
     except (AgentConfigError, StoreError, OSError, ValueError) as exc:
         raise refuse(str(exc)) from None
-    source = AgentsFile(agents_file).urls if agents_file else (lambda: list(agents))
+    if agents_dns:
+        source = dns.urls
+    else:
+        source = AgentsFile(agents_file).urls if agents_file else (lambda: list(agents))
     try:
         sup = Supervisor(store, source, tokens, settings.runtime())
     except ValueError as exc:  # SchedulerError: the drained-node table

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import socket
 import threading
 import time
 import urllib.parse
@@ -368,6 +369,50 @@ class AgentsFile:
             log.warning("agents file %s: %s; keeping the last good list (%d agents)",
                         self.path, why, len(self._urls))  # fmt: skip
         self._signature = signature
+
+
+class AgentsDns:
+    """Agent URLs from a DNS name that resolves to every agent (a Kubernetes headless
+    Service over the agent DaemonSet): `http://rankguard-agent.rankguard.svc:9407` gives
+    `http://ADDRESS:9407` for each address, resolved again every `ttl` seconds. A failed
+    resolution keeps the last good list (a DNS hiccup must not make the supervisor forget
+    every node); an empty answer is not taken either, for the same reason."""
+
+    def __init__(
+        self, url: str, ttl: float = 10.0, resolve=socket.getaddrinfo, clock=time.monotonic
+    ):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+            raise ValueError(f"--agents-dns needs http(s)://NAME:PORT, got {url!r}")
+        self.scheme, self.host, self.port = parts.scheme, parts.hostname, parts.port
+        self.ttl, self._resolve, self._clock = ttl, resolve, clock
+        self._next = float("-inf")
+        self._urls: list[str] = []
+        self.errors = 0  # failed or empty resolutions, for tests and logs
+
+    def urls(self) -> list[str]:
+        now = self._clock()
+        if now < self._next:
+            return self._urls
+        self._next = now + self.ttl
+        try:
+            found = self._resolve(self.host, self.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            return self._keep(f"cannot resolve: {exc}")
+        addresses = sorted({info[4][0] for info in found})
+        if not addresses:
+            return self._keep("no address")
+        urls = [f"{self.scheme}://{f'[{a}]' if ':' in a else a}:{self.port}" for a in addresses]
+        if urls != self._urls:
+            log.info("agents from %s: %d", self.host, len(urls))
+        self._urls = urls
+        return urls
+
+    def _keep(self, why: str) -> list[str]:
+        self.errors += 1
+        log.warning("agents from %s: %s; keeping the last good list (%d agents)",
+                    self.host, why, len(self._urls))  # fmt: skip
+        return self._urls
 
 
 def parse_agents(text: str) -> tuple[list[str], tuple[int, str] | None]:

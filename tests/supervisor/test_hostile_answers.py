@@ -127,3 +127,42 @@ def test_no_answer_stops_a_pass(cluster, node_answer, ranks_answer):
     assert sup.passes == before + 1
     assert node(sup, honest.url).reachable
     assert [r.job for r in node(sup, honest.url).ranks] == ["j", "j"]
+
+
+def test_agents_from_dns_are_every_address_kept_through_a_failed_lookup():
+    """--agents-dns: one agent URL per address the name resolves to (a headless Service),
+    resolved again after the TTL; a failed or empty lookup keeps the last good list."""
+    import socket
+
+    from rankguard.supervisor.agents import AgentsDns
+
+    answers = [
+        [(socket.AF_INET, 0, 0, "", ("10.0.0.2", 9407)), (socket.AF_INET6, 0, 0, "", ("fd00::1", 9407, 0, 0)),
+         (socket.AF_INET, 0, 0, "", ("10.0.0.2", 9407))],
+        OSError("temporary failure in name resolution"),
+        [],
+        [(socket.AF_INET, 0, 0, "", ("10.0.0.3", 9407))],
+    ]  # fmt: skip
+    now = [0.0]
+
+    def resolve(host, port, type):
+        assert (host, port, type) == ("rankguard-agent.rankguard.svc", 9407, socket.SOCK_STREAM)
+        answer = answers.pop(0)
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
+
+    dns = AgentsDns("http://rankguard-agent.rankguard.svc:9407", ttl=10, resolve=resolve,
+                    clock=lambda: now[0])  # fmt: skip
+    first = ["http://10.0.0.2:9407", "http://[fd00::1]:9407"]
+    assert dns.urls() == first
+    now[0] = 5.0
+    assert dns.urls() == first and len(answers) == 3  # within the TTL: not resolved again
+    for t in (10.0, 20.0):  # the failure, then the empty answer: the last good list stays
+        now[0] = t
+        assert dns.urls() == first
+    assert dns.errors == 2
+    now[0] = 30.0
+    assert dns.urls() == ["http://10.0.0.3:9407"]
+    with pytest.raises(ValueError, match="NAME:PORT"):
+        AgentsDns("http://rankguard-agent")
