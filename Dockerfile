@@ -18,12 +18,13 @@ RUN pip install --no-cache-dir /tmp/dist/*.whl && rm -rf /tmp/dist
 ENTRYPOINT ["rankguard"]
 CMD ["agent", "--help"]
 
-# torch for the rendezvous store (a TCPStore): the CPU build, a fraction of the CUDA one.
+# torch for the rendezvous store (a TCPStore): the CPU build, a fraction of the CUDA one;
+# the Kubernetes client for the supervisor's node backend.
 FROM ${PYTHON} AS supervisor
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 COPY --from=wheel /dist/ /tmp/dist/
 RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX}" torch \
-    && pip install --no-cache-dir /tmp/dist/*.whl && rm -rf /tmp/dist \
+    && pip install --no-cache-dir "$(ls /tmp/dist/*.whl)[kubernetes]" && rm -rf /tmp/dist \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin rankguard
 USER 10001
 ENTRYPOINT ["rankguard"]

@@ -109,8 +109,12 @@ def run_once(tmp: Path, drain: bool, args) -> dict:
                     reached[r["restart"]] = max(reached.get(r["restart"], 0), r["step"])
             return next((r for r in ranks if r["state"] == "alive"), {})
 
-        wait_until(lambda: (look().get("checkpoint_step") or 0) >= args.ckpt_every, 180,
-                   "the first checkpoint")  # fmt: skip
+        try:
+            wait_until(lambda: (look().get("checkpoint_step") or 0) >= args.ckpt_every, 300,
+                       "the first checkpoint")  # fmt: skip
+        except AssertionError:
+            tail = (tmp / "torchrun-0.log").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"no checkpoint; steps seen {reached}; node0:\n{tail}") from None
         write_state(states[VICTIM], degrading())
         degraded_at = time.time()
         failed_at = time.monotonic() + args.xid_after
@@ -182,9 +186,9 @@ def report(rows: list[dict], command: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs (on, off)")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--ckpt-every", type=int, default=1000, help="the job's scheduled saves")
-    p.add_argument("--xid-after", type=float, default=20.0,
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--ckpt-every", type=int, default=400, help="the job's scheduled saves")
+    p.add_argument("--xid-after", type=float, default=25.0,
                    help="seconds from the degradation to XID 48")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, help="write the table here (markdown)")

@@ -13,7 +13,10 @@ The objects, in the order `kubectl apply` wants them (a namespace first, workloa
   the host's `agent.host_run_dir`, which training pods mount too; and a headless Service
   over it, through which the supervisor finds every agent (`--agents-dns`);
 - the supervisor: a Deployment (one replica, its SQLite database on a volume claim, so
-  `Recreate`), its PodDisruptionBudget and Service;
+  `Recreate`), its PodDisruptionBudget and Service; with `supervisor.node_backend`, the
+  right to read and patch nodes and their status (a ClusterRole) and its settings (a
+  ConfigMap with `[scheduler] backend = "kubernetes"`: failing nodes get rankguard's taint
+  and condition, supervisor/kube_nodes.py);
 - the rendezvous store (`rendezvous.enabled`): a Deployment and Service jobs name in
   `--rdzv-endpoint`;
 - for the Prometheus operator (`monitoring.*`): a ServiceMonitor over both Services (their
@@ -72,6 +75,10 @@ class SupervisorValues:
                        "rankguard:latest")  # fmt: skip
     storage: str = _help("size of its database's volume claim", "1Gi")
     storage_class: str = _help("the claim's storage class (empty: the cluster's default)", "")
+    node_backend: bool = _help(
+        "take failing nodes out through the API (a taint and the `RankguardHealthy` "
+        "condition; [scheduler] backend = \"kubernetes\"), with the right to patch nodes",
+        True)  # fmt: skip
     pdb_min_available: int = _help(
         "its PodDisruptionBudget: with one replica, 1 makes a node drain wait until its pod "
         "is moved on purpose; 0 lets an eviction take it (a pass or two without a "
@@ -239,6 +246,35 @@ def agent_objects(v: KubeValues) -> list[dict]:
     ]  # fmt: skip
 
 
+SUPERVISOR_TOML = """\
+# the supervisor's settings (docs/configuration.md); rendered by `rankguard deploy kubernetes`
+[scheduler]
+backend = "kubernetes"
+"""
+
+
+def node_rbac(v: KubeValues) -> list[dict]:
+    """What the kubernetes scheduler backend does to nodes, and nothing more: read one,
+    patch it (rankguard's taint, cordon) and its status (rankguard's condition)."""
+    if not v.supervisor.node_backend:
+        return []
+    name = f"{SUPERVISOR_JOB}-nodes"
+    meta = {"name": name, "labels": _selector("supervisor")}
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": meta,
+         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+                   {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                     "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": SUPERVISOR_JOB,
+                       "namespace": v.namespace}]},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(v, SUPERVISOR_JOB, "supervisor"),
+         "data": {"supervisor.toml": SUPERVISOR_TOML}},
+    ]  # fmt: skip
+
+
 def supervisor_objects(v: KubeValues) -> list[dict]:
     s = v.supervisor
     token, token_mount = _token_volume(v)
@@ -269,21 +305,24 @@ def supervisor_objects(v: KubeValues) -> list[dict]:
         "securityContext": _locked_down(capabilities={"drop": ["ALL"]}),
         "volumeMounts": [{"name": "db", "mountPath": "/var/lib/rankguard"}, token_mount],
     }
+    volumes = [{"name": "db", "persistentVolumeClaim": {"claimName": SUPERVISOR_JOB}}, token]
+    if s.node_backend:
+        container["args"] += ["--config", "/etc/rankguard/config/supervisor.toml"]
+        container["volumeMounts"].append({"name": "config", "mountPath": "/etc/rankguard/config",
+                                          "readOnly": True})  # fmt: skip
+        volumes.append({"name": "config", "configMap": {"name": SUPERVISOR_JOB}})
     claim = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": s.storage}}}
     if s.storage_class:
         claim["storageClassName"] = s.storage_class
     labels = _selector("supervisor")
     pod = {
         "serviceAccountName": SUPERVISOR_JOB,
-        "automountServiceAccountToken": False,
+        "automountServiceAccountToken": s.node_backend,  # the API's credentials, if it acts
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
         "containers": [container],
-        "volumes": [
-            {"name": "db", "persistentVolumeClaim": {"claimName": SUPERVISOR_JOB}},
-            token,
-        ],  # fmt: skip
+        "volumes": volumes,
     }
-    return [
+    return node_rbac(v) + [
         {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
          "metadata": _meta(v, SUPERVISOR_JOB, "supervisor"), "spec": claim},
         # one writer of the database: the old pod ends before the new one starts

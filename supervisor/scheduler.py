@@ -1,5 +1,6 @@
 """Persistent node exclusion: ask the scheduler to keep a faulty node out, and let it back
-only after its health check passes.
+only after its health check passes (Slurm through a command, Kubernetes through its API:
+supervisor/kube_nodes.py).
 
 Excluding a node (`exclude_node`) stops the job's processes there, but the scheduler would
 place the next job (or torchrun's next restart) on it again. So on a hardware fault the
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .kube_nodes import EFFECTS, KubeError, KubeNodes
 from .state import ClusterObs
 
 log = logging.getLogger("rankguard.supervisor.scheduler")
@@ -31,6 +33,7 @@ SLURM_DRAIN = "scontrol update nodename={node} state=drain reason={reason}"
 SLURM_RESUME = "scontrol update nodename={node} state=resume"
 PLACEHOLDERS = ("node", "reason")
 REASON_MAX_CHARS = 200  # a reason is for people reading `sinfo -R`, not the whole evidence
+BACKENDS = ("command", "kubernetes")
 
 
 class SchedulerError(ValueError):
@@ -42,12 +45,22 @@ class SchedulerConfig:
     """[scheduler]: keep nodes excluded for a hardware fault out of the scheduler."""
 
     drain: bool = True  # false: exclusion stops the job's processes only
+    # "command": drain_command and resume_command (Slurm's scontrol by default);
+    # "kubernetes": a taint and a node condition through the API (supervisor/kube_nodes.py)
+    backend: str = "command"
     drain_command: str = SLURM_DRAIN
     resume_command: str = SLURM_RESUME
+    kubernetes_taint_effect: str = "NoSchedule"  # of rankguard.io/unhealthy
+    kubernetes_cordon: bool = False  # also mark the node unschedulable (lifted on resume)
     resume_after_healthy_passes: int = 240  # one minute at the default 0.25 s interval
     command_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.kubernetes_taint_effect not in EFFECTS:
+            raise ValueError(f"kubernetes_taint_effect must be one of {', '.join(EFFECTS)}, "
+                             f"got {self.kubernetes_taint_effect!r}")  # fmt: skip
         for name in ("drain_command", "resume_command"):
             template = getattr(self, name)
             try:
@@ -106,11 +119,22 @@ def readmit(
 class Scheduler:
     """The I/O around `readmit`: run the commands, keep the drained nodes in SQLite."""
 
-    def __init__(self, cfg: SchedulerConfig, db: str | Path | None, clock=None) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, db: str | Path | None, clock=None, kube_api=None
+    ) -> None:
+        """`kube_api`: a CoreV1Api for the kubernetes backend (else the pod's or the
+        kubeconfig's)."""
         import time
 
         self.cfg = cfg
         self.clock = clock or time.time
+        self.nodes: KubeNodes | None = None
+        if cfg.drain and cfg.backend == "kubernetes":
+            try:
+                self.nodes = KubeNodes(kube_api, cfg.kubernetes_taint_effect,
+                                       cfg.kubernetes_cordon)  # fmt: skip
+            except KubeError as exc:
+                raise SchedulerError(f"[scheduler] backend = kubernetes: {exc}") from None
         self._lock = threading.Lock()
         try:
             self._conn = sqlite3.connect(
@@ -152,7 +176,10 @@ class Scheduler:
         if not self.cfg.drain:
             return None
         reason = " ".join(f"rankguard: {reason}".split())[:REASON_MAX_CHARS]
-        outcome = self._run(command(self.cfg.drain_command, node, reason))
+        if self.nodes is not None:
+            outcome = self.nodes.drain(node, reason)
+        else:
+            outcome = self._run(command(self.cfg.drain_command, node, reason))
         if outcome["ok"]:
             now = self.clock()
             with self._lock:
@@ -177,7 +204,10 @@ class Scheduler:
             )
         outcomes = []
         for node in ready:
-            outcome = self._run(command(self.cfg.resume_command, node))
+            if self.nodes is not None:
+                outcome = self.nodes.resume(node)
+            else:
+                outcome = self._run(command(self.cfg.resume_command, node))
             outcomes.append(outcome)
             with self._lock:
                 if outcome["ok"]:

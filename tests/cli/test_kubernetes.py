@@ -37,11 +37,12 @@ from rankguard.deploy import deploy_dir
 
 KUBERNETES = "1.30"  # the oldest minor version still maintained upstream when written
 OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
+CLUSTER_KINDS = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 ROOT = Path(__file__).resolve().parents[2]
 
 OTHER = KubeValues(
     namespace="gpu-ops", create_namespace=False, image_pull_policy="Always",
-    supervisor=SupervisorValues(storage_class="fast", pdb_min_available=0),
+    supervisor=SupervisorValues(storage_class="fast", pdb_min_available=0, node_backend=False),
     rendezvous=RendezvousValues(enabled=False),
     monitoring=MonitoringValues(release="kube-prometheus-stack", dashboards=False),
 )  # fmt: skip
@@ -63,13 +64,39 @@ def test_every_object_is_valid_for_the_kubernetes_api(values):
         if o["kind"] in OPERATOR_KINDS:
             continue
         kubernetes_validate.validate(o, KUBERNETES, strict=True)
-        if o["kind"] != "Namespace":
+        if o["kind"] not in CLUSTER_KINDS:
             assert o["metadata"]["namespace"] == values.namespace, o["metadata"]
     kinds = [o["kind"] for o in objects]
     assert kinds.count("Namespace") == int(values.create_namespace)
     assert ("Deployment", "rankguard-rendezvous") in _by_kind(
         objects
     ) or not values.rendezvous.enabled
+
+
+def test_the_supervisor_may_patch_nodes_and_their_status_only_with_the_node_backend():
+    objects = _by_kind(_rendered(KubeValues()))
+    role = objects["ClusterRole", f"{SUPERVISOR_JOB}-nodes"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+    ]
+    binding = objects["ClusterRoleBinding", f"{SUPERVISOR_JOB}-nodes"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": SUPERVISOR_JOB,
+                                    "namespace": "rankguard"}]  # fmt: skip
+    pod = objects["Deployment", SUPERVISOR_JOB]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert (
+        '[scheduler]\nbackend = "kubernetes"'
+        in objects["ConfigMap", SUPERVISOR_JOB]["data"]["supervisor.toml"]
+    )
+    assert "--config" in pod["containers"][0]["args"]
+    off = _by_kind(_rendered(OTHER))
+    assert not any(kind.startswith("ClusterRole") for kind, _ in off)
+    pod = off["Deployment", SUPERVISOR_JOB]["spec"]["template"]["spec"]
+    assert (
+        pod["automountServiceAccountToken"] is False
+        and "--config" not in pod["containers"][0]["args"]
+    )
 
 
 def test_the_services_are_the_job_names_the_rules_use_and_the_supervisor_finds_the_agents():
@@ -105,7 +132,7 @@ def test_the_prometheus_rule_holds_the_rule_files_groups_and_promtool_passes_the
 
 def test_the_dashboards_are_the_checked_in_ones_and_the_default_rendering_is_shipped():
     objects = _rendered(KubeValues())
-    maps = [o for o in objects if o["kind"] == "ConfigMap"]
+    maps = [o for o in objects if "grafana_dashboard" in o["metadata"].get("labels", {})]
     assert len(maps) == 4
     for m in maps:
         assert m["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -129,7 +156,7 @@ def test_values_from_a_file_and_set_and_a_bad_one_named_by_its_key(tmp_path):
     (agent,) = objects["DaemonSet", AGENT_JOB]["spec"]["template"]["spec"]["containers"]
     assert agent["image"] == "r:1" and "2.0" in agent["args"]
     assert objects["DaemonSet", AGENT_JOB]["metadata"]["namespace"] == "gpu-ops"
-    assert not any(kind == "ConfigMap" for kind, _ in objects)
+    assert not any(kind == "ConfigMap" and "dashboard" in name for kind, name in objects)
     for bad, named in (("agent.interval=-1", "agent.interval must be > 0"),
                        ("agent.speed=3", "agent.speed: unknown key"),
                        ("image_pull_policy=Sometimes", "image_pull_policy must be"),
