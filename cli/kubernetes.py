@@ -173,50 +173,54 @@ def _token_volume(v: KubeValues) -> tuple[dict, dict]:
     return volume, {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}
 
 
-def _locked_down(**extra: Any) -> dict:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, **extra}
+def _container(
+    v: KubeValues,
+    image: str,
+    args: list[str],
+    port: tuple[str, int],
+    requests: tuple[str, str],
+    memory_limit: str,
+    caps: dict | None = None,
+    user: int | None = None,
+) -> dict:
+    """A container of rankguard's: `args` to the `rankguard` entry point, one named port
+    (HTTP ones probed at /healthz), every capability dropped but `caps`' additions."""
+    name, number = port
+    security = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"], **(caps or {})}}  # fmt: skip
+    if user is not None:
+        security["runAsUser"] = user
+    out = {
+        "name": args[0], "image": image, "imagePullPolicy": v.image_pull_policy, "args": args,
+        "ports": [{"name": name, "containerPort": number}],
+        "resources": {"requests": {"cpu": requests[0], "memory": requests[1]},
+                      "limits": {"memory": memory_limit}},
+        "securityContext": security,
+    }  # fmt: skip
+    if name == "http":
+        out["readinessProbe"] = out["livenessProbe"] = _probe(name)
+    else:
+        out["readinessProbe"] = {"tcpSocket": {"port": name}, "periodSeconds": 5}
+    return out
 
 
 def agent_objects(v: KubeValues) -> list[dict]:
     a = v.agent
     token, token_mount = _token_volume(v)
-    container = {
-        "name": "agent",
-        "image": a.image,
-        "imagePullPolicy": v.image_pull_policy,
-        "args": [
-            "agent",
-            "--bind",
-            f"0.0.0.0:{AGENT_PORT}",
-            "--node",
-            "$(NODE_NAME)",
-            "--interval",
-            str(a.interval),
-            "--token-file",
-            f"{TOKEN_DIR}/token",
-            "--telemetry-socket",
-            "/run/rankguard/telemetry.sock",
-        ],  # fmt: skip
-        "env": [
-            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-            # NVML through the NVIDIA container toolkit, every GPU, no GPU requested
-            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
-            {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
-        ],
-        "ports": [{"name": "http", "containerPort": AGENT_PORT}],
-        "readinessProbe": _probe("http"),
-        "livenessProbe": _probe("http"),
-        "resources": {
-            "requests": {"cpu": a.cpu_request, "memory": "128Mi"},
-            "limits": {"memory": a.memory_limit},
-        },  # fmt: skip
-        # root, for the training workers of every user: signal them (KILL), read their
-        # /proc and stacks (SYS_PTRACE); nothing else
-        "securityContext": _locked_down(
-            runAsUser=0, capabilities={"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
-        ),
-        "volumeMounts": [{"name": "run", "mountPath": "/run/rankguard"}, token_mount],
-    }
+    args = ["agent", "--bind", f"0.0.0.0:{AGENT_PORT}", "--node", "$(NODE_NAME)",
+            "--interval", str(a.interval), "--token-file", f"{TOKEN_DIR}/token",
+            "--telemetry-socket", "/run/rankguard/telemetry.sock"]  # fmt: skip
+    # root, for the training workers of every user: signal them (KILL), read their /proc
+    # and stacks (SYS_PTRACE); nothing else
+    container = _container(v, a.image, args, ("http", AGENT_PORT), (a.cpu_request, "128Mi"),
+                           a.memory_limit, {"add": ["KILL", "SYS_PTRACE"]}, user=0)  # fmt: skip
+    container["env"] = [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        # NVML through the NVIDIA container toolkit, every GPU, no GPU requested
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+        {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
+    ]
+    container["volumeMounts"] = [{"name": "run", "mountPath": "/run/rankguard"}, token_mount]
     pod = {
         "serviceAccountName": AGENT_JOB,
         "automountServiceAccountToken": False,
@@ -278,33 +282,11 @@ def node_rbac(v: KubeValues) -> list[dict]:
 def supervisor_objects(v: KubeValues) -> list[dict]:
     s = v.supervisor
     token, token_mount = _token_volume(v)
-    container = {
-        "name": "supervisor",
-        "image": s.image,
-        "imagePullPolicy": v.image_pull_policy,
-        "args": [
-            "supervisor",
-            "--agents-dns",
-            f"http://{AGENT_JOB}.{v.namespace}.svc:{AGENT_PORT}",
-            "--token-file",
-            f"{TOKEN_DIR}/token",
-            "--db",
-            "/var/lib/rankguard/supervisor.db",
-            "--bind",
-            f"0.0.0.0:{SUPERVISOR_PORT}",
-            "--interval",
-            "1",
-        ],  # fmt: skip
-        "ports": [{"name": "http", "containerPort": SUPERVISOR_PORT}],
-        "readinessProbe": _probe("http"),
-        "livenessProbe": _probe("http"),
-        "resources": {
-            "requests": {"cpu": "250m", "memory": "256Mi"},
-            "limits": {"memory": "2Gi"},
-        },  # fmt: skip
-        "securityContext": _locked_down(capabilities={"drop": ["ALL"]}),
-        "volumeMounts": [{"name": "db", "mountPath": "/var/lib/rankguard"}, token_mount],
-    }
+    args = ["supervisor", "--agents-dns", f"http://{AGENT_JOB}.{v.namespace}.svc:{AGENT_PORT}",
+            "--token-file", f"{TOKEN_DIR}/token", "--db", "/var/lib/rankguard/supervisor.db",
+            "--bind", f"0.0.0.0:{SUPERVISOR_PORT}", "--interval", "1"]  # fmt: skip
+    container = _container(v, s.image, args, ("http", SUPERVISOR_PORT), ("250m", "256Mi"), "2Gi")
+    container["volumeMounts"] = [{"name": "db", "mountPath": "/var/lib/rankguard"}, token_mount]
     volumes = [{"name": "db", "persistentVolumeClaim": {"claimName": SUPERVISOR_JOB}}, token]
     if s.node_backend:
         container["args"] += ["--config", "/etc/rankguard/config/supervisor.toml"]
@@ -344,19 +326,9 @@ def rendezvous_objects(v: KubeValues) -> list[dict]:
     if not v.rendezvous.enabled:
         return []
     name, labels = "rankguard-rendezvous", _selector("rendezvous")
-    container = {
-        "name": "rendezvous",
-        "image": v.supervisor.image,
-        "imagePullPolicy": v.image_pull_policy,
-        "args": ["rendezvous", "--port", str(RENDEZVOUS_PORT), "--bind", "*"],
-        "ports": [{"name": "store", "containerPort": RENDEZVOUS_PORT}],
-        "readinessProbe": {"tcpSocket": {"port": "store"}, "periodSeconds": 5},
-        "resources": {
-            "requests": {"cpu": "100m", "memory": "128Mi"},
-            "limits": {"memory": "1Gi"},
-        },  # fmt: skip
-        "securityContext": _locked_down(capabilities={"drop": ["ALL"]}),
-    }
+    args = ["rendezvous", "--port", str(RENDEZVOUS_PORT), "--bind", "*"]
+    container = _container(v, v.supervisor.image, args, ("store", RENDEZVOUS_PORT),
+                           ("100m", "128Mi"), "1Gi")  # fmt: skip
     pod = {"automountServiceAccountToken": False,
            "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
            "containers": [container]}  # fmt: skip
