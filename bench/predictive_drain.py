@@ -191,14 +191,22 @@ def main() -> None:
     p.add_argument("--xid-after", type=float, default=25.0,
                    help="seconds from the degradation to XID 48")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--drain", choices=["both", "on", "off"], default="both",
+                   help="run both ways (default) or one")  # fmt: skip
+    p.add_argument("--keep", type=Path, help="run in this folder and keep it (logs, database)")
     p.add_argument("--out", type=Path, help="write the table here (markdown)")
     p.add_argument("--json", type=Path, help="write every run's figures here")
     args = p.parse_args()
     rows = []
     for _ in range(args.repeats):
-        for drain in (True, False):
-            with tempfile.TemporaryDirectory(prefix="rg-drain-") as tmp:
-                row = run_once(Path(tmp), drain, args)
+        for drain in {"both": (True, False), "on": (True,), "off": (False,)}[args.drain]:
+            if args.keep:
+                tmp = args.keep / f"run{len(rows)}"
+                tmp.mkdir(parents=True)
+                row = run_once(tmp, drain, args)
+            else:
+                with tempfile.TemporaryDirectory(prefix="rg-drain-") as tmp:
+                    row = run_once(Path(tmp), drain, args)
             print(json.dumps(row), flush=True)
             rows.append(row)
     command = "python bench/predictive_drain.py " + " ".join(sys.argv[1:])
