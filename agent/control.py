@@ -12,6 +12,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -249,9 +250,15 @@ def write_save_request(table, socket_path: str, body: dict) -> dict:
     ranks = sorted(rank for job, rank, _ in table.processes() if job == request.job)
     if not ranks:
         raise ControlError(404, f"no live rank of job {request.job} on this node")
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o755, exist_ok=True)
+    folder = os.lstat(path.parent)
+    if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.geteuid():
+        # a link or another user's folder: writing there could land anywhere
+        raise ControlError(500, f"{path.parent} is not a folder of the agent's own")
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(encode(request))
-    tmp.chmod(0o644)  # the ranks read it, whoever they run as
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(encode(request))
+    os.chmod(tmp, 0o644)  # the ranks read it, whoever they run as (and whatever the umask)
     os.replace(tmp, path)
     return {"job": request.job, "step": request.step, "ranks": ranks, "path": str(path)}

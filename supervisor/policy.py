@@ -294,7 +294,8 @@ def _failing(f: Finding, view: PolicyView, cfg: PolicyConfig) -> Decision:
     """A GPU predicted to fail: drained at the next checkpoint boundary of every job on the
     node (a checkpoint first seen after the prediction), when predictive drain is on. While
     it waits, each job that reports steps is asked to save now (`target["save"]`: a step
-    `predictive_drain_save_lead_seconds` ahead, contract/save_requests.py); the loop asks once per incident."""
+    `predictive_drain_save_lead_seconds` ahead, contract/save_requests.py); the loop asks
+    once per incident."""
     if not cfg.predictive_drain:
         return Decision(f, ACT_NONE, "report only: a failing GPU (predictive drain is off)")
     info = view.incidents.get(f.key)

@@ -102,6 +102,27 @@ def test_a_save_request_reaches_the_jobs_reporter_and_only_for_its_step_and_inca
         proc.wait()
 
 
+def test_a_save_request_is_never_written_through_a_link(tmp_path):
+    """The requests' folder beside the socket must be the agent's own: a link planted
+    there (to /etc, say) is refused, and nothing is written where it points."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "sock").mkdir()
+    (tmp_path / "sock" / "save-requests").symlink_to(elsewhere)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with RankTable() as table:
+            table.adopt(_found(proc, job="job"))
+            with pytest.raises(ControlError) as refused:
+                write_save_request(table, str(tmp_path / "sock" / "telemetry.sock"),
+                                   {"job": "job", "restart": 0, "step": 9})  # fmt: skip
+            assert refused.value.status == 500 and "agent's own" in str(refused.value)
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_reporter_reads_the_request_at_most_twice_a_second(tmp_path, monkeypatch):
     sock = str(tmp_path / "telemetry.sock")
     rg = Reporter(job="job", socket_path=sock, restart=0, flight_recorder=False)
