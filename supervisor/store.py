@@ -446,14 +446,18 @@ class IncidentStore:
                 node, rank = finding.node, finding.rank
             if earlier:
                 occurred = finding.occurred_at
-            new = (finding.summary, finding.severity, evidence, node, rank, occurred, *cause)
+            # a step first known on a later look (a dead worker's last count arriving
+            # after its death was announced) is still the step it was detected at
+            step = _first(row["step_at_detect"], step_at_detect)
+            new = (finding.summary, finding.severity, evidence, node, rank, occurred, step,
+                   *cause)  # fmt: skip
             old = tuple(row[k] for k in ("summary", "severity", "evidence", "node", "rank",
-                                         "occurred_at", *_CAUSE_NAMES))  # fmt: skip
+                                         "occurred_at", "step_at_detect", *_CAUSE_NAMES))  # fmt: skip
             if new != old:
                 c.execute(
                     """UPDATE incidents SET summary = ?, severity = ?, evidence = ?, node = ?,
-                       rank = ?, occurred_at = ?, cause = ?, cause_confidence = ?,
-                       cause_why = ?, updated_at = ? WHERE id = ?""",
+                       rank = ?, occurred_at = ?, step_at_detect = ?, cause = ?,
+                       cause_confidence = ?, cause_why = ?, updated_at = ? WHERE id = ?""",
                     (*new, now, row["id"]),
                 )
             return self._get(c, row["id"]), False

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import http_json
 from up_run import Up, left_running, read_incidents
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,9 +102,11 @@ def test_the_example_resumes_from_its_own_checkpoint_after_a_kill(tmp_path):
     ckpt = tmp_path / "ddp_plain.pt"
     up = Up(tmp_path, "--", EXAMPLE, "--steps", "500", "--save-every", "20", "--ckpt", str(ckpt))
     try:
-        up.agent_url()
+        agent = up.agent_url()
         deadline = time.monotonic() + 180
-        while not ckpt.exists():  # its first checkpoint: step 20
+        # its first checkpoint (step 20), and rank 1's step as the agent has it from the
+        # watch's beacon (the step an incident can name: none before the first one)
+        while not (ckpt.exists() and (_script_step(agent, 1) or 0) > 1):
             assert up.proc.poll() is None and time.monotonic() < deadline, up.output()
             time.sleep(0.1)
         exports = _exports(up.run / "env.sh")
@@ -130,3 +133,8 @@ def test_the_example_resumes_from_its_own_checkpoint_after_a_kill(tmp_path):
     # nobody saw a resume: the live view says restarted, never resuming
     assert "resuming" not in output, output[-3000:]
     assert left_running(up.run) == []
+
+
+def _script_step(agent: str, rank: int) -> int | None:
+    ranks = http_json(agent + "/v1/ranks")["ranks"]
+    return next((r.get("script_step") for r in ranks if r["rank"] == rank), None)

@@ -83,6 +83,17 @@ def test_evidence_defaults_fill_detection_facts(store):
     assert (inc.restart_before, inc.step_at_detect, inc.checkpoint_step) == (2, 17, 10)
 
 
+def test_a_step_known_only_on_a_later_look_is_the_step_at_detection(store):
+    """A dead zero-code worker's optimizer count can reach the supervisor a look after its
+    death was announced: the incident takes it then, and never changes a known one."""
+    inc, _ = store.upsert_finding(hang(restart=0), now=101.0)
+    assert inc.step_at_detect is None
+    inc, _ = store.upsert_finding(hang(restart=0, step=40), now=101.5)
+    assert inc.step_at_detect == 40
+    inc, _ = store.upsert_finding(hang(restart=0, step=44), now=102.0)
+    assert inc.step_at_detect == 40
+
+
 def test_action_intent_then_completion(store):
     inc, _ = store.upsert_finding(hang(), now=101.0)
     assert not store.has_action(inc.id, ACT_KILL_RANK)

@@ -191,7 +191,23 @@ def test_killed_rank_restarts_every_node_and_resumes_exactly(rig, clean):
     s = rig.summary()
     assert (s["final_step"], s["world_size"]) == (STEPS, 3), s
     assert s["resumed_from"] is not None and s["resumed_from"] >= 30, s
-    assert s["param_digest"] == clean["summary"]["param_digest"], s  # exact resume
+    if s["param_digest"] != clean["summary"]["param_digest"]:  # exact resume
+        # seen once in a full suite on 2 busy cores, with the final loss identical: say
+        # where each run's state came from, for the next one
+        keys = (
+            "resumed_from",
+            "restart_count",
+            "incarnation",
+            "resume_sources",
+            "final_loss",
+            "steps_trained",
+            "checkpoint_saves",
+            "data_skips",
+            "newest_validated_checkpoint",
+        )
+        seen = {"resumed": {k: s.get(k) for k in keys},
+                "clean": {k: clean["summary"].get(k) for k in keys}}  # fmt: skip
+        pytest.fail(f"not the uninterrupted run's parameters: {json.dumps(seen)}\n{rig.logs()}")
     (inc,) = rig.incidents("rank_dead")
     assert (inc["rank"], inc["node"]) == (rank["rank"], victim.name), inc
     assert inc["state"] == "resolved" and inc["resumed_step"] == s["resumed_from"], inc
