@@ -37,7 +37,12 @@ EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 class KubeError(Exception):
-    """An answer of the API that is not what the change needs (one line)."""
+    """An answer of the API that is not what the change needs (one line); `status`: the
+    API's HTTP status, when it answered."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def client_api():
@@ -130,7 +135,7 @@ class KubeNodes:
             resp = getattr(self.api, method)(*args, _preload_content=False, **kw)
             return json.loads(resp.data or b"{}")
         except ApiException as exc:
-            raise KubeError(f"{method}: {exc.status} {exc.reason}".strip()) from exc
+            raise KubeError(f"{method}: {exc.status} {exc.reason}".strip(), exc.status) from None
         except (OSError, ValueError) as exc:
             raise KubeError(f"{method}: {exc}") from None
 
@@ -148,7 +153,7 @@ class KubeNodes:
                 self._call("patch_node", node, patch, _content_type=MERGE)
                 return True
             except KubeError as exc:
-                if getattr(exc.__cause__, "status", None) != 409:
+                if exc.status != 409:
                     raise
                 log.info("node %s changed meanwhile (409): computing the change again", node)
         raise KubeError(f"the node kept changing: {self.attempts} conflicts in a row")

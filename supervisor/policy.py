@@ -324,12 +324,12 @@ def _save_requests(jobs: Mapping, waiting: list[str], cfg: PolicyConfig) -> dict
     for job in waiting:
         where = jobs[job] if isinstance(jobs[job], Mapping) else {}
         step, restart = _int(where.get("step")), _int(where.get("restart"))
-        pace = where.get("step_seconds")
         if step is None or restart is None:
             continue  # a job that reports no steps (zero-code) saves on its own schedule
+        pace = where.get("step_seconds")
         pace = float(pace) if isinstance(pace, (int, float)) else None
-        lead = cfg.predictive_drain_save_lead_seconds
-        out[job] = {"restart": restart, "step": save_step(step, pace, lead)}
+        out[job] = {"restart": restart,
+                    "step": save_step(step, pace, cfg.predictive_drain_save_lead_seconds)}  # fmt: skip
     return out
 
 

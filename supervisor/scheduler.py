@@ -116,8 +116,41 @@ def readmit(
     return after, resume
 
 
+class CommandNodes:
+    """The command backend: `drain_command` and `resume_command` (Slurm's by default)."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+
+    def drain(self, node: str, reason: str) -> dict:
+        return self._run(command(self.cfg.drain_command, node, reason))
+
+    def resume(self, node: str) -> dict:
+        return self._run(command(self.cfg.resume_command, node))
+
+    def _run(self, argv: list[str]) -> dict:
+        """The command's outcome as JSON-able facts for the action's result."""
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=self.cfg.command_timeout_seconds,
+                check=False,
+            )  # fmt: skip
+        except FileNotFoundError:
+            return {"argv": argv, "ok": False, "error": f"{argv[0]}: command not found"}
+        except subprocess.TimeoutExpired:
+            why = f"timed out after {self.cfg.command_timeout_seconds:g}s"
+            return {"argv": argv, "ok": False, "error": why}
+        except OSError as exc:
+            return {"argv": argv, "ok": False, "error": f"{argv[0]}: {exc.strerror or exc}"}
+        out = {"argv": argv, "ok": done.returncode == 0, "returncode": done.returncode}
+        if done.returncode != 0:
+            out["error"] = (done.stderr or done.stdout).strip()[-500:] or f"exit {done.returncode}"
+        return out
+
+
 class Scheduler:
-    """The I/O around `readmit`: run the commands, keep the drained nodes in SQLite."""
+    """The I/O around `readmit`: drain and resume through the backend (`nodes`), keep the
+    drained nodes in SQLite."""
 
     def __init__(
         self, cfg: SchedulerConfig, db: str | Path | None, clock=None, kube_api=None
@@ -128,7 +161,8 @@ class Scheduler:
 
         self.cfg = cfg
         self.clock = clock or time.time
-        self.nodes: KubeNodes | None = None
+        # what takes a node out and lets it back: drain(node, reason), resume(node)
+        self.nodes: CommandNodes | KubeNodes = CommandNodes(cfg)
         if cfg.drain and cfg.backend == "kubernetes":
             try:
                 self.nodes = KubeNodes(kube_api, cfg.kubernetes_taint_effect,
@@ -151,35 +185,13 @@ class Scheduler:
         except sqlite3.Error as exc:
             raise SchedulerError(f"{db}: cannot keep the drained nodes there: {exc}") from None
 
-    def _run(self, argv: list[str]) -> dict:
-        """The command's outcome as JSON-able facts for the action's result."""
-        try:
-            done = subprocess.run(
-                argv, capture_output=True, text=True, timeout=self.cfg.command_timeout_seconds,
-                check=False,
-            )  # fmt: skip
-        except FileNotFoundError:
-            return {"argv": argv, "ok": False, "error": f"{argv[0]}: command not found"}
-        except subprocess.TimeoutExpired:
-            why = f"timed out after {self.cfg.command_timeout_seconds:g}s"
-            return {"argv": argv, "ok": False, "error": why}
-        except OSError as exc:
-            return {"argv": argv, "ok": False, "error": f"{argv[0]}: {exc.strerror or exc}"}
-        out = {"argv": argv, "ok": done.returncode == 0, "returncode": done.returncode}
-        if done.returncode != 0:
-            out["error"] = (done.stderr or done.stdout).strip()[-500:] or f"exit {done.returncode}"
-        return out
-
     def exclude(self, node: str, reason: str) -> dict | None:
         """Drain the node; remembered only when the scheduler accepted it (a node that was
         never drained must not be resumed by us either). None when draining is off."""
         if not self.cfg.drain:
             return None
         reason = " ".join(f"rankguard: {reason}".split())[:REASON_MAX_CHARS]
-        if self.nodes is not None:
-            outcome = self.nodes.drain(node, reason)
-        else:
-            outcome = self._run(command(self.cfg.drain_command, node, reason))
+        outcome = self.nodes.drain(node, reason)
         if outcome["ok"]:
             now = self.clock()
             with self._lock:
@@ -204,10 +216,7 @@ class Scheduler:
             )
         outcomes = []
         for node in ready:
-            if self.nodes is not None:
-                outcome = self.nodes.resume(node)
-            else:
-                outcome = self._run(command(self.cfg.resume_command, node))
+            outcome = self.nodes.resume(node)
             outcomes.append(outcome)
             with self._lock:
                 if outcome["ok"]:
