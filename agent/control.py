@@ -18,8 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..contract import exit_codes, save_requests
 from ..contract.errors import ContractError
-from ..contract.save_requests import SaveRequest, encode, request_path
+from ..contract.exit_codes import JobStatus
+from ..contract.save_requests import SaveRequest, request_path
 from . import processes
 from .processes import (
     REFUSED,
@@ -192,7 +194,7 @@ def _py_spy(tool: str, pid: int, mode: str, timeout: float) -> subprocess.Comple
         return None
 
 
-def stop_job(table, body: dict) -> dict:
+def stop_job(table, socket_path: str, body: dict) -> dict:
     """End a job on this node: SIGTERM its torchrun launcher(s), so the elastic agent tears
     the workers down and does not restart them; live ranks without a launcher get SIGTERM.
     Works between incarnations too (every rank dead, torchrun about to restart them): the
@@ -200,10 +202,21 @@ def stop_job(table, body: dict) -> dict:
 
     A launcher is a rank's real parent remembered by pid and start time, and it is
     signalled only while that pid still has that start time and the rank owner's uid
-    (a recycled pid, or a process of another user, is never signalled)."""
+    (a recycled pid, or a process of another user, is never signalled).
+
+    ``status`` (the incident's cause, contract/exit_codes.py) is written, before any
+    signal, where the job's launcher wrapper reads it to choose its exit code."""
     job = body.get("job")
     if not isinstance(job, str) or not job:
         raise ControlError(400, "body needs 'job' (a non-empty string)")
+    status, given = None, body.get("status")
+    if given is not None:
+        if not isinstance(given, dict):
+            raise ControlError(400, "'status' must be an object")
+        try:
+            status = JobStatus.from_json({**given, "job": job, "time": time.time()})
+        except ContractError as exc:
+            raise ControlError(400, f"bad status: {exc}") from None
     remembered = table.launchers(job)
     launchers = {pid for (pid, start), uid in remembered.items() if still_launcher(pid, start, uid)}
     REFUSED["stale_launcher"] += len(remembered) - len(launchers)
@@ -227,6 +240,8 @@ def stop_job(table, body: dict) -> dict:
             orphans.append(verified)
     if not launchers and not orphans:
         raise ControlError(404, f"no launcher or live rank of job {job} on this node")
+    if status is not None:
+        _write_beside_socket(exit_codes.status_path(socket_path, job), exit_codes.encode(status))
     launchers = {pid for pid in launchers if signal_exact(pid, starts[pid], signal.SIGTERM)}
     for pid in orphans:
         with contextlib.suppress(ProcessLookupError):  # already gone: that is the goal
@@ -250,6 +265,13 @@ def write_save_request(table, socket_path: str, body: dict) -> dict:
     ranks = sorted(rank for job, rank, _ in table.processes() if job == request.job)
     if not ranks:
         raise ControlError(404, f"no live rank of job {request.job} on this node")
+    _write_beside_socket(path, save_requests.encode(request))
+    return {"job": request.job, "step": request.step, "ranks": ranks, "path": str(path)}
+
+
+def _write_beside_socket(path: Path, data: bytes) -> None:
+    """Write a file the job's processes read, whole or not at all, into a folder beside
+    the telemetry socket that the agent owns (never through a link)."""
     path.parent.mkdir(mode=0o755, exist_ok=True)
     folder = os.lstat(path.parent)
     if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.geteuid():
@@ -258,7 +280,6 @@ def write_save_request(table, socket_path: str, body: dict) -> dict:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "wb") as f:
-        f.write(encode(request))
-    os.chmod(tmp, 0o644)  # the ranks read it, whoever they run as (and whatever the umask)
+        f.write(data)
+    os.chmod(tmp, 0o644)  # the job reads it, whoever it runs as (and whatever the umask)
     os.replace(tmp, path)
-    return {"job": request.job, "step": request.step, "ranks": ranks, "path": str(path)}

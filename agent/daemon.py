@@ -209,7 +209,7 @@ class Agent:
         return result
 
     def control_stop_job(self, body: dict, caller: str) -> dict:
-        result = stop_job(self.table, body)
+        result = stop_job(self.table, self.cfg.telemetry_socket, body)
         self._audit(
             "stop-job", body, caller, {"pid": result["launchers"] or result["ranks_signalled"]}
         )

@@ -114,6 +114,14 @@ def kubernetes_cmd(
             "namespace=gpu-ops (a TOML value; plain text is a string)",
         ),  # fmt: skip
     ] = None,
+    example_jobset: Annotated[
+        bool,
+        typer.Option(
+            "--example-jobset",
+            help="print instead an example training JobSet whose failure policy restarts by "
+            "the cause in `rankguard launch`'s exit code",
+        ),
+    ] = False,
 ) -> None:
     """Print every Kubernetes object rankguard needs, as YAML for `kubectl apply -f -`: the
     agent DaemonSet and its headless Service, the supervisor with its volume claim, PDB and
@@ -123,7 +131,8 @@ def kubernetes_cmd(
 
     Exit codes: 0 printed; 2 a bad value (named by its key).
     """
-    from rankguard.cli.kubernetes import KubeValues, dump, render
+    from rankguard.cli.kubernetes import JOBSET_EXAMPLE_HEADER, KubeValues, dump, render
+    from rankguard.cli.kubernetes import example_jobset as jobset
     from rankguard.service.settings import SettingsError, build, read_toml
 
     try:
@@ -143,6 +152,9 @@ def kubernetes_cmd(
     except SettingsError as exc:
         typer.echo(f"rankguard deploy kubernetes: {exc}", err=True)
         raise typer.Exit(EXIT_ERROR) from None
+    if example_jobset:
+        typer.echo(dump([jobset(chosen)], JOBSET_EXAMPLE_HEADER), nl=False)
+        return
     typer.echo(dump(render(chosen)), nl=False)
 
 

@@ -14,6 +14,7 @@ import typer
 COMMANDS: dict[str, tuple[str, str, bool]] = {
     "trainer": ("trainer", "app", True),
     "up": ("up", "up", False),
+    "launch": ("launch", "launch", False),
     "agent": ("agent", "agent", False),
     "supervisor": ("supervisor", "supervisor", False),
     "health": ("supervisor", "health", False),

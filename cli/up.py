@@ -22,7 +22,7 @@ import typer
 
 from ..client import bootstrap, flight_recorder
 from ..client.checkpoint_store import KEY_FILE_ENV, CheckpointError, load_key
-from ..contract import startup_guard
+from ..contract import exit_codes, startup_guard
 from ..contract.secrets import new_secret_file, private_dir_problem
 from ..supervisor.detectors.process_hang import ProcessHangConfig
 from . import live_view as lv
@@ -35,7 +35,6 @@ Opt = typer.Option
 
 # the bundled trainer's run when up is not told otherwise (a short demonstration run)
 DEFAULT_PRESET, DEFAULT_STEPS, DEFAULT_CKPT_EVERY = "tiny", 300, 20
-EXIT_STOPPED = 3  # the supervisor stopped the job (crash loop): distinct from a plain failure
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143  # SIGTERM: 128 + 15
 
@@ -424,9 +423,9 @@ def up(
     themselves (an argument or import error) end the job at once with their error on
     screen, unrestarted.
 
-    Exit codes: 0 training completed; 1 training failed; 2 could not start (a bad
-    argument); 3 the supervisor stopped the job (a crash loop: see `rankguard incidents`);
-    130 Ctrl-C, 143 SIGTERM (everything up started is ended and the summary printed).
+    Exit codes, by what a retry can do (docs/deploy.md): EXIT_CODES. A job the supervisor
+    stopped ends with its cause's code (`rankguard incidents`); on Ctrl-C or SIGTERM
+    everything up started is ended and the summary printed.
     """
     plan = _parse(script, nproc, max_restarts, run_dir, rendezvous, preset, steps, ckpt_every,
                   trainer_arg, snapshot_every, ckpt_dir, no_ckpt_key, inject,
@@ -445,6 +444,9 @@ def up(
         raise typer.Exit(code) from None
     finally:
         stack.end()
+
+
+up.__doc__ = up.__doc__.replace("EXIT_CODES", exit_codes.help_line())  # from the table
 
 
 @dataclass
@@ -531,6 +533,7 @@ class _Stack:
     db: Path
     ports: tuple[int, int, int]  # agent, supervisor, rendezvous: distinct, each its daemon's
     rendezvous: str = ""  # HOST:PORT torchrun meets at
+    started: float = field(default_factory=time.time)  # a job status older than this is not ours
     procs: list[subprocess.Popen] = field(default_factory=list)  # ended on the way out
     kept: list[KeptDaemon] = field(default_factory=list)  # restarted while the run lasts
     timers: list[threading.Timer] = field(default_factory=list)
@@ -708,8 +711,8 @@ def _train(plan: _Plan, stack: _Stack) -> tuple[subprocess.Popen, _Display, bool
 def _summarise(
     plan: _Plan, stack: _Stack, trainer: subprocess.Popen, display: _Display, stuck: bool
 ) -> int:
-    """How the run ended, in words and an exit code, the last error when it failed, and
-    the summary: completed 0; failed at start or later 1; stopped by the supervisor 3."""
+    """How the run ended, in words and an exit code (contract/exit_codes.py), the last
+    error when it failed, and the summary."""
     run_dir, job, db = stack.run_dir, stack.job, stack.db
     cluster = _get(stack.sup_url + "/v1/cluster") or {}
     state = cluster.get("jobs", {}).get(job, {})
@@ -717,16 +720,18 @@ def _summarise(
     if trainer.returncode != 0 and verdict is None:
         verdict = _stop_verdict(db, job)
     completed = trainer.returncode == 0 or stuck
-    failed_at_start = None
+    failed_at_start = status = None
     if not completed:
         exits = startup_guard.read(run_dir / STARTUP_GUARD)
         failed_at_start = startup_guard.startup_failure(exits)
+        status = exit_codes.read_status(stack.env["RANKGUARD_TELEMETRY_SOCKET"], job,
+                                        since=stack.started)  # fmt: skip
     if failed_at_start is not None:
         typer.echo(f"rankguard up: training failed at start: rank {failed_at_start.rank} "
                    f"exited {failed_at_start.lived:.1f} s after its start, before its "
                    "process group formed; not restarted (it would fail the same way)",
                    err=True)  # fmt: skip
-        code, how = 1, "failed at start"
+        code, how = exit_codes.USER_ERROR.code, "failed at start"
     elif completed and plan.script:
         typer.echo(f"rankguard up: training completed: {' '.join(plan.script)} exited 0")
         code, how = 0, "completed"
@@ -735,13 +740,16 @@ def _summarise(
         typer.echo(f"rankguard up: training completed: step {summary['final_step']}, loss "
                    f"{summary['final_loss']:.4f}, digest {summary['param_digest'][:16]}")  # fmt: skip
         code, how = 0, "completed"
-    elif verdict is not None:
-        typer.echo(f"rankguard up: the supervisor stopped the job: {verdict}", err=True)
-        code, how = EXIT_STOPPED, "stopped by the supervisor"
+    elif status is not None or verdict is not None:
+        ended = status.exit_code if status else exit_codes.FAILED
+        cause = f"cause {status.cause}: {status.why}" if status else "cause not recorded"
+        typer.echo(f"rankguard up: the supervisor stopped the job: {verdict or status.why} "
+                   f"({cause}; exit {ended.code}, {ended.name})", err=True)  # fmt: skip
+        code, how = ended.code, "stopped by the supervisor"
     else:
         typer.echo(f"rankguard up: training failed (exit {trainer.returncode}); see "
                    f"{run_dir}/trainer.log", err=True)  # fmt: skip
-        code, how = 1, f"failed (exit {trainer.returncode})"
+        code, how = exit_codes.FAILED.code, f"failed (exit {trainer.returncode})"
     if code != 0:
         # the worker's own record first: the log interleaves every rank's output
         error = (failed_at_start and failed_at_start.error) or last_error(

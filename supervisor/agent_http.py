@@ -223,8 +223,10 @@ class AgentClient:
             raise AgentError(self.url, "malformed answer: 'stacks' is not text")
         return result
 
-    def stop_job(self, job: str) -> dict:
-        return self.post("/v1/control/stop-job", {"job": job})
+    def stop_job(self, job: str, status: dict | None = None) -> dict:
+        """Stop the job on the agent's node; ``status`` (cause, confidence, why, action,
+        incident) is what its launcher's exit code is chosen from (contract/exit_codes.py)."""
+        return self.post("/v1/control/stop-job", {"job": job, "status": status})
 
     def request_save(self, request: SaveRequest) -> dict:
         return self.post("/v1/control/save", request.to_json())

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ..contract.save_requests import SaveRequest
 from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, BackgroundCalls, Poller
+from .causes import classify
 from .detectors import (
     REGISTRY,
     DetectorConfig,
@@ -49,6 +50,7 @@ from .model import (
     ACT_KILL_RANK,
     ACT_NONE,
     ACT_STOP_JOB,
+    CRASH_LOOP,
     NODE_FAULT,
     RANK_DEAD,
     RANK_HUNG,
@@ -543,7 +545,7 @@ class Supervisor:
 
     def _carry_out(self, action_id: int, incident_id: int, decision: Decision, obs) -> Outcome:
         try:
-            result = self._execute(decision, obs)
+            result = self._execute(decision, obs, incident_id)
         except (AgentError, StopIteration, KeyError) as exc:
             log.error("action %s for incident %s failed: %r", decision.action, incident_id, exc)
             self.store.complete_action(action_id, False, time.time(), error=repr(exc))
@@ -633,7 +635,7 @@ class Supervisor:
             out.append(Outcome(inc.id, a.kind, True, decision.reason))
         return out
 
-    def _execute(self, decision: Decision, obs: ClusterObs) -> dict:
+    def _execute(self, decision: Decision, obs: ClusterObs, incident_id: int) -> dict:
         t, f = decision.target, decision.finding
         if decision.action == ACT_KILL_RANK:
             rank = next(r for r in obs.current_ranks(t["job"]) if r.rank == t["rank"])
@@ -656,10 +658,14 @@ class Supervisor:
             targets = {(r.node, r.job) for r in obs.current_ranks(t["job"])}
         else:
             targets = {(r.node, r.job) for r in obs.ranks() if r.node == t["node"] and not r.dead}
+        cause = classify(f)  # the launchers' exit codes say it (contract/exit_codes.py)
+        status = {"cause": cause.cause, "confidence": cause.confidence, "why": cause.why[:500],
+                  "action": decision.action, "incident": incident_id,
+                  "repeated": f.kind == CRASH_LOOP}  # fmt: skip
         results = {}
         for node, job in sorted(targets):
             url = next(n.url for n in obs.nodes if n.node == node)
-            results[f"{node}/{job}"] = self.client_for(url).stop_job(job)
+            results[f"{node}/{job}"] = self.client_for(url).stop_job(job, status)
         if decision.action == ACT_EXCLUDE_NODE and f.kind == NODE_FAULT:
             results["scheduler"] = self.scheduler.exclude(t["node"], f.summary)
         return results

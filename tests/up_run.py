@@ -19,9 +19,9 @@ from pathlib import Path
 class Up:
     """`rankguard up` as a child process, its output read line by line."""
 
-    def __init__(self, tmp_path: Path, *args: str):
+    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None):
         self.run = tmp_path / "run"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
         self.proc = subprocess.Popen(
             [sys.executable, *DEFAULT_SIGINT, "-m", "rankguard.cli.main", "up", "--nproc", "2",
              "--run-dir", str(self.run), *args],

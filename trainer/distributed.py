@@ -124,8 +124,14 @@ def init_distributed(
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        # Share the cores between the ranks of this node instead of oversubscribing.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # Share the cores between the ranks of this node instead of oversubscribing,
+        # unless the job set its own count (as a warm-started worker honours it).
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        torch.set_num_threads(
+            int(omp)
+            if omp.isdigit() and int(omp) > 0
+            else max(1, (os.cpu_count() or 1) // local_world)
+        )
     dist.init_process_group(
         backend=backend,
         store=store,

@@ -12,9 +12,16 @@ import time
 import pytest
 from test_discovery import _found
 
-from rankguard.agent.control import ControlError, descendants, send_signal, write_save_request
+from rankguard.agent.control import (
+    ControlError,
+    descendants,
+    send_signal,
+    stop_job,
+    write_save_request,
+)
 from rankguard.agent.ranks import RankTable
 from rankguard.client import Reporter
+from rankguard.contract import exit_codes
 
 # A rank with a DataLoader-like worker blocked in a read (it never notices its parent's
 # death), which has a child of its own.
@@ -118,6 +125,37 @@ def test_a_save_request_is_never_written_through_a_link(tmp_path):
                                    {"job": "job", "restart": 0, "step": 9})  # fmt: skip
             assert refused.value.status == 500 and "agent's own" in str(refused.value)
         assert list(elsewhere.iterdir()) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stop_job_leaves_the_cause_for_the_launcher_before_it_signals(tmp_path):
+    """The supervisor's stop carries the incident's cause: the agent writes it beside the
+    socket (the launcher's exit code comes from it) and only then signals. A malformed
+    status is refused whole: nothing is written and nothing signalled."""
+    sock = str(tmp_path / "telemetry.sock")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with RankTable() as table:
+            table.adopt(_found(proc, job="job"))
+            for bad in ({"cause": "cosmic_rays", "confidence": "high", "why": "", "action": "x",
+                         "incident": 1}, "gpu", {"cause": "gpu"}):  # fmt: skip
+                with pytest.raises(ControlError) as refused:
+                    stop_job(table, sock, {"job": "job", "status": bad})
+                assert refused.value.status == 400, bad
+            assert not exit_codes.status_path(sock, "job").exists() and proc.poll() is None
+            status = {"cause": "gpu", "confidence": "high", "why": "XID 79: fallen off the bus",
+                      "action": "exclude_node", "incident": 7}  # fmt: skip
+            before = time.time()
+            out = stop_job(table, sock, {"job": "job", "status": status})
+            assert out["ranks_signalled"] == [proc.pid]
+            assert proc.wait(timeout=10) == -signal.SIGTERM
+            found = exit_codes.read_status(sock, "job", since=before)
+            assert found is not None and (found.cause, found.incident) == ("gpu", 7), found
+            assert found.exit_code == exit_codes.INFRASTRUCTURE
+            assert exit_codes.read_status(sock, "job", since=time.time() + 1) is None  # older
+            assert exit_codes.read_status(sock, "other", since=before) is None
     finally:
         proc.kill()
         proc.wait()

@@ -10,10 +10,13 @@ them in a form Python reads. No helm: the chart is rendered by rankguard itself.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -21,22 +24,29 @@ from typer.testing import CliRunner
 
 from rankguard.cli.kubernetes import (
     AGENT_PORT,
+    JOBSET_EXAMPLE_HEADER,
     KubeValues,
     MonitoringValues,
     RendezvousValues,
     SupervisorValues,
     dump,
+    example_jobset,
     render,
     value_rows,
     values_table,
 )
+from rankguard.cli.launch import job_of
 from rankguard.cli.main import build as build_app
+from rankguard.contract import exit_codes
 from rankguard.dashboards.common import AGENT_JOB, SUPERVISOR_JOB
 from rankguard.dashboards.rules import rule_file
 from rankguard.deploy import deploy_dir
 
 KUBERNETES = "1.30"  # the oldest minor version still maintained upstream when written
-OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
+# the custom kinds, by their CRD's schema in tests/cli/crds (sources in its README)
+CRDS = Path(__file__).resolve().parent / "crds"
+CRD_FILES = {"ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
+             "JobSet": "jobsets"}  # fmt: skip
 CLUSTER_KINDS = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,11 +67,34 @@ def _by_kind(objects: list[dict]) -> dict[tuple[str, str], dict]:
     return {(o["kind"], o["metadata"]["name"]): o for o in objects}
 
 
+def _strict(schema: Any) -> Any:
+    """A CRD's schema as `kubectl apply --validate=strict` applies it: an object that lists
+    its properties and keeps no unknown fields refuses any other field."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):  # fmt: skip
+        out["additionalProperties"] = False
+    return out
+
+
+def validate_custom(obj: dict) -> None:
+    """Against the CRD's own schema (tests/cli/crds: the operator's and JobSet's, stated
+    there); the CEL rules (x-kubernetes-validations) are the API server's and not run."""
+    crd = json.loads((CRDS / f"{CRD_FILES[obj['kind']]}.json").read_text())
+    assert obj["apiVersion"] == crd["apiVersion"], obj["apiVersion"]
+    jsonschema.Draft7Validator(_strict(crd["openAPIV3Schema"])).validate(obj)
+
+
 @pytest.mark.parametrize("values", [KubeValues(), OTHER], ids=["defaults", "other-values"])
 def test_every_object_is_valid_for_the_kubernetes_api(values):
     objects = _rendered(values)
     for o in objects:
-        if o["kind"] in OPERATOR_KINDS:
+        if o["kind"] in CRD_FILES:
+            validate_custom(o)
             continue
         kubernetes_validate.validate(o, KUBERNETES, strict=True)
         if o["kind"] not in CLUSTER_KINDS:
@@ -171,3 +204,53 @@ def test_every_value_has_help_and_the_deploy_docs_show_the_table_as_it_is():
     assert all(help_text for _, _, help_text in rows)
     docs = ROOT / "docs" / "deploy.md"
     assert values_table() in docs.read_text(), "paste cli.kubernetes.values_table() there"
+
+
+def test_a_bad_field_in_a_custom_object_is_caught():
+    """The CRD check can fail: a misspelt field and a wrong type are refused."""
+    monitor = _by_kind(_rendered(KubeValues()))["ServiceMonitor", "rankguard"]
+    for broken in ({**monitor, "spec": {**monitor["spec"], "endpoint": []}},
+                   {**monitor, "spec": {**monitor["spec"], "endpoints": "http"}}):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            validate_custom(broken)
+
+
+def _pod_failure_outcome(job: dict, jobset: dict, code: int) -> str:
+    """What Kubernetes does with a worker pod that exits ``code``: the Job's first
+    matching podFailurePolicy rule, then the JobSet's rule for a Job that policy failed."""
+    for rule in job["podFailurePolicy"]["rules"]:
+        match = rule.get("onExitCodes")
+        if match and match["operator"] == "In" and code in match["values"]:
+            if rule["action"] != "FailJob":
+                return rule["action"]  # Ignore: a replacement pod, not counted
+            (fail,) = [r for r in jobset["spec"]["failurePolicy"]["rules"]
+                       if "PodFailurePolicy" in r.get("onJobFailureReasons", [])]  # fmt: skip
+            return fail["action"]
+    return "Count"  # against backoffLimit, then the JobSet's maxRestarts
+
+
+def test_the_example_jobset_restarts_by_the_launchers_exit_codes():
+    """The example is valid (JobSet's CRD schema; its Job against the Kubernetes API), is
+    the shipped file, and its policies do what the exit codes promise."""
+    jobset = example_jobset(KubeValues())
+    validate_custom(jobset)
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job",
+                                  "metadata": {"name": "workers"}, "spec": job},
+                                 KUBERNETES, strict=True)  # fmt: skip
+    outcome = {e.name: _pod_failure_outcome(job, jobset, e.code) for e in exit_codes.EXIT_CODES
+               if e.code != 0}  # fmt: skip
+    assert outcome == {
+        "failed": "Count",  # no cause known: retried, within the budgets
+        "bad_argument": "FailJobSet", "user_error": "FailJobSet",  # a retry repeats it
+        "interrupted": "Count",
+        "terminated": "Ignore", "infrastructure": "Ignore",  # that pod again, elsewhere
+    }, outcome  # fmt: skip
+    (pod,) = job["template"]["spec"]["containers"]
+    assert pod["command"][:3] == ["rankguard", "launch", "--"], pod["command"]
+    assert job_of(pod["command"][3:]) == "$(JOBSET_NAME)"  # the pod's env expands it
+    shipped = (deploy_dir() / "kubernetes" / "jobset-example.yaml").read_text()
+    assert shipped == dump([jobset], JOBSET_EXAMPLE_HEADER), (
+        "run: rankguard deploy kubernetes --example-jobset > deploy/kubernetes/jobset-example.yaml"
+    )

@@ -15,6 +15,7 @@ import pytest
 from up_run import left_running
 
 from rankguard.cli.up import last_error, last_traceback
+from rankguard.contract import exit_codes
 from rankguard.contract import startup_guard as sg
 
 UP = [sys.executable, "-m", "rankguard.cli.main", "up"]
@@ -107,7 +108,7 @@ def _up_script(tmp_path: Path, script: list[str]) -> tuple[subprocess.CompletedP
 
 
 def _ended_at_start(proc, run: Path) -> list[sg.Exit]:
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == exit_codes.USER_ERROR.code, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "failed at start" in proc.stderr and "not restarted" in proc.stderr, proc.stderr
     assert "crash loop" not in proc.stderr and "SignalException" not in proc.stderr
     exits = sg.read(run / "worker-exits.jsonl")
