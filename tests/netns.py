@@ -198,6 +198,7 @@ class Cluster:
         self.bridge = f"{self.prefix}br"
         self.nodes = [Node(self, i) for i in range(n)]
         self.rendezvous: NodeProc | None = None  # `rankguard rendezvous` on the control node
+        self.etcd_endpoint: str | None = None  # `etcd://...`: the rankguard backend on etcd
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / f"{self.prefix}.pid").write_text(str(os.getpid()))
         self.token_file = tmp / "token"
@@ -298,10 +299,13 @@ class Cluster:
         rdzv_conf: str = "",
         log: str | None = None,
     ) -> NodeProc:
-        """torchrun of the trainer on `node`: rendezvous through `rankguard rendezvous` on
-        the control node once `start_rendezvous` ran, else c10d hosted on node 0."""
+        """torchrun of the trainer on `node`: rendezvous on the etcd cluster at
+        `etcd_endpoint` when set, through `rankguard rendezvous` on the control node once
+        `start_rendezvous` ran, else c10d hosted on node 0."""
         host = self.nodes[0]
-        if self.rendezvous is not None:
+        if self.etcd_endpoint is not None:
+            backend, endpoint, conf = "rankguard", self.etcd_endpoint, rdzv_conf
+        elif self.rendezvous is not None:
             backend, endpoint, conf = "rankguard", f"{self.head_addr}:{RDZV_PORT}", rdzv_conf
         else:
             backend, endpoint = "c10d", f"{host.addr}:{RDZV_PORT}"

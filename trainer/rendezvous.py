@@ -307,20 +307,38 @@ def _no_spreading_delay() -> Iterator[None]:
         dynamic_rendezvous._delay = torch_delay
 
 
+ETCD_SCHEME = "etcd://"
+
+
+def _etcd_store(endpoint: str, run_id: str, timeout: timedelta) -> dist.Store:
+    """The job's store on an etcd cluster (`etcd://HOST:PORT,HOST:PORT,...`)."""
+    from rankguard.service.etcd import EtcdClient, parse_endpoints
+
+    from .etcd_store import EtcdStore
+
+    client = EtcdClient(parse_endpoints(endpoint), timeout=timeout.total_seconds())
+    return EtcdStore(client, f"rankguard/rdzv/{run_id}/", timeout)
+
+
 def create_rankguard_handler(params: RendezvousParameters):
     if params.get_as_bool("is_host", False):
         raise ValueError(
             "--rdzv-backend rankguard: the store is `rankguard rendezvous`, never a training "
             "node (drop is_host from --rdzv-conf)"
         )
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    if not params.endpoint.startswith(ETCD_SCHEME):
+        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     read_timeout = params.get_as_int("read_timeout", 60)
     if read_timeout <= 0:
         raise ValueError("The read timeout must be a positive integer.")
     secret = job_secret(params)
-    store = ReconnectingStore(host, port, timedelta(seconds=read_timeout))
-    backend = SignedBackend(store, params.run_id, secret)
-    store.on_reconnect.append(_seed(backend._key, backend._NULL_SENTINEL))
+    if params.endpoint.startswith(ETCD_SCHEME):  # a replicated store: nothing to re-seed
+        store = _etcd_store(params.endpoint, params.run_id, timedelta(seconds=read_timeout))
+        backend = SignedBackend(store, params.run_id, secret)
+    else:
+        store = ReconnectingStore(host, port, timedelta(seconds=read_timeout))
+        backend = SignedBackend(store, params.run_id, secret)
+        store.on_reconnect.append(_seed(backend._key, backend._NULL_SENTINEL))
     handler = create_handler(store, backend, params)
     handler.__class__ = RankguardHandler  # torch's settings parsing, our restart path
     return handler

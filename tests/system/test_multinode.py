@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from etcd_cluster import ETCD, SKIP_REASON, EtcdCluster
 from harness import http_json, read_json, start_supervisor, wait_until
 from netns import Cluster, Node
 
@@ -364,6 +365,43 @@ def test_lost_rank0_node_job_continues_with_rendezvous_on_the_control_node(
         (gone,) = rig.incidents("agent_unreachable")
         assert victim.agent_url in gone["summary"], gone
     finally:
+        rig.close()
+
+
+@pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
+def test_a_job_rendezvouses_on_etcd_through_the_loss_of_any_one_member(tmp_path, clean):
+    """The production rendezvous: a three-member etcd cluster in the root namespace
+    (`--rdzv-endpoint etcd://M0,M1,M2`). Member 0, the one every client asks first, is
+    SIGKILLed mid-training and started again; a rank is killed at step 45, and member 1 is
+    SIGKILLed as soon as torchrun tears the group down, so the restart's rendezvous runs
+    on the two left (one of them maybe electing a new leader). The job restarts once from
+    checkpoint 40 and ends with the clean run's digest."""
+    rig = Rig(tmp_path)
+    etcd = EtcdCluster(tmp_path, host=rig.cluster.head_addr)
+    killed_in_rendezvous: list[float] = []
+    try:
+        rig.cluster.etcd_endpoint = etcd.endpoint
+        rig.train("--fault", "kill:step=45:rank=1")
+        rig.when(rig.nodes[0], lambda r: (r["step"] or 0) >= 15, "step 15")
+        etcd.kill(0)
+        rig.when(rig.nodes[0], lambda r: (r["step"] or 0) >= 25, "step 25 without member 0")
+        etcd.start(0)
+        etcd.wait_healthy([0])
+
+        def torn_down() -> bool:
+            return any("Worker group FAILED" in n.torchrun.tail() or
+                       "Restarting worker group" in n.torchrun.tail() for n in rig.nodes)  # fmt: skip
+
+        wait_until(torn_down, 90, "the group torn down after the rank's death", interval=0.02)
+        etcd.kill(1)
+        killed_in_rendezvous.append(time.monotonic())
+        rcs = rig.wait()
+        assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
+        s = rig.summary()
+        assert (s["final_step"], s["world_size"], s["resumed_from"]) == (STEPS, 3, 40), s
+        assert s["param_digest"] == clean["summary"]["param_digest"], s
+    finally:
+        etcd.close()
         rig.close()
 
 
