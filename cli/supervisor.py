@@ -85,6 +85,20 @@ def supervisor(
     agent_timeout: Annotated[
         float, Opt(help=_loop_help("agent_timeout", "seconds to wait for an agent's answer"))
     ] = None,
+    etcd: Annotated[
+        str,
+        Opt(
+            help=_loop_help(
+                "etcd",
+                "etcd://M1,M2,M3 shared by two or more supervisors: the "
+                "one holding the leader lease acts, the others stand by",
+            ),
+            metavar="ENDPOINTS",
+        ),
+    ] = None,  # fmt: skip
+    name: Annotated[
+        str, Opt(help=_loop_help("name", "this supervisor's name among them (default host:pid)"))
+    ] = None,
     process_stopped_seconds: Annotated[
         float,
         Opt(
@@ -148,6 +162,8 @@ def supervisor(
         settings = load_settings(config, {
             "supervisor.interval": ("--interval", interval),
             "supervisor.agent_timeout": ("--agent-timeout", agent_timeout),
+            "supervisor.etcd": ("--etcd", etcd),
+            "supervisor.name": ("--name", name),
             "detectors.process_hang.stopped_seconds": (
                 "--process-stopped-seconds", process_stopped_seconds),
             "detectors.process_hang.idle_seconds": ("--process-idle-seconds", process_idle_seconds),
@@ -282,6 +298,9 @@ def health(url: SupervisorUrl = DEFAULT_SUPERVISOR, as_json: JsonOpt = False) ->
         typer.echo(json.dumps(view, indent=2))
     else:
         typer.echo(f"cluster: {view['status']}")
+        if lead := view.get("leadership"):  # one of several supervisors
+            role = "leading" if lead["leading"] else f"standing by (leader: {lead['leader']})"
+            typer.echo(f"supervisor {lead['name']}: {role}")
         for r in view["reasons"]:
             typer.echo(f"  [{r['severity']}] {r['message']}")
         for job, j in view["jobs"].items():

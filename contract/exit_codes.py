@@ -19,7 +19,6 @@ Standard library only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -41,7 +40,7 @@ from .causes import (
     USER_CODE,
 )
 from .errors import ContractError
-from .telemetry import MAX_INT, MAX_JOB_CHARS
+from .telemetry import MAX_INT, MAX_JOB_CHARS, job_file
 
 
 @dataclass(frozen=True)
@@ -180,10 +179,8 @@ def _text(value: dict, name: str, limit: int) -> str:
 
 
 def status_path(socket_path: str | Path, job: str) -> Path:
-    """Where the agent of ``socket_path`` keeps ``job``'s status (named by the job's
-    digest: a job's name may hold any character)."""
-    digest = hashlib.sha256(job.encode()).hexdigest()[:32]
-    return Path(socket_path).parent / STATUS_DIR / f"{digest}.json"
+    """Where the agent of ``socket_path`` keeps ``job``'s status."""
+    return job_file(socket_path, STATUS_DIR, job)
 
 
 def encode(status: JobStatus) -> bytes:

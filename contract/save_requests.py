@@ -17,7 +17,6 @@ Standard library only: the rank side reads it inside training processes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ContractError
-from .telemetry import MAX_INT, MAX_JOB_CHARS
+from .telemetry import MAX_INT, MAX_JOB_CHARS, job_file
 
 #: The folder, beside the agent's telemetry socket, that holds one request per job.
 REQUEST_DIR = "save-requests"
@@ -76,10 +75,8 @@ def _count(value: dict, name: str) -> int:
 
 
 def request_path(socket_path: str | Path, job: str) -> Path:
-    """Where the agent of ``socket_path`` keeps ``job``'s request (a job's name may hold
-    any character, so the file is named by its digest)."""
-    digest = hashlib.sha256(job.encode()).hexdigest()[:32]
-    return Path(socket_path).parent / REQUEST_DIR / f"{digest}.json"
+    """Where the agent of ``socket_path`` keeps ``job``'s request."""
+    return job_file(socket_path, REQUEST_DIR, job)
 
 
 def encode(request: SaveRequest) -> bytes:

@@ -63,12 +63,14 @@ version); a different ``v`` is refused with reason ``wrong_version``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -150,6 +152,14 @@ def is_gpu_uuid(value: Any) -> bool:
         and len(value) <= MAX_GPU_UUID_CHARS
         and bool(_GPU_UUID.fullmatch(value))
     )
+
+
+def job_file(socket_path: str | os.PathLike, folder: str, job: str) -> Path:
+    """A job's file in ``folder`` beside the telemetry socket (the agent writes it, the
+    job's processes read it), named by the job's digest: a job's name may hold any
+    character."""
+    digest = hashlib.sha256(job.encode()).hexdigest()[:32]
+    return Path(socket_path).parent / folder / f"{digest}.json"
 
 
 def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -40,6 +40,7 @@ class KeyValue:
     value: bytes
     mod_revision: int
     create_revision: int
+    lease: int = 0
 
 
 def parse_endpoints(text: str) -> list[str]:
@@ -71,6 +72,7 @@ def _kv(raw: dict) -> KeyValue:
         base64.b64decode(raw.get("value", "")),
         int(raw.get("mod_revision", 0)),
         int(raw.get("create_revision", 0)),
+        int(raw.get("lease", 0)),
     )
 
 
@@ -92,17 +94,43 @@ class EtcdClient:
                                               "count_only": True})  # fmt: skip
         return int(answer.get("count", 0))
 
-    def put(self, key: bytes, value: bytes) -> None:
-        self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
+        body = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        self._call("/v3/kv/put", body)
+
+    def prefix(self, prefix: bytes) -> list[KeyValue]:
+        """Every key under ``prefix``, in key order."""
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        answer = self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end)})
+        return [_kv(raw) for raw in answer.get("kvs") or []]
+
+    # -- leases ---------------------------------------------------------------------------
+    def grant(self, ttl: int) -> int:
+        """A new lease of ``ttl`` seconds; its id."""
+        return int(self._call("/v3/lease/grant", {"TTL": str(ttl)})["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Renew ``lease``; the seconds it has left now (0: it has expired)."""
+        answer = self._call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int((answer.get("result") or answer).get("TTL", 0))
+
+    def revoke(self, lease: int) -> None:
+        self._call("/v3/lease/revoke", {"ID": str(lease)})
 
     def delete(self, key: bytes) -> bool:
         return int(self._call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0)) > 0
 
     def put_if(
-        self, key: bytes, value: bytes, *, mod_revision: int
+        self, key: bytes, value: bytes, *, mod_revision: int, lease: int = 0
     ) -> tuple[bool, KeyValue | None]:
-        """Put ``value`` if the key's mod revision is ``mod_revision`` (0: the key does not
-        exist). (whether it was put, the key's value now when it was not)."""
+        """Put ``value`` (bound to ``lease`` when given) if the key's mod revision is
+        ``mod_revision`` (0: the key does not exist). (whether it was put, the key's value
+        now when it was not)."""
+        put = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
         compare = (
             {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": mod_revision}
             if mod_revision
@@ -110,7 +138,7 @@ class EtcdClient:
         )
         answer = self._call("/v3/kv/txn", {
             "compare": [compare],
-            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+            "success": [{"request_put": put}],
             "failure": [{"request_range": {"key": _b64(key)}}],
         })  # fmt: skip
         if answer.get("succeeded", False):

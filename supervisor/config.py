@@ -3,7 +3,7 @@
 One table per part, each built by the dataclass its part owns (service/settings.py checks
 keys and types, the dataclass its ranges):
 
-    [supervisor]             interval, agent_timeout, cpu_share  (LoopSettings, here)
+    [supervisor]             interval, agent_timeout, cpu_share, etcd  (LoopSettings, here)
     [detectors.<name>]       one per detector                     (detectors/<name>.py)
     [policy]                 restart budget, backoff, exclusion   (policy.py PolicyConfig)
     [scheduler]              drain / resume of excluded nodes     (scheduler.py)
@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..service.etcd import parse_endpoints
 from ..service.settings import SettingsError, build, read_toml, to_toml
 from .detectors import DetectorConfig
 from .policy import PolicyConfig
@@ -35,6 +36,12 @@ class LoopSettings:
     # supervisor of more nodes than it can read every `interval` slows its passes (and its
     # detection) instead of taking a training node's CPU (docs/scaling.md)
     cpu_share: float = 0.5
+    # Two or more supervisors, one acting (leadership.py): the etcd members every one of
+    # them names ("etcd://M1:2379,M2:2379,M3:2379"; "" = this supervisor acts alone), this
+    # one's name (default host:pid) and the seconds of its leader lease
+    etcd: str = ""
+    name: str = ""
+    lease_seconds: int = 5
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.interval <= 3600:
@@ -45,6 +52,10 @@ class LoopSettings:
             )
         if not 0.05 <= self.cpu_share <= 16:
             raise ValueError(f"cpu_share must be in [0.05, 16] cores, not {self.cpu_share!r}")
+        if self.etcd:
+            parse_endpoints(self.etcd)  # ValueError names what is wrong
+        if not 3 <= self.lease_seconds <= 60:
+            raise ValueError(f"lease_seconds must be in [3, 60], not {self.lease_seconds!r}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,9 @@ class SupervisorFile:
             agent_timeout=self.supervisor.agent_timeout,
             startup_trace=self.supervisor.startup_trace,
             cpu_share=self.supervisor.cpu_share,
+            etcd=self.supervisor.etcd,
+            name=self.supervisor.name,
+            lease_seconds=self.supervisor.lease_seconds,
             detectors=self.detectors,
             policy=self.policy,
             scheduler=self.scheduler,

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from ..contract.save_requests import SaveRequest
+from ..service.etcd import EtcdClient, EtcdError, parse_endpoints
 from .agent_io import EventWatch
 from .agents import AgentClient, AgentError, BackgroundCalls, Poller
 from .causes import classify
@@ -34,6 +36,7 @@ from .detectors.common import known_step, restart_via
 from .events import apply_deaths
 from .heap import HeapPacer
 from .history import History, advance, advance_every_pass
+from .leadership import ETCD_CALL_SECONDS, Intent, Leadership, SharedIntents, intent_key
 from .lifecycle import (
     EV_CAUSED_DEATH,
     EV_RESTARTED,
@@ -110,15 +113,21 @@ def fault_point(name: str) -> None:
 # An answer older than this is the last one of an agent that stopped answering (a cut
 # link shows a node's last answer, aged, until the request times out): never kill a rank
 # seen only there. In a partition that answer holds the cut-off rank at a lower step, and
-# acting on it failed (unreachable) and left the hang to a second incident.
+# acting on it failed (unreachable) and left the hang to a second incident. So is an
+# answer that lags the freshest node's by more than LAG_SECONDS: a hang found within two
+# seconds of a cut (a budget of one second) once blamed the cut-off rank on an answer not
+# yet two seconds old, while every other agent had answered since.
 STALE_ANSWER_SECONDS = 2.0
+LAG_SECONDS = 0.75
 
 
 def _seen_only_stale(target: Mapping, obs: ClusterObs) -> bool:
     node = next((n for n in obs.nodes if n.node == target.get("node")), None)
     if node is None:
         return False  # resolved when carried out (and failed there if it is gone)
-    return not node.reachable or obs.time - node.observed_at > STALE_ANSWER_SECONDS
+    freshest = max((n.observed_at for n in obs.nodes if n.reachable), default=node.observed_at)
+    return (not node.reachable or obs.time - node.observed_at > STALE_ANSWER_SECONDS
+            or freshest - node.observed_at > LAG_SECONDS)  # fmt: skip
 
 
 # Detectors that judge each rank by its state (a comparison or two a rank): every pass, so
@@ -168,6 +177,11 @@ class SupervisorConfig:
     # stacks request to an agent behind a cut link waits out its 30 s timeout, and the
     # loop once stood still that long, on the partitioned node it was meant to notice
     stacks_wait: float = 2.0
+    # Two or more supervisors, one acting (leadership.py): the etcd members they share
+    # (`etcd://M1,M2,M3`; empty: this one acts alone), this one's name, the lease's seconds
+    etcd: str = ""
+    name: str = ""
+    lease_seconds: int = 5
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,14 @@ class Supervisor:
         self._credit = 0.0  # CPU seconds the share allowed and the loop did not use
         self._credit_cap = max(1.0, cfg.cpu_share * 2)
         self.heap = HeapPacer()  # full collections paced (heap.py)
+        self.leadership: Leadership | None = None  # None: the only supervisor, always acting
+        self.intents: SharedIntents | None = None
+        if cfg.etcd:
+            client = EtcdClient(parse_endpoints(cfg.etcd), timeout=ETCD_CALL_SECONDS)
+            name = cfg.name or f"{socket.gethostname()}:{os.getpid()}"
+            self.leadership = Leadership(client, name, cfg.lease_seconds)
+            self.intents = SharedIntents(client)
+        self.leading = self.leadership is None
 
     def clients(self) -> list[AgentClient]:
         return [self.client_for(u) for u in self._urls()]
@@ -325,7 +347,9 @@ class Supervisor:
 
     def _pass(self, obs: ClusterObs, start: float, state_only: bool = False) -> list[Decision]:
         full = not state_only
-        outcomes = self._replay(obs)  # intents a previous life recorded and did not finish
+        leading = self._lead(obs.time)
+        # intents a previous life (or the leader before) recorded and did not finish
+        outcomes = self._replay(obs) if leading else []
         # A death announced while a full pass polls or detects is judged in this pass, on
         # its view, before anything is recorded: a full pass at 1,024 nodes takes about a
         # second, and a death waited for its end (docs/scaling.md). The window detectors
@@ -345,6 +369,8 @@ class Supervisor:
         view = build_policy_view(self.store, findings, self.cfg.policy, now, checkpoints,
                                  len(obs.nodes))  # fmt: skip
         decisions = decide(findings, view, self.cfg.policy, now)  # decide
+        if not leading:  # a standby decides as the leader would, and leaves the acting to it
+            decisions = [d for d in decisions if d.action == ACT_NONE and not d.target]
         outcomes += [o for d in decisions if (o := self._act(d, obs, now)) is not None]  # act
         self._request_saves(decisions, obs, now)
         held = {k for d in self.cfg.detectors.REGISTRY if d.holds for k in d.holds(self.history)}
@@ -532,6 +558,8 @@ class Supervisor:
             log.info("incident %s: %s waits for a fresh answer from %s",
                      incident.id, decision.action, target.get("node"))  # fmt: skip
             return None  # decided again next pass; the incident stays open
+        if not self._claim(f.key, decision.action, target, now):
+            return None  # another supervisor's, or etcd out of reach: decided again next pass
         try:
             action_id = self.store.begin_action(
                 incident.id, decision.action, target, now, reason=decision.reason
@@ -548,10 +576,10 @@ class Supervisor:
             result = self._execute(decision, obs, incident_id)
         except (AgentError, StopIteration, KeyError) as exc:
             log.error("action %s for incident %s failed: %r", decision.action, incident_id, exc)
-            self.store.complete_action(action_id, False, time.time(), error=repr(exc))
+            self._complete(action_id, decision, False, error=repr(exc))
             return Outcome(incident_id, decision.action, False, decision.reason, repr(exc))
         fault_point("after_action")
-        self.store.complete_action(action_id, True, time.time(), result=result)
+        self._complete(action_id, decision, True, result=result)
         log.warning("incident %s: %s (%s)", incident_id, decision.action, decision.reason)
         stacks = bool(result.get("stacks")) or "stacks" in decision.finding.evidence
         return Outcome(incident_id, decision.action, True, decision.reason, stacks=stacks)
@@ -599,6 +627,73 @@ class Supervisor:
             }
         return {**out, "agents": len(asked)}
 
+    # -- leadership: one of several supervisors acts (leadership.py) ---------------------
+    def _lead(self, now: float) -> bool:
+        """Renew the lease; a new leader adopts the intents its predecessor left unfinished
+        (the replay finishes them), a standby copies the finished ones into its database."""
+        if self.leadership is None or self.intents is None:
+            return True
+        was, self.leading = self.leading, self.leadership.renew()
+        if self.leading != was:
+            log.warning("supervisor %s: %s (leader: %s)", self.leadership.name,
+                        "leading" if self.leading else "standing by",
+                        self.leadership.holder or "none")  # fmt: skip
+        try:
+            for intent in self.intents.all():
+                if intent.done or self.leading:
+                    self._adopt(intent, now)
+        except EtcdError as exc:
+            log.warning("intents: etcd did not answer: %s", exc)
+        return self.leading
+
+    def _adopt(self, intent: Intent, now: float) -> None:
+        """An intent of another supervisor, into this database once: a finished one with its
+        outcome; an unfinished one pending, for the replay."""
+        key = intent_key(intent.incident_key, intent.kind)
+        inc = None if key in self.intents.adopted else self.store.by_key(intent.incident_key)
+        if inc is None:
+            return  # copied already, or an incident this supervisor has not seen (yet)
+        self.intents.adopted.add(key)
+        try:
+            action_id = self.store.begin_action(inc.id, intent.kind, intent.target,
+                                                intent.requested_at, reason=f"by {intent.leader}")  # fmt: skip
+        except ActionExists:
+            return  # this supervisor's own, or copied in an earlier life
+        if intent.done:
+            self.store.complete_action(action_id, bool(intent.ok), now, result=intent.result,
+                                       error=intent.error)  # fmt: skip
+
+    def _claim(self, incident_key: str, kind: str, target: dict, now: float) -> bool:
+        """Write the intent where every supervisor reads it, first: False when another has
+        one for this incident and kind, or etcd cannot be reached (never act unrecorded)."""
+        if self.intents is None or self.leadership is None:
+            return True
+        if not self.leadership.acting():
+            return False  # the lease may have run out since the pass began
+        intent = Intent(incident_key, kind, dict(target), self.leadership.name, now)
+        try:
+            other = self.intents.claim(intent)
+        except EtcdError as exc:
+            log.warning("intent for %s not recorded (%s): not acting", incident_key, exc)
+            return False
+        if other is not None and other.leader != self.leadership.name:
+            log.warning("incident %s: %s is %s's", incident_key, kind, other.leader)
+            return False
+        return True
+
+    def _complete(self, action_id: int, decision: Decision, ok: bool, *, result=None,
+                  error: str | None = None) -> None:  # fmt: skip
+        now = time.time()
+        action = self.store.complete_action(action_id, ok, now, result=result, error=error)
+        if self.intents is None or self.leadership is None:
+            return
+        intent = Intent(decision.finding.key, decision.action, dict(action.target),
+                        self.leadership.name, action.requested_at, True, ok, result, error)  # fmt: skip
+        try:
+            self.intents.complete(intent)
+        except EtcdError as exc:  # the adopting supervisor's replay finds the target gone
+            log.warning("outcome of %s not shared (%s)", decision.finding.key, exc)
+
     @staticmethod
     def _pin(decision: Decision, obs: ClusterObs) -> dict:
         """The kill target as it is now: its process and incarnation go into the intent,
@@ -631,7 +726,7 @@ class Supervisor:
                 out.append(self._carry_out(a.id, inc.id, decision, obs))
                 continue
             result = {"replayed": "the target was already gone; nothing done again"}
-            self.store.complete_action(a.id, True, time.time(), result=result)
+            self._complete(a.id, decision, True, result=result)
             out.append(Outcome(inc.id, a.kind, True, decision.reason))
         return out
 
@@ -784,6 +879,8 @@ class Supervisor:
 
     def close(self) -> None:
         self.stop()
+        if self.leadership is not None:
+            self.leadership.step_down()  # a standby leads at its next pass
         self.heap.close()
         self.events.close()
         self.poller.close()

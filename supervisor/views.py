@@ -35,7 +35,10 @@ def cluster_view(sup) -> dict:
     with sup._lock:
         obs, loop_seconds = sup.last_obs, sup.loop_seconds
     open_ = sup.store.open_incidents() if obs is not None else []
-    return cluster_verdict(obs, dict(sup.jobs), open_, sup.clock(), loop_seconds)
+    view = cluster_verdict(obs, dict(sup.jobs), open_, sup.clock(), loop_seconds)
+    if sup.leadership is not None:  # one of several supervisors: who acts
+        view["leadership"] = sup.leadership.view()
+    return view
 
 
 def cluster_verdict(obs, jobs: dict, open_incidents: list, now: float, loop_seconds=0.0) -> dict:

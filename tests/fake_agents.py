@@ -42,6 +42,13 @@ class FakeAgent(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
+    def verdict(self, status: str, *reasons) -> None:
+        """Answer /v1/node with this verdict and its HealthReasons (not healthy)."""
+        self.raw["/v1/node"] = json.dumps(
+            NodeAnswer(node=self.node, version="0", time=0.0, uptime_seconds=1.0,
+                       status=status, reasons=tuple(reasons)).to_json()
+        ).encode()  # fmt: skip
+
     def answer(self, path: str) -> bytes:
         if path in self.raw:
             return self.raw[path]

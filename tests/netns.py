@@ -233,10 +233,11 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def start_agents(self, interval: float = 1.0) -> None:
+    def start_agents(self, interval: float = 1.0, nodes: list[Node] | None = None) -> None:
         from rankguard.agent.nvml_double import make_double, write_state
 
-        for node in self.nodes:
+        nodes = self.nodes if nodes is None else nodes
+        for node in nodes:
             write_state(node.nvml_state, make_double(n_gpus=1))
             node.agent = self.spawn(node, [
                 sys.executable, "-m", "rankguard.cli.main", "agent",
@@ -245,7 +246,7 @@ class Cluster:
                 "--telemetry-socket", str(node.socket), "--nvml-double", str(node.nvml_state),
                 "--expected-gpus", "1",
             ], f"agent-{node.name}.log")  # fmt: skip
-        for node in self.nodes:  # from the root namespace, over the bridge
+        for node in nodes:  # from the root namespace, over the bridge
             wait_until(
                 lambda nd=node: nd.agent.poll() is None and http_json(nd.agent_url + "/healthz")["ok"],
                 60, f"agent of {node.name} ({node.agent.tail()})",
@@ -344,6 +345,9 @@ class Cluster:
     def cut_link(self, node: Node) -> None:
         """Partition: the node's cable is pulled (its bridge port goes down)."""
         sh("ip", "link", "set", node.host_if, "down")
+
+    def restore_link(self, node: Node) -> None:
+        sh("ip", "link", "set", node.host_if, "up")
 
     def cut_head_route(self, node: Node) -> None:
         """Only the head (supervisor) <-> this node path: the node drops its packets to the

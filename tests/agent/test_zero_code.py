@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from up_run import Up, agent_rank, left_running, log_has, read_incidents
 
+from rankguard.contract import exit_codes
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = """
@@ -167,7 +169,7 @@ def test_a_script_that_dies_soon_after_every_start_is_stopped_as_a_crash_loop(tm
     finally:
         up.close()
     err = "".join(up.err)
-    assert code == 3, up.output()[-4000:]
+    assert code == exit_codes.USER_ERROR.code, up.output()[-4000:]
     verdict = "crash loop: 3 restarts without checkpoint progress (no validated checkpoint)"
     assert f"{verdict}, the incarnations between them each under 600 s" in err, err[-2000:]
     incidents = read_incidents(up.run)
@@ -188,7 +190,7 @@ def test_a_script_that_crashes_at_import_is_a_clear_error(tmp_path):
     finally:
         up.close()
     err = "".join(up.err)
-    assert code == 1, up.output()[-3000:]
+    assert code == exit_codes.USER_ERROR.code, up.output()[-3000:]  # failed at start
     assert "training failed" in err
     # two ranks write their tracebacks to one log at once: lines may interleave
     assert "ModuleNotFoundError" in err and "no_such_module_for_rankguard_tests" in err

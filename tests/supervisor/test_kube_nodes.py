@@ -7,13 +7,11 @@ still resumes the node it drained."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fake_agents import FakeAgent, rank
 from fake_kube_api import MERGE, STRATEGIC, FakeKubeApi
 
-from rankguard.contract.answers import HealthReason, NodeAnswer
+from rankguard.contract.answers import HealthReason
 from rankguard.supervisor.kube_nodes import CONDITION, CORDONED, TAINT_KEY
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.scheduler import Scheduler, SchedulerConfig, SchedulerError
@@ -45,11 +43,7 @@ def _ours(node: dict) -> tuple[list[dict], dict | None]:
 
 
 def _unhealthy(agent: FakeAgent) -> None:
-    lost = HealthReason("gpu_lost", "unhealthy", "GPU 1 is lost (GPU_IS_LOST)")
-    agent.raw["/v1/node"] = json.dumps(
-        NodeAnswer(node="gpu7", version="0", time=0.0, uptime_seconds=1.0,
-                   status="unhealthy", reasons=(lost,)).to_json()
-    ).encode()  # fmt: skip
+    agent.verdict("unhealthy", HealthReason("gpu_lost", "unhealthy", "GPU 1 is lost (GPU_IS_LOST)"))
 
 
 def test_a_node_out_and_back_through_the_api_across_a_supervisor_restart(tmp_path, kube):

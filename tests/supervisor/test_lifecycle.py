@@ -305,3 +305,11 @@ def test_a_rank_seen_only_in_a_stale_answer_is_not_killed():
     late = dataclasses.replace(fresh, time=T0 + STALE_ANSWER_SECONDS + 0.5)
     assert _seen_only_stale({"node": "n0", "rank": 1}, late)  # its agent stopped answering
     assert _seen_only_stale({"node": "n0"}, cluster(rank(1), reachable=False))
+    # an answer behind the other agents' (they answered since; this one did not)
+    other = dataclasses.replace(fresh.nodes[0], node="n1", observed_at=T0 + 1.0)
+    behind = dataclasses.replace(fresh, time=T0 + 1.0, nodes=(fresh.nodes[0], other))
+    assert _seen_only_stale({"node": "n0", "rank": 1}, behind)
+    level = dataclasses.replace(
+        behind, nodes=(fresh.nodes[0], dataclasses.replace(other, observed_at=T0 + 0.2))
+    )
+    assert not _seen_only_stale({"node": "n0", "rank": 1}, level)  # one pass apart: fine

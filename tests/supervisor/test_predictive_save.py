@@ -4,11 +4,9 @@ their ranks; never when a rank is out of view, and withdrawn when an agent refus
 
 from __future__ import annotations
 
-import json
-
 from fake_agents import FakeAgent, rank
 
-from rankguard.contract.answers import HealthReason, NodeAnswer
+from rankguard.contract.answers import HealthReason
 from rankguard.supervisor.policy import PolicyConfig
 from rankguard.supervisor.reconcile import EV_SAVE_REQUESTED, Supervisor, SupervisorConfig
 from rankguard.supervisor.store import IncidentStore
@@ -18,10 +16,7 @@ SAVE = "/v1/control/save"
 
 def _failing(agent: FakeAgent) -> None:
     reason = HealthReason("gpu_failing", "degraded", "GPU 1: 400 new correctable ECC errors")
-    agent.raw["/v1/node"] = json.dumps(
-        NodeAnswer(node=agent.node, version="0", time=0.0, uptime_seconds=1.0,
-                   status="degraded", reasons=(reason,)).to_json()
-    ).encode()  # fmt: skip
+    agent.verdict("degraded", reason)
 
 
 def _run(tmp_path, agents, passes=2):

@@ -12,7 +12,7 @@ import stat
 import pytest
 from fake_agents import FakeAgent, rank
 
-from rankguard.contract.answers import HealthReason, NodeAnswer
+from rankguard.contract.answers import HealthReason
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.scheduler import (
     SLURM_DRAIN,
@@ -168,11 +168,7 @@ def test_supervisor_drains_a_node_with_a_hardware_fault_and_resumes_it_when_heal
 ):
     agent = FakeAgent("gpu7")
     agent.ranks = [rank("j", r, 2) for r in range(2)]
-    lost = HealthReason("gpu_lost", "unhealthy", "GPU 1 is lost (GPU_IS_LOST)")
-    agent.raw["/v1/node"] = json.dumps(
-        NodeAnswer(node="gpu7", version="0", time=0.0, uptime_seconds=1.0,
-                   status="unhealthy", reasons=(lost,)).to_json()
-    ).encode()  # fmt: skip
+    agent.verdict("unhealthy", HealthReason("gpu_lost", "unhealthy", "GPU 1 is lost (GPU_IS_LOST)"))
     store = IncidentStore(tmp_path / "rankguard.db")
     cfg = SupervisorConfig(scheduler=SchedulerConfig(resume_after_healthy_passes=3))
     sup = Supervisor(store, lambda: [agent.url], "t" * 16, cfg)

@@ -110,6 +110,9 @@ def test_flags_override_the_file_and_a_bad_flag_is_named(tmp_path):
         "agent_timeout": 5.0,
         "startup_trace": "",
         "cpu_share": 0.5,
+        "etcd": "",
+        "name": "",
+        "lease_seconds": 5,
     }
     assert cfg["detectors"]["process_hang"]["idle_seconds"] == 9.0
     assert cfg["detectors"]["straggler"]["enabled"] is False

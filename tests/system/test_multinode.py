@@ -32,6 +32,7 @@ TRAIN = ["--steps", str(STEPS), "--global-batch", "12", "--micro-batch", "2",
 # minimum of nodes closes 3 s after that minimum joined.
 RDZV = "last_call_timeout=3,keep_alive_interval=2,keep_alive_max_attempt=3"
 RUN_TIMEOUT = 150
+LONG = 300  # steps of a run that must outlast a drain
 
 
 class Rig:
@@ -316,7 +317,8 @@ def test_a_failing_gpu_is_drained_once_the_job_has_saved_when_asked(tmp_path):
     rig = Rig(tmp_path, supervisor_args=("--config", str(config)))
     try:
         victim = rig.nodes[2]
-        rig.train("--ckpt-every", "1000")
+        # long enough that the save asked for (2 s of steps ahead) comes before the end
+        rig.train("--ckpt-every", "1000", "--steps", str(LONG))
         rig.when(rig.nodes[0], lambda r: (r["step"] or 0) >= 5, "step 5")
         rows = {"correctable": 3, "uncorrectable": 0, "pending": True, "failure": False}
         write_state(victim.nvml_state, make_double(
@@ -335,7 +337,7 @@ def test_a_failing_gpu_is_drained_once_the_job_has_saved_when_asked(tmp_path):
             "predictive drain: a failing GPU, its jobs' next checkpoint was taken"
         ), fault
         s = rig.summary()
-        assert (s["final_step"], s["world_size"], s["global_batch"]) == (STEPS, 2, 12), s
+        assert (s["final_step"], s["world_size"], s["global_batch"]) == (LONG, 2, 12), s
         # resumed from the save it was asked for: the only checkpoint this run took
         assert s["resumed_from"] == asked["job"]["step"], (s, asked)
     finally:
