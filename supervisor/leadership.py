@@ -9,7 +9,8 @@ paused) stops acting `ttl - margin` seconds after its last renewal began, while 
 the key on only `ttl` seconds after it saw that renewal: two never act at once, even cut
 off from each other, since only a side that reaches etcd's majority holds or takes the key.
 
-Before an action, the leader writes its intent to etcd (`claim`: created only where
+The lease is renewed, and the intents read, by a thread of their own (`Watch`): a pass
+never waits on etcd. Before an action, the leader writes its intent to etcd (`claim`: created only where
 absent, so never twice across supervisors), and its outcome after (`complete`). A
 supervisor that takes over adopts the intents left unfinished into its own database,
 where the replay of a crashed supervisor's intents finishes them exactly once (a kill
@@ -23,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +84,46 @@ class Leadership:
 
     def view(self) -> dict[str, Any]:
         return {"name": self.name, "leading": self.acting(), "leader": self.holder or None}
+
+
+class Watch:
+    """Renews the lease and reads the intents off the supervisor's loop, once a second: a
+    pass never waits on etcd (a standby cut off from it still detects at full speed). The
+    loop reads `leadership.acting()` and takes each new read of the intents once."""
+
+    def __init__(self, leadership: Leadership, intents: SharedIntents, every: float = 1.0):
+        self.leadership, self.shared, self.every = leadership, intents, every
+        self._lock = threading.Lock()
+        self._read: list[Intent] | None = None  # the newest read, until taken
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rankguard-leadership",
+                                        daemon=True)  # fmt: skip
+
+    def start(self) -> Watch:
+        self.leadership.renew()  # the first pass knows its role
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.leadership.renew()
+            try:
+                read = self.shared.all()
+            except EtcdError:
+                continue
+            with self._lock:
+                self._read = read
+
+    def take(self) -> list[Intent]:
+        """The intents as last read, once (empty until the next read)."""
+        with self._lock:
+            read, self._read = self._read, None
+        return read or []
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * ETCD_CALL_SECONDS + self.every)
 
 
 @dataclass(frozen=True)

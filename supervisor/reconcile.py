@@ -36,7 +36,14 @@ from .detectors.common import known_step, restart_via
 from .events import apply_deaths
 from .heap import HeapPacer
 from .history import History, advance, advance_every_pass
-from .leadership import ETCD_CALL_SECONDS, Intent, Leadership, SharedIntents, intent_key
+from .leadership import (
+    ETCD_CALL_SECONDS,
+    Intent,
+    Leadership,
+    SharedIntents,
+    Watch,
+    intent_key,
+)
 from .lifecycle import (
     EV_CAUSED_DEATH,
     EV_RESTARTED,
@@ -243,11 +250,13 @@ class Supervisor:
         self.heap = HeapPacer()  # full collections paced (heap.py)
         self.leadership: Leadership | None = None  # None: the only supervisor, always acting
         self.intents: SharedIntents | None = None
+        self._watch: Watch | None = None
         if cfg.etcd:
             client = EtcdClient(parse_endpoints(cfg.etcd), timeout=ETCD_CALL_SECONDS)
             name = cfg.name or f"{socket.gethostname()}:{os.getpid()}"
             self.leadership = Leadership(client, name, cfg.lease_seconds)
             self.intents = SharedIntents(client)
+            self._watch = Watch(self.leadership, self.intents).start()
         self.leading = self.leadership is None
 
     def clients(self) -> list[AgentClient]:
@@ -631,19 +640,16 @@ class Supervisor:
     def _lead(self, now: float) -> bool:
         """Renew the lease; a new leader adopts the intents its predecessor left unfinished
         (the replay finishes them), a standby copies the finished ones into its database."""
-        if self.leadership is None or self.intents is None:
+        if self.leadership is None or self._watch is None:
             return True
-        was, self.leading = self.leading, self.leadership.renew()
+        was, self.leading = self.leading, self.leadership.acting()
         if self.leading != was:
             log.warning("supervisor %s: %s (leader: %s)", self.leadership.name,
                         "leading" if self.leading else "standing by",
                         self.leadership.holder or "none")  # fmt: skip
-        try:
-            for intent in self.intents.all():
-                if intent.done or self.leading:
-                    self._adopt(intent, now)
-        except EtcdError as exc:
-            log.warning("intents: etcd did not answer: %s", exc)
+        for intent in self._watch.take():
+            if intent.done or self.leading:
+                self._adopt(intent, now)
         return self.leading
 
     def _adopt(self, intent: Intent, now: float) -> None:
@@ -879,7 +885,8 @@ class Supervisor:
 
     def close(self) -> None:
         self.stop()
-        if self.leadership is not None:
+        if self._watch is not None:
+            self._watch.stop()
             self.leadership.step_down()  # a standby leads at its next pass
         self.heap.close()
         self.events.close()

@@ -9,6 +9,7 @@ import time
 import pytest
 from etcd_cluster import ETCD, SKIP_REASON, EtcdCluster
 from fake_agents import FakeAgent, rank
+from harness import wait_until
 
 from rankguard.contract.answers import HealthReason
 from rankguard.service.etcd import EtcdClient, parse_endpoints
@@ -115,13 +116,18 @@ def test_the_leader_acts_once_the_standby_records_it_and_takes_over_without_repe
         a, b = sups
         a.reconcile_once()  # a leads (first to the key) and acts
         b.reconcile_once()
-        b.reconcile_once()
         stops = [p for p, _, _ in agent.controls if p == "/v1/control/stop-job"]
         assert len(stops) == 1 and a.leading and not b.leading
-        (inc_b,) = stores[1].list_incidents()
-        (action,) = stores[1].actions(inc_b.id)
+
+        def copied():  # b reads the intents once a second, off its loop
+            b.reconcile_once()
+            (inc_b,) = stores[1].list_incidents()
+            return stores[1].actions(inc_b.id)
+
+        (action,) = wait_until(copied, 10, "b's copy of a's action", interval=0.2)
         assert (action.kind, action.ok) == ("exclude_node", True)  # one timeline
-        # a goes silent (no more passes): b leads after the lease, and acts no more
+        # a dies (its lease is not given up): b leads once it ran out, and acts no more
+        a._watch.stop()
         deadline = time.monotonic() + TTL + 5
         while not b.leading and time.monotonic() < deadline:
             b.reconcile_once()
