@@ -172,7 +172,14 @@ class SharedIntents:
         return Intent.from_json(now.value) if now is not None else None
 
     def complete(self, intent: Intent) -> None:
-        self.client.put(intent_key(intent.incident_key, intent.kind), intent.to_json())
+        """Record the outcome, unless one is there: the first outcome stands (a leader cut
+        off mid-action may report its failure after another finished the action)."""
+        key = intent_key(intent.incident_key, intent.kind)
+        now = self.client.get(key)
+        old = Intent.from_json(now.value) if now is not None else None
+        if old is not None and old.done:
+            return
+        self.client.put_if(key, intent.to_json(), mod_revision=now.mod_revision if now else 0)
 
     def all(self) -> list[Intent]:
         return [i for kv in self.client.prefix(INTENTS) if (i := Intent.from_json(kv.value))]

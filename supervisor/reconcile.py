@@ -663,8 +663,12 @@ class Supervisor:
         try:
             action_id = self.store.begin_action(inc.id, intent.kind, intent.target,
                                                 intent.requested_at, reason=f"by {intent.leader}")  # fmt: skip
-        except ActionExists:
-            return  # this supervisor's own, or copied in an earlier life
+        except ActionExists:  # its own attempt (cut off mid-action?), or copied before
+            mine = next(a for a in self.store.actions(inc.id) if a.kind == intent.kind)
+            if intent.done and intent.ok and mine.ok is not True:  # finished by another
+                self.store.complete_action(mine.id, True, now, result={"by": intent.leader,
+                                                                       "result": intent.result})  # fmt: skip
+            return
         if intent.done:
             self.store.complete_action(action_id, bool(intent.ok), now, result=intent.result,
                                        error=intent.error)  # fmt: skip
