@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 OTHER = KubeValues(
     namespace="gpu-ops", create_namespace=False, image_pull_policy="Always",
+    tls_secret="rankguard-tls",
     supervisor=SupervisorValues(storage_class="fast", pdb_min_available=0, node_backend=False),
     rendezvous=RendezvousValues(enabled=False),
     monitoring=MonitoringValues(release="kube-prometheus-stack", dashboards=False),
@@ -253,4 +254,26 @@ def test_the_example_jobset_restarts_by_the_launchers_exit_codes():
     shipped = (deploy_dir() / "kubernetes" / "jobset-example.yaml").read_text()
     assert shipped == dump([jobset], JOBSET_EXAMPLE_HEADER), (
         "run: rankguard deploy kubernetes --example-jobset > deploy/kubernetes/jobset-example.yaml"
+    )
+
+
+def test_the_supervisor_serves_https_from_the_secret_and_is_scraped_so():
+    objects = _by_kind(_rendered(OTHER))
+    (sup,) = objects["Deployment", SUPERVISOR_JOB]["spec"]["template"]["spec"]["containers"]
+    args = sup["args"]
+    assert args[args.index("--tls-cert") + 1].endswith("/tls.crt") and "--tls-key" in args
+    assert sup["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert objects["Service", SUPERVISOR_JOB]["spec"]["ports"][0]["name"] == "https"
+    (_, https) = objects["ServiceMonitor", "rankguard"]["spec"]["endpoints"]
+    assert https["scheme"] == "https" and https["tlsConfig"]["ca"]["secret"] == {
+        "name": "rankguard-tls",
+        "key": "ca.crt",
+    }
+    assert https["tlsConfig"]["serverName"] == f"{SUPERVISOR_JOB}.gpu-ops.svc"
+    plain = _by_kind(_rendered(KubeValues()))
+    assert (
+        "--tls-cert"
+        not in plain["Deployment", SUPERVISOR_JOB]["spec"]["template"]["spec"]["containers"][0][
+            "args"
+        ]
     )
