@@ -286,10 +286,11 @@ def test_stack_dump_has_native_frames_and_falls_back_without_them(agent, rank_ch
     os.kill(rank_child.pid, signal.SIGSTOP)  # ... py-spy --native finds it stopped and fails
     _wait_state(rank_child.pid, "T")
     status, payload = _stacks(agent)
-    still = _proc_state(rank_child.pid)
     os.kill(rank_child.pid, signal.SIGCONT)
+    # (its state after a failed --native attach is py-spy's: a ptrace detach may resume it,
+    # seen once under load; the test before checks that the plain dump leaves it stopped)
     assert status == 200 and payload["result"]["native"] is False, payload
-    assert "<module>" in payload["result"]["stacks"] and still == "T"
+    assert "<module>" in payload["result"]["stacks"]
 
 
 def test_ranks_view_shows_the_main_threads_own_state(agent, rank_child):
