@@ -40,7 +40,7 @@ from .causes import (
     USER_CODE,
 )
 from .errors import ContractError
-from .telemetry import MAX_INT, MAX_JOB_CHARS, job_file
+from .telemetry import MAX_INT, MAX_JOB_CHARS, job_file, read_job_file
 
 
 @dataclass(frozen=True)
@@ -188,13 +188,7 @@ def encode(status: JobStatus) -> bytes:
 
 
 def decode(data: bytes) -> JobStatus:
-    if len(data) > MAX_STATUS_BYTES:
-        raise ContractError("too_large", f"a job status is at most {MAX_STATUS_BYTES} bytes")
-    try:
-        value = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
-        raise ContractError("not_json", "a job status is JSON") from None
-    return JobStatus.from_json(value)
+    return JobStatus.from_json(read_job_file(data, MAX_STATUS_BYTES, "a job status"))
 
 
 def read_status(socket_path: str | Path, job: str, since: float = 0.0) -> JobStatus | None:

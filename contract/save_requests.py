@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ContractError
-from .telemetry import MAX_INT, MAX_JOB_CHARS, job_file
+from .telemetry import MAX_INT, MAX_JOB_CHARS, job_file, read_job_file
 
 #: The folder, beside the agent's telemetry socket, that holds one request per job.
 REQUEST_DIR = "save-requests"
@@ -84,13 +84,7 @@ def encode(request: SaveRequest) -> bytes:
 
 
 def decode(data: bytes) -> SaveRequest:
-    if len(data) > MAX_REQUEST_BYTES:
-        raise ContractError("too_large", f"a save request is at most {MAX_REQUEST_BYTES} bytes")
-    try:
-        value = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
-        raise ContractError("not_json", "a save request is JSON") from None
-    return SaveRequest.from_json(value)
+    return SaveRequest.from_json(read_job_file(data, MAX_REQUEST_BYTES, "a save request"))
 
 
 def save_step(step: int, step_seconds: float | None, lead_seconds: float = LEAD_SECONDS) -> int:

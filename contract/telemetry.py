@@ -162,6 +162,16 @@ def job_file(socket_path: str | os.PathLike, folder: str, job: str) -> Path:
     return Path(socket_path).parent / folder / f"{digest}.json"
 
 
+def read_job_file(data: bytes, limit: int, what: str) -> Any:
+    """The JSON value of a job file's bytes (at most ``limit`` of them), or ContractError."""
+    if len(data) > limit:
+        raise ContractError("too_large", f"{what} is at most {limit} bytes")
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        raise ContractError("not_json", f"{what} is JSON") from None
+
+
 def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
     """Telemetry socket path from ``RANKGUARD_TELEMETRY_SOCKET``.
 

@@ -334,10 +334,10 @@ def create_rankguard_handler(params: RendezvousParameters):
     secret = job_secret(params)
     if params.endpoint.startswith(ETCD_SCHEME):  # a replicated store: nothing to re-seed
         store = _etcd_store(params.endpoint, params.run_id, timedelta(seconds=read_timeout))
-        backend = SignedBackend(store, params.run_id, secret)
     else:
         store = ReconnectingStore(host, port, timedelta(seconds=read_timeout))
-        backend = SignedBackend(store, params.run_id, secret)
+    backend = SignedBackend(store, params.run_id, secret)
+    if isinstance(store, ReconnectingStore):
         store.on_reconnect.append(_seed(backend._key, backend._NULL_SENTINEL))
     handler = create_handler(store, backend, params)
     handler.__class__ = RankguardHandler  # torch's settings parsing, our restart path
