@@ -77,6 +77,7 @@ KeyFileOpt = Annotated[
 ]
 
 EXIT_OK, EXIT_DEGRADED, EXIT_UNHEALTHY = 0, 1, 2
+_STATUS_NAMES = {EXIT_OK: "healthy", EXIT_DEGRADED: "degraded", EXIT_UNHEALTHY: "unhealthy"}
 
 
 # --------------------------------------------------------------------------- formatting
@@ -180,6 +181,19 @@ def _tier_doc(name: str, root: Path, statuses: list[CheckpointStatus] | None, er
     }
 
 
+def _verdict_doc(
+    code: int, newest: int | None, newest_valid: int | None, statuses: list[CheckpointStatus]
+) -> dict:
+    """The verdict keys of the --json report, of a listing and of a root that failed alike."""
+    return {
+        "newest_step": newest,
+        "newest_validated": newest_valid,
+        "newest_is_valid": code == EXIT_OK,
+        "status": _STATUS_NAMES[code],
+        "checkpoints": [s.to_dict() for s in statuses],
+    }
+
+
 def _report(
     root: Path,
     statuses: list[CheckpointStatus],
@@ -197,11 +211,7 @@ def _report(
         doc = {
             "root": str(root),
             "checksums_verified": checksums,
-            "newest_step": newest,
-            "newest_validated": newest_valid,
-            "newest_is_valid": code == EXIT_OK,
-            "status": {0: "healthy", 1: "degraded", 2: "unhealthy"}[code],
-            "checkpoints": [s.to_dict() for s in statuses],
+            **_verdict_doc(code, newest, newest_valid, statuses),
             "tiers": [_tier_doc(store.TIER_DISK, root, statuses, disk_error)],
             "backup_status": backup_status,
         }
@@ -261,11 +271,7 @@ def _fail(root: Path, message: str, as_json: bool) -> typer.Exit:
         doc = {
             "root": str(root),
             "error": message,
-            "newest_step": None,
-            "newest_validated": None,
-            "newest_is_valid": False,
-            "status": "unhealthy",
-            "checkpoints": [],
+            **_verdict_doc(EXIT_UNHEALTHY, None, None, []),
         }
         typer.echo(json.dumps(doc, indent=2))
     return typer.Exit(EXIT_UNHEALTHY)
