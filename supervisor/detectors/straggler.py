@@ -292,7 +292,7 @@ def judge(
         for suspect in windows:
             if _still_slower(suspect, peers, cfg.straggler):
                 slower.add(f"straggler:{job}:{suspect.rank.rank}:{restart}")
-            verdict = _judge(obs, job, restart, suspect, windows, peers, cfg)
+            verdict = _judge(_Case(obs, job, restart, suspect, windows, peers, cfg))
             if isinstance(verdict, Finding):
                 out.append(verdict)
             elif verdict is not None:
@@ -338,16 +338,21 @@ def _window(r: RankObs, restart: int, start: int, cfg: DetectorConfig) -> _Windo
     )
 
 
-def _judge(
-    obs: ClusterObs,
-    job: str,
-    restart: int,
-    suspect: _Window,
-    windows: list[_Window],
-    peers: _Peers,
-    cfg: DetectorConfig,
-) -> Finding | Preempted | None:
-    c = cfg.straggler
+@dataclass(frozen=True)
+class _Case:
+    """One suspect of a job's incarnation in this pass, and what it is judged against."""
+
+    obs: ClusterObs
+    job: str
+    restart: int
+    suspect: _Window
+    windows: list[_Window]  # every live rank's, the suspect's among them
+    peers: _Peers
+    cfg: DetectorConfig
+
+
+def _judge(case: _Case) -> Finding | Preempted | None:
+    suspect, peers, c = case.suspect, case.peers, case.cfg.straggler
     peers_compute = _median_without(peers.compute, suspect.compute)
     if peers_compute <= 0:
         return None
@@ -357,9 +362,9 @@ def _judge(
         # the wait is unknown for some rank of the job: raw compute, as before issue 16
         if ratio < _judged_from(c):
             return None  # most ranks stop here, before the per-step comparison
-        if not _stands_out(raw, suspect.by_step, peers.by_step, suspect, windows, peers, c):
+        if not _stands_out(raw, suspect.by_step, peers.by_step, case):
             return None
-        return _finding(obs, job, restart, suspect, windows, peers, cfg, raw, None)
+        return _finding(case, raw, None)
     own = suspect.own or 0.0
     peers_own = _median_without(peers.own, own)
     mine = _Verdict(own / peers_own if peers_own > 0 else 0.0, own, peers_own)
@@ -367,9 +372,9 @@ def _judge(
         return None  # most ranks stop here
     # the peers wait for its own work, not for the time it sat preempted
     if mine.ratio >= _judged_from(c) and _stands_out(
-        mine, suspect.own_by_step or {}, peers.own_by_step, suspect, windows, peers, c
+        mine, suspect.own_by_step or {}, peers.own_by_step, case
     ):
-        return _finding(obs, job, restart, suspect, windows, peers, cfg, mine, raw)
+        return _finding(case, mine, raw)
     if ratio < 1 + c.threshold:
         return None
     # Raw compute stands out, own work does not: the straggler it would have been named
@@ -377,9 +382,9 @@ def _judge(
     raw.consistency = _slower_steps_fraction(suspect.by_step, peers.by_step, c)
     if not (raw.consistency >= c.consistency and _peers_wait(raw, suspect, peers, c)):
         return None
-    r, wait = suspect.rank, suspect.wait or 0.0
+    r, wait, job = suspect.rank, suspect.wait or 0.0, case.job
     return Preempted(
-        key=f"straggler:{job}:{r.rank}:{restart}", job=job, node=r.node, rank=r.rank,
+        key=f"straggler:{job}:{r.rank}:{case.restart}", job=job, node=r.node, rank=r.rank,
         step=max(suspect.by_step), ratio=ratio, own_ratio=mine.ratio, wait=wait,
         peers_wait=_median_without(peers.wait, wait),
     )  # fmt: skip
@@ -406,38 +411,31 @@ def _stands_out(
     v: _Verdict,
     by_step: dict[int, float],
     peers_by_step: dict[int, list[float]],
-    suspect: _Window,
-    windows: list[_Window],
-    peers: _Peers,
-    c: StragglerConfig,
+    case: _Case,
 ) -> bool:
     """Its peers wait for it, and it is slower on most of the window's steps by a median
     over the threshold, or its excess over them has added up to the limit."""
+    suspect, peers, c = case.suspect, case.peers, case.cfg.straggler
     if not _peers_wait(v, suspect, peers, c):
         return False
     if v.ratio >= 1 + c.threshold:
         v.consistency = _slower_steps_fraction(by_step, peers_by_step, c)
     if v.ratio >= 1 + c.excess_floor:
         recent = [(t, _ratio(by_step[t], ordered)) for t, ordered in sorted(peers_by_step.items())]
-        v.excess, v.excess_seconds = _excess(recent, suspect, windows, peers, c)
+        v.excess, v.excess_seconds = _excess(recent, case)
     return v.consistency >= c.consistency or v.excess >= c.excess_limit
 
 
-def _excess(
-    recent: list[tuple[int, float]],
-    suspect: _Window,
-    windows: list[_Window],
-    peers: _Peers,
-    c: StragglerConfig,
-) -> tuple[float, float]:
+def _excess(recent: list[tuple[int, float]], case: _Case) -> tuple[float, float]:
     """(its excess over its peers accumulated through the steps held, oldest first, and
     the seconds of the steps since the sum last stood at 0), from its window's (step, ratio
     to its peers) and the older steps: computed only for a rank already slower than
     1 + excess_floor."""
+    suspect, peers, c = case.suspect, case.peers, case.cfg.straggler
     own = peers.own is not None
     mine = {s.step: _seconds(s, own) for s in suspect.older(c)}
     older = [
-        (t, _ratio(mine[t], ordered)) for t, ordered in sorted(peers.older(windows, c).items())
+        (t, _ratio(mine[t], ordered)) for t, ordered in sorted(peers.older(case.windows, c).items())
     ]
     took = {s.step: s.step_seconds for s in suspect.series[-(c.window + c.lookback_steps) :]}
     total, seconds, cap = 0.0, 0.0, c.excess_step_cap
@@ -465,19 +463,11 @@ def _peers_wait(v: _Verdict, suspect: _Window, peers: _Peers, c: StragglerConfig
     return comm_gap >= c.wait_share * (v.mine - v.peers)
 
 
-def _finding(
-    obs: ClusterObs,
-    job: str,
-    restart: int,
-    suspect: _Window,
-    windows: list[_Window],
-    peers: _Peers,
-    cfg: DetectorConfig,
-    judged: _Verdict,
-    raw: _Verdict | None,
-) -> Finding:
+def _finding(case: _Case, judged: _Verdict, raw: _Verdict | None) -> Finding:
     """`judged`: on own work when `raw` is given beside it (the wait is known), else on
     raw compute."""
+    obs, job, restart, cfg = case.obs, case.job, case.restart, case.cfg
+    suspect, peers = case.suspect, case.peers
     r = suspect.rank
     raw_v = raw or judged
     peers_comm = _median_without(peers.comm, suspect.comm)
@@ -502,7 +492,7 @@ def _finding(
         "rank_medians": {
             str(w.rank.rank): {"compute": w.compute, "comm": w.comm}
             | ({} if w.wait is None else {"compute_wait": w.wait, "own_work": w.own})
-            for w in sorted(windows, key=lambda w: w.rank.rank)
+            for w in sorted(case.windows, key=lambda w: w.rank.rank)
         },
     }
     what = "compute"
