@@ -5,6 +5,7 @@ make the CheckpointFilesystemFull alert fire naming it (promtool evaluates the r
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -57,48 +58,35 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_full_checkpoint_disk_mid_run_training_completes_and_saves_resume(tmp_path, small_fs):
-    root, log = small_fs / "ckpt", tmp_path / "train.log"
-    cmd, env = trainer_command(
-        ["--steps", "400", "--ckpt-dir", str(root), "--ckpt-every", "10", "--keep", "3",
-         "--summary", str(tmp_path / "s.json")],
-    )  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+@contextlib.contextmanager
+def killed_at_exit(proc: subprocess.Popen):
+    """The launcher started in a session of its own, and its whole tree killed if it is
+    still running when the block ends."""
     try:
-        wait_for(lambda: (root / "step-00000020").is_dir(), 120, "step 20 validated")
-        filler = fill(small_fs)
-
-        def failed_saves() -> int:
-            text = log.read_text()
-            return text.count("not committed") + text.count("skipped")
-
-        wait_for(lambda: failed_saves() >= 2 or proc.poll() is not None, 60, "a failed save")
-        assert proc.poll() is None, log.read_text()[-4000:]  # still training
-        print(
-            "space returns; the trainer's log last named step",
-            re.findall(r"step (\d+)", log.read_text())[-1:],
-        )
-        filler.unlink()  # space returns
-        proc.wait(timeout=180)
+        yield proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, log.read_text()[-4000:]
-    s = read_json(tmp_path / "s.json")
-    assert s["final_step"] == 400 and s["checkpoint_failures"] >= 1
-    assert s["newest_validated_checkpoint"] == 400  # saves validate again by themselves
-    report = subprocess.run(
-        [sys.executable, "-m", "rankguard.cli.main", "checkpoints", "verify", "--json", str(root)],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    doc = json.loads(report.stdout)
-    assert report.returncode == 0, doc
-    bogus = [c for c in doc["checkpoints"] if c["state"] in ("incomplete", "corrupt")]
-    assert not bogus, bogus  # failed saves were quarantined once a later step committed
-    assert any(c["state"] == "quarantined" for c in doc["checkpoints"]), doc
+
+
+def failed_saves(log: Path) -> int:
+    """The saves the trainer's log says were not committed or were skipped."""
+    text = log.read_text()
+    return text.count("not committed") + text.count("skipped")
+
+
+def space_returns(proc: subprocess.Popen, filler: Path, log: Path, timeout: float, output) -> None:
+    """Once two saves failed and the trainer is still training (`output()`: what to show
+    if it is not), free the space and wait `timeout` for the run to end."""
+    wait_for(lambda: failed_saves(log) >= 2 or proc.poll() is not None, 60, "two failed saves")
+    assert proc.poll() is None, output()  # still training
+    print(
+        "space returns; the trainer's log last named step",
+        re.findall(r"step (\d+)", log.read_text())[-1:],
+    )
+    filler.unlink()  # space returns
+    proc.wait(timeout=timeout)
 
 
 def verify(root: Path) -> dict:
@@ -109,6 +97,28 @@ def verify(root: Path) -> dict:
     doc = json.loads(report.stdout)
     assert report.returncode == 0, doc
     return doc
+
+
+def test_full_checkpoint_disk_mid_run_training_completes_and_saves_resume(tmp_path, small_fs):
+    root, log = small_fs / "ckpt", tmp_path / "train.log"
+    cmd, env = trainer_command(
+        ["--steps", "400", "--ckpt-dir", str(root), "--ckpt-every", "10", "--keep", "3",
+         "--summary", str(tmp_path / "s.json")],
+    )  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    with killed_at_exit(proc):
+        wait_for(lambda: (root / "step-00000020").is_dir(), 120, "step 20 validated")
+        space_returns(proc, fill(small_fs), log, 180, lambda: log.read_text()[-4000:])
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    s = read_json(tmp_path / "s.json")
+    assert s["final_step"] == 400 and s["checkpoint_failures"] >= 1
+    assert s["newest_validated_checkpoint"] == 400  # saves validate again by themselves
+    doc = verify(root)
+    bogus = [c for c in doc["checkpoints"] if c["state"] in ("incomplete", "corrupt")]
+    assert not bogus, bogus  # failed saves were quarantined once a later step committed
+    assert any(c["state"] == "quarantined" for c in doc["checkpoints"]), doc
 
 
 def scrape(agent_url: str, names: set[str]) -> list[tuple[str, dict, float]]:
@@ -161,7 +171,7 @@ def test_up_names_the_full_checkpoint_filesystem_and_training_completes(tmp_path
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    try:
+    with killed_at_exit(proc):
         urls = wait_until(
             lambda: re.search(r"agent (http://\S+) \| supervisor (http://\S+)", "".join(lines)),
             60, "up's first line",
@@ -177,20 +187,7 @@ def test_up_names_the_full_checkpoint_filesystem_and_training_completes(tmp_path
         incident = wait_until(full_disk_incident, 30, "an incident naming the full filesystem")
         samples = scrape(agent_url, {"rankguard_filesystem_free_ratio", "rankguard_filesystem_info",
                                      "rankguard_agent_info"})  # fmt: skip
-        log = run / "trainer.log"
-        wait_for(lambda: log.read_text().count("not committed") + log.read_text().count("skipped")
-                 >= 2 or proc.poll() is not None, 60, "failed saves")  # fmt: skip
-        assert proc.poll() is None, "".join(lines)[-3000:]  # still training
-        print(
-            "space returns; the trainer's log last named step",
-            re.findall(r"step (\d+)", log.read_text())[-1:],
-        )
-        filler.unlink()  # space returns
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        space_returns(proc, filler, run / "trainer.log", 300, lambda: "".join(lines)[-3000:])
     reader.join(timeout=10)
     out = "".join(lines)
     assert proc.returncode == 0, out[-4000:]
