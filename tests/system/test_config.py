@@ -38,6 +38,14 @@ def one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> str:
     return lines[0]
 
 
+def refused_in_one_line(path: Path, text: str, load_file, error: type, key: str, expected: str):
+    """`load_file(path)` of `text` raises `error` in one line naming `key` and `expected`."""
+    path.write_text(text)
+    with pytest.raises(error) as err:
+        load_file(path)
+    assert key in str(err.value) and expected in str(err.value) and "\n" not in str(err.value)
+
+
 # -- supervisor -----------------------------------------------------------------------------
 
 BAD_SUPERVISOR = [
@@ -60,11 +68,7 @@ BAD_SUPERVISOR = [
 
 @pytest.mark.parametrize("text,key,expected", BAD_SUPERVISOR)
 def test_a_bad_supervisor_setting_names_the_key_and_type(tmp_path, text, key, expected):
-    path = tmp_path / "supervisor.toml"
-    path.write_text(text)
-    with pytest.raises(SettingsError) as err:
-        load(path)
-    assert key in str(err.value) and expected in str(err.value) and "\n" not in str(err.value)
+    refused_in_one_line(tmp_path / "supervisor.toml", text, load, SettingsError, key, expected)
 
 
 def test_the_supervisor_cli_refuses_a_bad_file_in_one_line_exit_2(tmp_path):
@@ -153,11 +157,8 @@ BAD_AGENT = [
 
 @pytest.mark.parametrize("text,key,expected", BAD_AGENT)
 def test_a_bad_agent_setting_names_the_key_and_type(tmp_path, text, key, expected):
-    path = tmp_path / "agent.toml"
-    path.write_text(text)
-    with pytest.raises(AgentConfigError) as err:
-        load_config(path, {})
-    assert key in str(err.value) and expected in str(err.value) and "\n" not in str(err.value)
+    refused_in_one_line(tmp_path / "agent.toml", text, lambda path: load_config(path, {}),
+                        AgentConfigError, key, expected)  # fmt: skip
 
 
 def test_the_agent_cli_refuses_a_bad_file_in_one_line_exit_2(tmp_path):
