@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from rankguard.cli.local_stack import (  # noqa: F401  (the tests take them from here)
     RANKGUARD,
@@ -70,6 +73,18 @@ def run_in_own_session(cmd: list[str], *, env: dict, cwd: Path, timeout: float) 
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
     return proc.returncode, output
+
+
+def closing_fixture(make):
+    """A test's rig as a fixture: `make(tmp_path)` (what starts the rig's processes), its
+    `close()` called after the test; the module names it (`rig = closing_fixture(Rig)`)."""
+
+    @pytest.fixture
+    def fixture(tmp_path):
+        with contextlib.closing(make(tmp_path)) as rig:
+            yield rig
+
+    return fixture
 
 
 def read_json(path: Path) -> dict:

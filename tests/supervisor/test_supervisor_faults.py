@@ -12,10 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 from harness import (
+    closing_fixture,
     free_port,
     http_json,
     read_json,
@@ -78,18 +80,13 @@ class Rig:
         self.agent.stop()
 
 
-@pytest.fixture
-def rig(tmp_path):
-    r = Rig(tmp_path)
-    yield r
-    r.close()
+rig = closing_fixture(Rig)
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """The uninterrupted reference run, supervised: it must raise no alarm at all."""
-    rig = Rig(tmp_path_factory.mktemp("clean"))
-    try:
+    with closing(Rig(tmp_path_factory.mktemp("clean"))) as rig:
         proc = rig.train()
         assert proc.returncode == 0, proc.stderr[-3000:]
         time.sleep(1)  # one more pass after the end
@@ -97,8 +94,6 @@ def clean(tmp_path_factory):
         cli = {c: rig.cli(c, "--json") for c in ("health", "ranks", "incidents")}
         return {"summary": rig.summary(), "incidents": rig.incidents(), "cluster": cluster,
                 "cli": cli}  # fmt: skip
-    finally:
-        rig.close()
 
 
 def when_step(rig: Rig, rank: int, step: int, timeout: float = 120) -> dict:

@@ -15,11 +15,12 @@ import os
 import shutil
 import signal
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 from etcd_cluster import ETCD, SKIP_REASON, EtcdCluster
-from harness import http_json, read_json, start_supervisor, wait_until
+from harness import closing_fixture, http_json, read_json, start_supervisor, wait_until
 from netns import Cluster, Node
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -120,25 +121,18 @@ class Rig:
             self.cluster.close()
 
 
-@pytest.fixture
-def rig(tmp_path):
-    r = Rig(tmp_path)
-    yield r
-    r.close()
+rig = closing_fixture(Rig)
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """The uninterrupted 3-node run (every checkpoint kept, for the shrink references)."""
-    rig = Rig(tmp_path_factory.mktemp("clean3"), supervised=False)
-    try:
+    with closing(Rig(tmp_path_factory.mktemp("clean3"), supervised=False)) as rig:
         rig.train()
         assert set(rig.wait().values()) == {0}, rig.logs()
         s = rig.summary()
         assert (s["final_step"], s["world_size"], s["restart_count"]) == (STEPS, 3, 0), s
         return {"summary": s, "ckpt": rig.tmp / "ckpt"}
-    finally:
-        rig.close()
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +147,9 @@ def resumed_reference(clean, tmp_path_factory):
             tmp = tmp_path_factory.mktemp(f"resumed{n}-{step}")
             name = f"step-{step:08d}"
             shutil.copytree(clean["ckpt"] / name, tmp / "ckpt" / name)
-            rig = Rig(tmp, n=n, supervised=False)
-            try:
+            with closing(Rig(tmp, n=n, supervised=False)) as rig:
                 rig.train()
                 assert set(rig.wait().values()) == {0}, rig.logs()
-            finally:
-                rig.close()
             s = rig.summary()
             assert (s["final_step"], s["world_size"], s["resumed_from"]) == (STEPS, n, step), s
             cache[(n, step)] = s["param_digest"]

@@ -19,7 +19,7 @@ import time
 
 import pytest
 from etcd_cluster import ETCD, SKIP_REASON, EtcdCluster
-from harness import http_json, wait_until
+from harness import closing_fixture, http_json, wait_until
 from netns import Cluster
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow,
@@ -103,11 +103,7 @@ class Pair:
             self.cluster.close()
 
 
-@pytest.fixture
-def pair(tmp_path):
-    p = Pair(tmp_path)
-    yield p
-    p.close()
+pair = closing_fixture(Pair)
 
 
 def test_the_standby_finishes_the_leaders_incident_once_when_the_leader_is_cut_off(pair):
