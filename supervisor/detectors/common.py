@@ -37,28 +37,36 @@ def gpu_note(rank: RankObs | None) -> tuple[dict, str]:
     return {"gpu": gpu.to_json()}, clause
 
 
-def hang_finding(
+def job_finding(
+    kind: str,
     job: str,
     key: str,
-    culprit: RankObs | None,
+    rank: RankObs | None,
     *,
+    severity: str,
     summary: str,
     occurred_at: float,
     evidence: dict,
 ) -> Finding:
-    """A hang, as every hang detector reports it: `key` says what was judged within the
-    job; node and rank are the culprit's when one is named."""
+    """A finding about a job, keyed `kind:job:key` (`key`: what was judged within the job);
+    node and rank are `rank`'s when one is named."""
     return Finding(
-        kind=RANK_HUNG,
-        key=f"rank_hung:{job}:{key}",
-        severity="critical",
+        kind=kind,
+        key=f"{kind}:{job}:{key}",
+        severity=severity,
         summary=summary,
         job=job,
-        node=culprit.node if culprit else None,
-        rank=culprit.rank if culprit else None,
+        node=rank.node if rank else None,
+        rank=rank.rank if rank else None,
         occurred_at=occurred_at,
         evidence=evidence,
     )
+
+
+def hang_finding(job: str, key: str, culprit: RankObs | None, **fields) -> Finding:
+    """A hang, as every hang detector reports it (critical; `fields`: summary, occurred_at
+    and evidence): node and rank are the culprit's when one is named."""
+    return job_finding(RANK_HUNG, job, key, culprit, severity="critical", **fields)
 
 
 def progress(r: RankObs) -> str:

@@ -23,6 +23,7 @@ from .common import (
     at_least,
     check_settings,
     incarnation,
+    job_finding,
     median,
     median_without,
     node_url,
@@ -116,16 +117,15 @@ def detect(obs: ClusterObs, history: History, cfg: DetectorConfig) -> list[Findi
             )
             peers_text = f"peers' {peers_wait:.3f}s" if peers_wait is not None else "no peers"
             out.append(
-                Finding(
-                    kind=DATA_STALL,
-                    key=f"data_stall:{job}:{r.rank}:{restart}",
+                job_finding(
+                    DATA_STALL,
+                    job,
+                    f"{r.rank}:{restart}",  # in a later incarnation, a new incident
+                    r,
                     severity="warning",
                     summary=f"job {job} rank {r.rank} on {r.node} stalls on data in phase "
                     f"{newest.phase}: waits {wait:.3f}s a step ({share:.0%} of it) vs its own "
                     f"{w.baseline:.3f}s before and {peers_text}",
-                    job=job,
-                    node=r.node,
-                    rank=r.rank,
                     occurred_at=began,
                     evidence={
                         "restart": restart,

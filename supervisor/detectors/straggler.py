@@ -59,6 +59,7 @@ from .common import (
     check_settings,
     gpu_note,
     incarnation,
+    job_finding,
     median,
     median_without,
     node_url,
@@ -511,16 +512,15 @@ def _finding(case: _Case, judged: _Verdict, raw: _Verdict | None) -> Finding:
     accumulated = ""
     if _accumulated(evidence, cfg.straggler):
         accumulated = f", excess {judged.excess:.1f} over {judged.excess_seconds:.1f}s"
-    return Finding(
-        kind=STRAGGLER,
-        key=f"straggler:{job}:{r.rank}:{restart}",
+    return job_finding(
+        STRAGGLER,
+        job,
+        f"{r.rank}:{restart}",  # in a later incarnation, a new incident
+        r,
         severity="warning",
         summary=f"job {job} rank {r.rank} on {r.node} is a straggler: {what} "
         f"{judged.mine:.3f}s vs peers' {judged.peers:.3f}s ({judged.ratio:.2f}x{accumulated}); peers "
         f"wait {peers_comm:.3f}s in communication vs its {suspect.comm:.3f}s{gpu_clause}",
-        job=job,
-        node=r.node,
-        rank=r.rank,
         occurred_at=obs.time,
         evidence=evidence,
     )
