@@ -1,6 +1,7 @@
 """deploy/slurm: the scripts parse and pass shellcheck, the prolog/epilog helper keeps a
-valid agents file, and the sbatch script's launch runs for one node with stub srun and
-scontrol (real torchrun, real agent and supervisor)."""
+valid agents file, the sbatch script's launch runs for one node with stub srun and
+scontrol (real torchrun, real agent and supervisor), and the control-plane job runs real
+etcd members and a supervisor pair that a training job rendezvouses through."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from harness import free_port, http_json, start_agent, start_supervisor
+from etcd_cluster import ETCD, SKIP_REASON
+from harness import free_port, http_json, start_agent, start_supervisor, wait_until
 
 from rankguard.supervisor.agents import AgentsFile
 
@@ -69,7 +71,7 @@ def _stubs(tmp_path: Path) -> Path:
     """srun runs the command here (and notes the supervisor URL its steps see); scontrol
     lists the node list's hosts."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)  # the same stubs for every script of a test
     (bin_dir / "srun").write_text(
         "#!/usr/bin/env bash\n# test stub: drop the options, run the command on this host\n"
         f'echo "${{RANKGUARD_SUPERVISOR:-unset}}" >>{tmp_path}/srun-supervisor\n'
@@ -221,3 +223,136 @@ def test_sbatch_launches_torchrun_with_the_agent_and_supervisor(tmp_path):
         assert "rendezvous store on localhost:" in proc.stdout
     finally:
         agent.stop()
+
+
+# -- the control plane job: etcd members and a supervisor pair ---------------------------
+
+CONTROL = SLURM / "rankguard-control.sbatch"
+
+
+def _control_env(tmp_path: Path, bin_dir: Path, agents_file: Path, **variables: str) -> dict:
+    """Three "nodes" on this host: 127.0.0.1, .2 and .3 (their names are their loopback
+    addresses, so each listens on its own address with the same ports, as nodes would)."""
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "5151", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2,127.0.0.3",
+        "RANKGUARD": str(Path(sys.executable).with_name("rankguard")), "PYTHON": sys.executable,
+        "ETCD": ETCD or "/usr/bin/etcd",
+        "RANKGUARD_DIR": str(tmp_path / "control"),
+        "RANKGUARD_ETCD_DATA": str(tmp_path / "etcd-data"),
+        "ETCD_CLIENT_PORT": str(free_port()), "ETCD_PEER_PORT": str(free_port()),
+        "RANKGUARD_SUPERVISOR_PORT": str(free_port()),
+        "RANKGUARD_AGENTS_FILE": str(agents_file),
+        "RANKGUARD_TOKEN_FILE": str(tmp_path / "token"),
+        **variables,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [({"SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2"}, "need as many nodes"),
+     ({"RANKGUARD_ETCD_MEMBERS": "4"}, "RANKGUARD_ETCD_MEMBERS must be 3 or 5"),
+     ({"RANKGUARD_SUPERVISORS": "1"}, "RANKGUARD_SUPERVISORS must be 2 or 3"),
+     ({"RANKGUARD_AGENTS_FILE": "/nonexistent/agents"}, "does not exist"),
+     ({"SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2,192.0.2.7"}, "resolve to loopback"),
+     ({"SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2,no-such-node.invalid"}, "cannot resolve")],
+)  # fmt: skip
+def test_control_job_refuses_what_it_cannot_run(tmp_path, variables, named):
+    agents = tmp_path / "agents"
+    agents.write_text("")
+    env = _control_env(tmp_path, _stubs(tmp_path), agents, **variables)
+    proc = subprocess.run([str(CONTROL)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "control").exists()  # refused before anything started
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+@pytest.mark.slow
+def test_control_job_runs_etcd_and_a_supervisor_pair_that_a_training_job_uses(tmp_path):
+    """The control job on three "nodes" (stub srun and scontrol; real etcd, real
+    supervisors): it writes the etcd endpoint once the members answer and the
+    supervisors' URLs; one supervisor leads, the other names it; a member killed is
+    started again on its node; a training job (rankguard-train.sbatch, real torchrun)
+    given the endpoint and a supervisor rendezvouses in etcd and both supervisors see it
+    finish; scancel's SIGTERM stops every service. Not run here: a Slurm controller, nodes
+    that are different hosts (three loopback addresses of one)."""
+    from rankguard.service.etcd import EtcdClient, parse_endpoints
+
+    if ETCD is None:
+        pytest.skip(SKIP_REASON)
+    agent = start_agent(tmp_path, "localhost")
+    agents = tmp_path / "agents"
+    agents.write_text(f"{agent.url}\n")
+    bin_dir = _stubs(tmp_path)
+    env = _control_env(tmp_path, bin_dir, agents)
+    control = tmp_path / "control"
+    with open(tmp_path / "control.out", "w") as out:
+        job = subprocess.Popen([str(CONTROL)], cwd=tmp_path, env=env, stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def output() -> str:
+        return (tmp_path / "control.out").read_text()[-4000:]
+
+    try:
+        endpoint = wait_until(lambda: (control / "etcd-endpoint").read_text().strip(), 120,
+                              "the control job's etcd-endpoint file")  # fmt: skip
+        port = env["ETCD_CLIENT_PORT"]
+        assert endpoint == f"etcd://127.0.0.1:{port},127.0.0.2:{port},127.0.0.3:{port}"
+        client = EtcdClient(parse_endpoints(endpoint), timeout=10)
+        client.put(b"rankguard/test", b"ok")
+        urls = wait_until(lambda: (control / "supervisors").read_text().split(), 30,
+                          "the supervisors file")  # fmt: skip
+        sup_port = env["RANKGUARD_SUPERVISOR_PORT"]
+        assert urls == [f"http://127.0.0.1:{sup_port}", f"http://127.0.0.2:{sup_port}"]
+
+        def leaders() -> list | None:
+            views = [http_json(u + "/v1/cluster", timeout=2)["leadership"] for u in urls]
+            return views if all(v["leader"] for v in views) else None
+
+        views = wait_until(leaders, 60, "both supervisors naming a leader " + output())
+        assert sorted(v["name"] for v in views) == ["127.0.0.1", "127.0.0.2"]
+        assert [v["leading"] for v in views].count(True) == 1
+        assert len({v["leader"] for v in views}) == 1, views
+
+        # a member that dies is started again on its node, with its data
+        (member,) = [p for p in _descendants(job.pid)
+                     if p.name() == "etcd" and "127.0.0.3" in p.cmdline()]  # fmt: skip
+        member.kill()
+        assert client.get(b"rankguard/test").value == b"ok"  # two of three serve
+        wait_until(lambda: [p for p in _descendants(job.pid)
+                            if p.name() == "etcd" and "127.0.0.3" in p.cmdline()
+                            and p.pid != member.pid], 30, "the member started again")  # fmt: skip
+        assert "etcd 127.0.0.3 on 127.0.0.3 ended; starting it again in 5 s" in output()
+
+        # a training job meets in etcd and is watched by the pair
+        train_env = _one_node_env(tmp_path, agent, "5252", RANKGUARD_RENDEZVOUS=endpoint,
+                                  RANKGUARD_SUPERVISOR=urls[0])  # fmt: skip
+        proc = _sbatch(tmp_path, train_env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        assert f"--rdzv-endpoint {endpoint}" in proc.stdout
+        assert "rendezvous store on" not in proc.stdout  # no c10d store started
+        assert client.count(b"rankguard/rdzv/5252/") > 0
+        for url in urls:
+            seen = wait_until(lambda url=url: http_json(url + "/v1/cluster")["jobs"].get(
+                "slurm-5252", {}).get("state") == "finished", 30, f"{url} seeing the job")  # fmt: skip
+            assert seen
+    finally:
+        if job.poll() is None:
+            job.terminate()  # scancel's SIGTERM to the batch script
+        try:
+            assert job.wait(timeout=30) == 0, output()
+        finally:
+            for p in _descendants(job.pid) if job.poll() is None else []:
+                p.kill()
+            agent.stop()
+    for i in (1, 2, 3):  # every service stopped with the job
+        with pytest.raises(OSError):
+            http_json(f"http://127.0.0.{i}:{env['ETCD_CLIENT_PORT']}/health", timeout=1)
