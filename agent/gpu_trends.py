@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -39,35 +39,56 @@ WINDOW_SECONDS = 600.0
 FAILING_SIGNALS = 2
 
 
+@dataclass
+class _Series:
+    """One GPU's signal: its newest sample, and (for a counter) the rises still in the
+    window, each with the time of the sample it rose from. Only rises are kept, so a
+    quiet counter costs nothing however long the window (was: every sample, summed again
+    at each collection)."""
+
+    last: tuple[float, float] | None = None  # (time, value) of the newest sample
+    rises: deque[tuple[float, float]] = field(default_factory=deque)
+
+
 class Trends:
-    """Each GPU's samples of the signals over the window."""
+    """Each GPU's signals over the window."""
 
     def __init__(self, window: float = WINDOW_SECONDS) -> None:
         self.window = window
-        self._samples: dict[str, deque[tuple[float, dict[str, float]]]] = {}
+        self._series: dict[str, dict[str, _Series]] = {}
+        self._cutoff: dict[str, float] = {}  # per GPU: samples before it left the window
 
     def observe(self, gpu: str, t: float, values: Mapping[str, float | None]) -> None:
         """One collection's values of `gpu` (a None or missing value: not read this time)."""
-        kept = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
-        samples = self._samples.setdefault(gpu, deque())
-        samples.append((t, kept))
-        while samples and samples[0][0] < t - self.window:
-            samples.popleft()
+        series = self._series.setdefault(gpu, {})
+        cutoff = self._cutoff[gpu] = t - self.window
+        for s in SIGNALS:
+            v = values.get(s.name)
+            one = series.setdefault(s.name, _Series())
+            if isinstance(v, (int, float)):
+                v = float(v)
+                # a reset to zero is no fall to count; the pair counts while its earlier
+                # sample is in the window
+                if s.counter and one.last is not None and v > one.last[1]:
+                    one.rises.append((one.last[0], v - one.last[1]))
+                one.last = (t, v)
+            while one.rises and one.rises[0][0] < cutoff:
+                one.rises.popleft()
 
     def forget(self, keep: set[str]) -> None:
         """Drop the GPUs not in `keep` (gone from the node)."""
-        for gpu in set(self._samples) - keep:
-            del self._samples[gpu]
+        for gpu in set(self._series) - keep:
+            del self._series[gpu], self._cutoff[gpu]
 
     def over(self, gpu: str) -> list[tuple[Signal, float]]:
         """The signals of `gpu` over their limits, with their values."""
-        samples = self._samples.get(gpu, ())
+        series, cutoff = self._series.get(gpu, {}), self._cutoff.get(gpu, 0.0)
         out = []
         for s in SIGNALS:
-            series = [v[s.name] for _, v in samples if s.name in v]
-            if not series:
-                continue
-            value = _increase(series) if s.counter else series[-1]
+            one = series.get(s.name)
+            if one is None or one.last is None or one.last[0] < cutoff:
+                continue  # no sample in the window
+            value = sum(r for _, r in one.rises) if s.counter else one.last[1]
             if value >= s.limit:
                 out.append((s, value))
         return out
@@ -75,13 +96,8 @@ class Trends:
     def failing(self) -> dict[str, list[tuple[Signal, float]]]:
         """The GPUs with at least FAILING_SIGNALS signals over their limits."""
         return {
-            g: over for g in sorted(self._samples) if len(over := self.over(g)) >= FAILING_SIGNALS
+            g: over for g in sorted(self._series) if len(over := self.over(g)) >= FAILING_SIGNALS
         }
-
-
-def _increase(series: list[float]) -> float:
-    """A counter's increase: the sum of its rises (a reset to zero is no fall to count)."""
-    return sum(max(0.0, b - a) for a, b in zip(series, series[1:], strict=False))
 
 
 def describe(over: list[tuple[Signal, float]], window: float = WINDOW_SECONDS) -> str:

@@ -166,8 +166,40 @@ def _sub(*keys: str) -> Callable[[dict], Any]:
     return get
 
 
+def _retired(key: str) -> Callable[[dict], Any]:
+    def get(gpu: dict) -> Any:
+        pages = gpu.get("retired_pages")
+        if pages is None:
+            return None  # a GPU that remaps rows instead
+        if key == "pending":
+            return int(bool(gpu.get("retired_pages_pending")))
+        if not isinstance(pages, dict):  # a bare count means double-bit retirements
+            pages = {"double_bit": pages}
+        return int(pages.get(key, 0))
+
+    return get
+
+
+def _remapped(key: str) -> Callable[[dict], Any]:
+    def get(gpu: dict) -> Any:
+        rows = gpu.get("remapped_rows")
+        return None if rows is None else int(rows.get(key, 0))
+
+    return get
+
+
 # NVML field id -> the GPU state value it reads (None: NOT_SUPPORTED in that entry).
 FIELDS: dict[int, Callable[[dict], Any]] = {
+    pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: _sub("energy_mj"),
+    pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: _sub("ecc", "corrected"),
+    pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: _sub("ecc", "uncorrected"),
+    pynvml.NVML_FI_DEV_RETIRED_SBE: _retired("single_bit"),
+    pynvml.NVML_FI_DEV_RETIRED_DBE: _retired("double_bit"),
+    pynvml.NVML_FI_DEV_RETIRED_PENDING: _retired("pending"),
+    pynvml.NVML_FI_DEV_REMAPPED_COR: _remapped("correctable"),
+    pynvml.NVML_FI_DEV_REMAPPED_UNC: _remapped("uncorrectable"),
+    pynvml.NVML_FI_DEV_REMAPPED_PENDING: _remapped("pending"),
+    pynvml.NVML_FI_DEV_REMAPPED_FAILURE: _remapped("failure"),
     pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: _sub("nvlink_errors", "crc_flit"),
     pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: _sub("nvlink_errors", "crc_data"),
     pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: _sub("nvlink_errors", "replay"),

@@ -111,6 +111,8 @@ def thread_group(name: str) -> str:
         return "collectors (main thread)"
     if "http" in name or name.startswith("Thread-"):
         return "HTTP"
+    if name.startswith("rankguard-nvml"):
+        return "GPU reads (a thread per GPU)"
     return "other (watchers, XID events)"
 
 

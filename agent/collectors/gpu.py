@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import queue
 import threading
 import time
 from collections import Counter, deque
@@ -218,6 +219,44 @@ class GpuReading:
     samples: dict[str, Any] = field(default_factory=dict)  # gpu_samplers.py, by sampler
 
 
+# The reading's counters, read in the samplers' one batched nvmlDeviceGetFieldValues per
+# GPU (not one call each: 14 NVML calls per GPU and collection became 8).
+CORE_FIELDS = {
+    "energy_mj": pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
+    "ecc_corrected": pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,  # volatile, since driver load
+    "ecc_uncorrected": pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL,
+    "retired_single_bit_ecc": pynvml.NVML_FI_DEV_RETIRED_SBE,  # pages; before Ampere
+    "retired_double_bit_ecc": pynvml.NVML_FI_DEV_RETIRED_DBE,
+    "retired_pending": pynvml.NVML_FI_DEV_RETIRED_PENDING,
+    "remapped_correctable": pynvml.NVML_FI_DEV_REMAPPED_COR,  # rows; Ampere on
+    "remapped_uncorrectable": pynvml.NVML_FI_DEV_REMAPPED_UNC,
+    "remapped_pending": pynvml.NVML_FI_DEV_REMAPPED_PENDING,
+    "remapped_failure": pynvml.NVML_FI_DEV_REMAPPED_FAILURE,
+}
+
+
+def _group(values: dict[str, float | None], prefix: str, keys: tuple[str, ...]) -> dict | None:
+    """{key: int} of the fields `prefix + key`; None when the GPU supports none of them
+    (ECC off, page retirement on a GPU that remaps rows)."""
+    got = {k: values.get(prefix + k) for k in keys}
+    if all(v is None for v in got.values()):
+        return None
+    return {k: int(v or 0) for k, v in got.items()}
+
+
+def apply_core_fields(reading: GpuReading, values: dict[str, float | None]) -> None:
+    energy = values.get("energy_mj")
+    reading.energy_joules = None if energy is None else mj_to_joules(energy)
+    reading.ecc = _group(values, "ecc_", ("corrected", "uncorrected"))
+    reading.retired_pages = _group(values, "retired_", ("single_bit_ecc", "double_bit_ecc"))
+    pending = values.get("retired_pending")
+    reading.retired_pages_pending = None if reading.retired_pages is None or pending is None \
+        else int(pending)  # fmt: skip
+    reading.remapped_rows = _group(
+        values, "remapped_", ("correctable", "uncorrectable", "pending", "failure")
+    )
+
+
 class _GpuLost(Exception):
     pass
 
@@ -227,17 +266,14 @@ class DriverHung(Exception):
 
 
 class _Call:
-    """One GPU's read, in a daemon thread of its own: a call that never returns holds
-    that thread only, not the collection nor the agent's exit."""
+    """One call's outcome, filled in by the worker that runs it."""
 
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+    def __init__(self) -> None:
         self.done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(fn, args), name="rankguard-nvml",
-                         daemon=True).start()  # fmt: skip
 
-    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+    def run(self, fn: Callable[..., Any], args: tuple) -> None:
         try:
             self._result = fn(*args)
         except BaseException as exc:  # handed to the collection, as a direct call would
@@ -249,6 +285,31 @@ class _Call:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class _Worker:
+    """A standing daemon thread for one GPU's reads (or one driver call), a call at a
+    time: a collection wakes it rather than starting a thread per GPU. A call that never
+    returns holds this worker only, not the collection nor the agent's exit; the
+    collector gives a busy worker nothing more until that call has returned."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Call:
+        call = _Call()
+        self._jobs.put((call, fn, args))
+        return call
+
+    def stop(self) -> None:
+        """Ends the thread once its current call (if any) returns."""
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            call, fn, args = job
+            call.run(fn, args)
 
 
 # --- XID events --------------------------------------------------------------------------
@@ -381,9 +442,10 @@ class GpuCollector(Collector):
         # its /metrics and its watchdog ping. index -> (its read still running, since when)
         self._stuck: dict[int, tuple[_Call, float]] = {}
         self._driver_calls: dict[str, _Call] = {}  # init and count, by name (_driver)
-        self._samplers = Samplers(
-            self.config.slow_interval, load_samplers()
-        )  # run inside each GPU's read
+        self._workers: dict[int | str, _Worker] = {}  # by GPU index or driver call name
+        self._samplers = Samplers(  # run inside each GPU's read
+            self.config.slow_interval, load_samplers(), core_fields=CORE_FIELDS
+        )
 
     # --- lifecycle ---
 
@@ -394,12 +456,22 @@ class GpuCollector(Collector):
         name = fn.__name__
         pending = self._driver_calls.get(name)
         if pending is None or pending.done.is_set():
-            pending = self._driver_calls[name] = _Call(fn)
+            pending = self._driver_calls[name] = self._worker(name).submit(fn)
         if not pending.done.wait(self.config.read_deadline_seconds):
             raise DriverHung(f"{name} has not returned for "
                              f"{self.config.read_deadline_seconds:g}s (a hung driver)")  # fmt: skip
         del self._driver_calls[name]
         return pending.get()
+
+    def _worker(self, key: int | str) -> _Worker:
+        worker = self._workers.get(key)
+        if worker is None:
+            worker = self._workers[key] = _Worker(f"rankguard-nvml-{key}")
+        return worker
+
+    def _stop_workers(self, keep: Callable[[int | str], bool] = lambda key: False) -> None:
+        for key in [k for k in self._workers if not keep(k)]:
+            self._workers.pop(key).stop()
 
     def _try_init(self, now: float) -> None:
         if now < self._next_init:
@@ -448,6 +520,7 @@ class GpuCollector(Collector):
 
     def close(self) -> None:
         self._shutdown()
+        self._stop_workers()
         self.reason = "closed"
         self._next_init = float("-inf")  # a collect after close starts afresh
 
@@ -460,6 +533,7 @@ class GpuCollector(Collector):
         for gone in self.gpus[count:]:
             self._free_gpm(gone)
         del self.gpus[count:]
+        self._stop_workers(keep=lambda key: isinstance(key, str) or key < count)
         for gpu in self.gpus:
             if gpu.handle is not None:
                 continue
@@ -575,17 +649,11 @@ class GpuCollector(Collector):
             reading.temperature = opt("nvmlDeviceGetTemperature", h, nvml.NVML_TEMPERATURE_GPU)
             power = opt("nvmlDeviceGetPowerUsage", h)
             reading.power_watts = mw_to_watts(power) if power is not None else None
-            energy = opt("nvmlDeviceGetTotalEnergyConsumption", h)
-            reading.energy_joules = mj_to_joules(energy) if energy is not None else None
             clock = opt("nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_SM)
             reading.sm_clock_hertz = mhz_to_hertz(clock) if clock is not None else None
             reading.clock_event_mask = self._clock_event_mask(h)
-            reading.ecc = self._ecc(h)
-            reading.retired_pages, reading.retired_pages_pending = self._retired_pages(h)
-            rows = opt("nvmlDeviceGetRemappedRows", h)
-            if rows is not None:
-                keys = ("correctable", "uncorrectable", "pending", "failure")
-                reading.remapped_rows = dict(zip(keys, map(int, rows), strict=True))
+            reading.samples, core = self._sample(gpu)
+            apply_core_fields(reading, core)
             if do_gpm:
                 self._read_gpm(gpu)
             if do_pcie:
@@ -596,7 +664,6 @@ class GpuCollector(Collector):
                     gpu.pcie = (kbps_to_bytes_per_second(tx), kbps_to_bytes_per_second(rx))
             if want_procs:
                 reading.processes = self._processes(h)
-            reading.samples = self._sample(gpu)
         except _GpuLost as exc:
             if not gpu.lost:
                 log.warning("gpu %d (%s) lost: %s", gpu.index, gpu.uuid, exc)
@@ -611,40 +678,11 @@ class GpuCollector(Collector):
         reading.pcie = gpu.pcie
         return reading
 
-    def _sample(self, gpu: _Gpu) -> dict[str, Any]:
+    def _sample(self, gpu: _Gpu) -> tuple[dict[str, Any], dict[str, float | None]]:
         try:
             return self._samplers.read(self.nvml, gpu.handle, gpu.samples, self.ctx.clock())
         except pynvml.NVMLError as exc:  # only a lost GPU's error gets out of the samplers
             raise _GpuLost(str(exc)) from exc
-
-    def _ecc(self, h: Any) -> dict[str, int] | None:
-        nvml = self.nvml
-        out = {}
-        for kind, error_type in (
-            ("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-            ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
-        ):
-            value = self._optional(
-                "nvmlDeviceGetTotalEccErrors", h, error_type, nvml.NVML_VOLATILE_ECC
-            )
-            if value is None:
-                return None  # ECC off or unsupported
-            out[kind] = int(value)
-        return out
-
-    def _retired_pages(self, h: Any) -> tuple[dict[str, int] | None, int | None]:
-        nvml = self.nvml
-        out = {}
-        for cause, source in (
-            ("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-            ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
-        ):
-            pages = self._optional("nvmlDeviceGetRetiredPages", h, source)
-            if pages is None:
-                return None, None  # Ampere+ remap rows instead
-            out[cause] = len(pages)
-        pending = self._optional("nvmlDeviceGetRetiredPagesPendingStatus", h)
-        return out, None if pending is None else int(pending)
 
     # --- collect ---
 
@@ -691,7 +729,7 @@ class GpuCollector(Collector):
                 del self._stuck[index]
                 log.warning("gpu %d answers again", index)
         started = {
-            gpu.index: _Call(self._read, gpu, do_gpm, do_pcie, want_procs)
+            gpu.index: self._worker(gpu.index).submit(self._read, gpu, do_gpm, do_pcie, want_procs)
             for gpu in self.gpus
             if gpu.index not in self._stuck
         }

@@ -153,18 +153,25 @@ class Samplers:
         slow_interval: float,
         registry: dict[str, type[GpuSampler]],
         names: Iterable[str] | None = None,
+        core_fields: dict[str, int] | None = None,
     ) -> None:
         self.slow_interval = slow_interval
         self.samplers = [registry[n]() for n in (names if names is not None else sorted(registry))]
-        self._fast = {(s.name, k): fid for s in self.samplers for k, fid in s.fields.items()}
+        # The collector's own counters ride in the same batched call (sampler name "").
+        self._core = {("", k): fid for k, fid in (core_fields or {}).items()}
+        self._fast = {**self._core,
+                      **{(s.name, k): fid for s in self.samplers for k, fid in s.fields.items()}}  # fmt: skip
         self._slow = {(s.name, k): fid for s in self.samplers for k, fid in s.slow_fields.items()}
         self._logged: set[tuple[str, str]] = set()
 
-    def read(self, nvml: Any, handle: Any, state: SamplerState, now: float) -> dict[str, Any]:
-        """name -> merged reading (slow values kept from their last sample), plus
-        "_skipped": {name: reason} for samplers that had nothing to say on this GPU."""
+    def read(self, nvml: Any, handle: Any, state: SamplerState,
+             now: float) -> tuple[dict[str, Any], dict[str, float | None]]:  # fmt: skip
+        """(name -> merged reading (slow values kept from their last sample), plus
+        "_skipped": {name: reason} for samplers that had nothing to say on this GPU;
+        the collector's `core_fields` by key, None where unsupported)."""
         call = _optional(nvml, handle)
         fast_values = _read_fields(nvml, handle, self._fast)
+        core = {key: fast_values[(name, key)] for name, key in self._core}
         slow_due = now >= state.next_slow
         if slow_due:
             slow_values = _read_fields(nvml, handle, self._slow)
@@ -189,7 +196,7 @@ class Samplers:
                     skipped[s.name] = why
         if skipped:
             out["_skipped"] = skipped
-        return out
+        return out, core
 
     def _run(self, s: GpuSampler, fn: Callable, call: Callable, values: dict,
              skipped: dict[str, str]) -> dict | None:  # fmt: skip

@@ -199,6 +199,22 @@ def test_unsupported_queries_are_left_out(gpu_collector):
     assert gpu["gpm_supported"] is False
 
 
+def test_the_counters_come_in_one_batched_field_read_per_gpu(gpu_collector):
+    # Each NVML call costs its latency (and a GIL hand-over): ECC, page retirement, row
+    # remapping and energy are fields of the samplers' one nvmlDeviceGetFieldValues.
+    collector, nvml, clock = gpu_collector(make_double(8))
+    collector.collect()
+    clock.t += 2
+    nvml.calls.clear()
+    collector.collect()
+    per_gpu = {name: n / 8 for name, n in nvml.calls.items() if name.startswith("nvmlDevice")}
+    assert per_gpu["nvmlDeviceGetFieldValues"] == 1
+    for single in ("nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRetiredPages",
+                   "nvmlDeviceGetRemappedRows", "nvmlDeviceGetTotalEnergyConsumption"):  # fmt: skip
+        assert single not in per_gpu, per_gpu
+    assert sum(n for name, n in per_gpu.items() if name != "nvmlDeviceGetCount") <= 9, per_gpu
+
+
 def test_old_driver_clock_reasons_fallback(gpu_collector):
     class OldDriver(NvmlDouble):
         def nvmlDeviceGetCurrentClocksEventReasons(self, handle):

@@ -261,10 +261,10 @@ def test_pid_readers_explain_vanished_and_unreadable(tmp_path, monkeypatch):
     (tmp_path / "7").mkdir()
     (tmp_path / "7" / "io").write_text(PID_IO)
 
-    def denied(self, *a, **k):
+    def denied(*a, **k):
         raise PermissionError(13, "Permission denied")
 
     # the agent runs as root here, so chmod cannot make a file unreadable
-    monkeypatch.setattr(type(tmp_path), "read_text", denied)
+    monkeypatch.setattr(procfs, "open", denied, raising=False)
     with pytest.raises(PermissionError, match="CAP_SYS_PTRACE"):
         procfs.read_pid_io(tmp_path, 7)
