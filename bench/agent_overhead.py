@@ -33,11 +33,13 @@ import gzip
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -357,6 +359,59 @@ def train(with_agent: bool, tmp: Path, steps: int) -> float:
     return s["tokens_per_second"]
 
 
+def gpu_collection_split(latency: dict | None, collections: int = 60) -> dict[str, float]:
+    """CPU per GPU collection at 8 doubled GPUs, in this process: all of it, and the part
+    spent inside the NVML double (its Python emulation of the driver and of the latency),
+    timed per call on the calling thread. Real NVML does the double's work in C and in
+    the driver, so "the collector" is the agent's own part."""
+    from rankguard.agent.collectors import CollectorContext
+    from rankguard.agent.collectors.gpu import GpuCollector
+    from rankguard.agent.nvml_double import NvmlDouble, make_double
+
+    nvml = NvmlDouble(make_double(n_gpus=8, **({"latency_s": latency} if latency else {})))
+    inside, lock = [0.0], threading.Lock()
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    inside[0] += time.thread_time() - t
+
+        return call
+
+    for name in dir(NvmlDouble):
+        if name.startswith("nvml") and callable(getattr(nvml, name)):
+            setattr(nvml, name, timed(getattr(nvml, name)))
+    ranks = [("bench", r, os.getpid()) for r in range(8)]  # the processes' read as well
+    collector = GpuCollector(CollectorContext(nvml=nvml, rank_processes=lambda: ranks))
+    try:
+        for _ in range(3):
+            collector.collect()
+        inside[0], before = 0.0, resource.getrusage(resource.RUSAGE_SELF)
+        for _ in range(collections):
+            collector.collect()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        collector.close()
+    total = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / collections
+    return {"all": total * 1e3, "inside the double": inside[0] / collections * 1e3,
+            "the collector": (total - inside[0] / collections) * 1e3}  # fmt: skip
+
+
+def split_table(latency: dict) -> list[str]:
+    rows = {"no latency": gpu_collection_split(None), LATENCY_LABEL: gpu_collection_split(latency)}
+    lines = ["", "GPU collection, in process (8 doubled GPUs, 8 ranks' processes, 60 "
+             "collections): CPU ms per collection", "",
+             "| NVML | all | inside the NVML double | the collector |", "|---|---|---|---|"]  # fmt: skip
+    for label, r in rows.items():
+        lines.append(f"| {label} | {r['all']:.2f} | {r['inside the double']:.2f} | "
+                     f"{r['the collector']:.2f} |")  # fmt: skip
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -418,6 +473,8 @@ def main() -> None:
                 runs[label].append(train(label == "with agent", Path(tmp), args.steps))
     gpu_desc = f"{costs[0]['gpus']} GPU(s), real NVML" if args.real_nvml else "8 GPUs (NVML double)"
     lines = cost_table(columns, gpu_desc, args.seconds)
+    if args.latency8:
+        lines += split_table(latency)
     if args.repeats:
         lines += [
             "",
