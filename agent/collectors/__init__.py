@@ -141,11 +141,19 @@ class Collector(ABC):
 REGISTRY: dict[str, type[Collector]] = {}
 
 
-def register(cls: type[Collector]) -> type[Collector]:
-    if cls.name in REGISTRY:
-        raise ValueError(f"collector {cls.name!r} registered twice")
-    REGISTRY[cls.name] = cls
-    return cls
+def registrar(table: dict[str, type], what: str) -> Callable[[type], type]:
+    """A class decorator entering a class in `table` under its `name`, once."""
+
+    def register(cls: type) -> type:
+        if cls.name in table:
+            raise ValueError(f"{what} {cls.name!r} registered twice")
+        table[cls.name] = cls
+        return cls
+
+    return register
+
+
+register = registrar(REGISTRY, "collector")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import pynvml
 
-from . import Metric
+from . import Metric, registrar
 
 log = logging.getLogger("rankguard.agent.collectors.gpu")
 
@@ -98,11 +98,7 @@ class GpuSampler(ABC):
 SAMPLERS: dict[str, type[GpuSampler]] = {}
 
 
-def register_sampler(cls: type[GpuSampler]) -> type[GpuSampler]:
-    if cls.name in SAMPLERS:
-        raise ValueError(f"GPU sampler {cls.name!r} registered twice")
-    SAMPLERS[cls.name] = cls
-    return cls
+register_sampler = registrar(SAMPLERS, "GPU sampler")
 
 
 # --- running them inside one GPU's read ----------------------------------------------------
