@@ -15,6 +15,7 @@ from .rules import Targets, alerting_rules, runbook_url
 AGENT = {"job": "rankguard-agent", "instance": "n1:9407"}
 AGENT2 = {"job": "rankguard-agent", "instance": "n2:9407"}
 SUP = {"job": "rankguard-supervisor", "instance": "head:9408"}
+SUP2 = {"job": "rankguard-supervisor", "instance": "head2:9408"}  # the pair's standby
 GPU0 = {"gpu": "0", "uuid": "GPU-0"}
 GPU1 = {"gpu": "1", "uuid": "GPU-1"}
 CKPT_FS = {"role": "checkpoint", "path": "/ckfs/ckpt", "mountpoint": "/ckfs", "fstype": "tmpfs"}
@@ -173,18 +174,20 @@ def _cases(t: Targets) -> list[dict]:
                     s("rankguard_rank_restarts", {**AGENT, "training_job": "calm", "rank": "0"}, "1x5")],
          "expect": {"JobCrashLooping": [("3m", []), ("5m", [alert(
              "critical", f"Job llm restarted 3 times in {t.crash_loop_window}", training_job="llm")])]}},
-        {"name": "the supervisor stopped a job",
+        {"name": "the supervisor stopped a job (one alert from a pair)",
          "series": [s("rankguard_supervisor_job_state", {**SUP, "training_job": "llm", "state": "stopped"}, "0 0 1 1"),
+                    s("rankguard_supervisor_job_state", {**SUP2, "training_job": "llm", "state": "stopped"}, "0 0 1 1"),
                     s("rankguard_supervisor_job_state", {**SUP, "training_job": "ok", "state": "stopped"}, "0x3")],
          "expect": {"JobStoppedBySupervisor": [("1m", []), ("3m", [alert(
-             "critical", "The supervisor stopped job llm", **SUP, training_job="llm", state="stopped")])]}},
-        {"name": "low goodput while running; a finished job is left alone",
+             "critical", "The supervisor stopped job llm", training_job="llm")])]}},
+        {"name": "low goodput while running (one alert from a pair); a finished job is left alone",
          "series": [s("rankguard_supervisor_goodput_ratio", {**SUP, "training_job": "llm"}, "0.5x60"),
+                    s("rankguard_supervisor_goodput_ratio", {**SUP2, "training_job": "llm"}, "0.5x60"),
                     s("rankguard_supervisor_job_state", {**SUP, "training_job": "llm", "state": "running"}, "1x60"),
                     s("rankguard_supervisor_goodput_ratio", {**SUP, "training_job": "done"}, "0.5x60"),
                     s("rankguard_supervisor_job_state", {**SUP, "training_job": "done", "state": "running"}, "0x60")],
          "expect": {"GoodputLow": [("20m", []), ("40m", [alert(
-             "warning", "Job llm goodput is 50%", **SUP, training_job="llm")])]}},
+             "warning", "Job llm goodput is 50%", training_job="llm")])]}},
         {"name": "a lost GPU",
          "series": [node_info(), s("rankguard_gpu_lost", {**AGENT, **GPU0}, "0x4"),
                     s("rankguard_gpu_lost", {**AGENT, **GPU1}, "0 0 1 1 1")],
@@ -262,11 +265,12 @@ def _cases(t: Targets) -> list[dict]:
              **AGENT, node="node-1", device="mlx5_0", port="1", type="symbol_error")])]}},
         {"name": "no new validated checkpoint for over an hour",
          "series": [s("rankguard_supervisor_checkpoint_timestamp_seconds", {**SUP, "training_job": "llm"}, "0x80"),
+                    s("rankguard_supervisor_checkpoint_timestamp_seconds", {**SUP2, "training_job": "llm"}, "0x80"),
                     s("rankguard_supervisor_job_state", {**SUP, "training_job": "llm", "state": "running"}, "1x80"),
                     s("rankguard_supervisor_checkpoint_timestamp_seconds", {**SUP, "training_job": "fresh"}, "0+60x80"),
                     s("rankguard_supervisor_job_state", {**SUP, "training_job": "fresh", "state": "running"}, "1x80")],
          "expect": {"CheckpointStale": [("30m", []), ("70m", [alert(
-             "warning", "Job llm has no new validated checkpoint for 1h 10m 0s", **SUP, training_job="llm")])]}},
+             "warning", "Job llm has no new validated checkpoint for 1h 10m 0s", training_job="llm")])]}},
         {"name": "checkpoint filesystem nearly full (one node) and full (another, mount unknown)",
          "series": [node_info(), node_info(AGENT2, "node-2"),
                     s("rankguard_filesystem_free_ratio", {**AGENT, "role": "checkpoint"}, "0.08x20"),

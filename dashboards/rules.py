@@ -248,12 +248,13 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               "Repeated restarts; the supervisor stops a job whose restarts make no checkpoint "
               "progress. Find the cause with `rankguard incidents`."),
         Alert("JobStoppedBySupervisor",
-              'rankguard_supervisor_job_state{state="stopped"} == 1',
+              'max by (training_job) (rankguard_supervisor_job_state{state="stopped"}) == 1',
               "critical", "The supervisor stopped job {{ $labels.training_job }}",
               "A crash loop or an exhausted restart budget: the verdict is in `rankguard health` "
               "and `rankguard incidents`."),
         Alert("GoodputLow",
-              f"rankguard_supervisor_goodput_ratio < {t.goodput_min} and on (training_job) ({RUNNING})",
+              f"max by (training_job) (rankguard_supervisor_goodput_ratio) < {t.goodput_min} "
+              f"and on (training_job) ({RUNNING})",
               "warning", "Job {{ $labels.training_job }} goodput is {{ $value | humanizePercentage }}",
               f"Productive step time is under {pct(t.goodput_min)} of wall time: restarts, "
               "replayed steps and hangs are eating the run.", "30m"),
@@ -329,7 +330,8 @@ def alerting_rules(t: Targets | None = None) -> list[Alert]:
               "Physical-layer errors or link drops on the port in the last 10 minutes: a "
               "failing cable, transceiver or switch port. Repeated ones slow or break NCCL."),
         Alert("CheckpointStale",
-              f"time() - rankguard_supervisor_checkpoint_timestamp_seconds > {t.checkpoint_max_age_seconds} "
+              f"time() - max by (training_job) (rankguard_supervisor_checkpoint_timestamp_seconds) "
+              f"> {t.checkpoint_max_age_seconds} "
               f"and on (training_job) ({RUNNING})",
               "warning", "Job {{ $labels.training_job }} has no new validated checkpoint for "
                          "{{ $value | humanizeDuration }}",

@@ -393,7 +393,7 @@ class Supervisor:
                 log.error("lifecycle: %s", exc)
         self._restart_phases(moves, obs, now)
         self._track_progress(obs, now)
-        self.scheduler.observe(obs)
+        self.scheduler.observe(obs, act=leading)
         with self._lock:
             self.last_obs = obs
             if full:  # the loop's figures are of the full passes
@@ -672,6 +672,11 @@ class Supervisor:
         if intent.done:
             self.store.complete_action(action_id, bool(intent.ok), now, result=intent.result,
                                        error=intent.error)  # fmt: skip
+            drained = (intent.result or {}).get("scheduler") if intent.kind == ACT_EXCLUDE_NODE \
+                else None  # fmt: skip
+            if isinstance(drained, dict) and drained.get("ok") is True:  # theirs to resume too
+                self.scheduler.remember(str(intent.target.get("node")), f"by {intent.leader}: "
+                                        f"{inc.summary}", intent.requested_at)  # fmt: skip
 
     def _claim(self, incident_key: str, kind: str, target: dict, now: float) -> bool:
         """Write the intent where every supervisor reads it, first: False when another has

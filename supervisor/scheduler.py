@@ -205,8 +205,19 @@ class Scheduler:
             log.error("node %s: drain failed: %s", node, outcome["error"])
         return outcome
 
-    def observe(self, obs: ClusterObs) -> list[dict]:
-        """One pass: count healthy verdicts, resume the nodes whose health check passed."""
+    def remember(self, node: str, reason: str, drained_at: float) -> None:
+        """A drain another supervisor of the pair made: this one resumes the node once its
+        health check passes, should it lead by then."""
+        with self._lock:
+            if node in self.drained:
+                return
+            self._conn.execute("INSERT OR REPLACE INTO scheduler_exclusions VALUES (?, ?, ?)",
+                               (node, reason, drained_at))  # fmt: skip
+            self.drained[node] = Drained(node, reason, drained_at)
+
+    def observe(self, obs: ClusterObs, act: bool = True) -> list[dict]:
+        """One pass: count healthy verdicts, resume the nodes whose health check passed
+        (with `act` False, a standby's pass: counted, nothing resumed)."""
         with self._lock:
             if not self.drained:
                 return []
@@ -214,6 +225,8 @@ class Scheduler:
             self.drained, ready = readmit(
                 self.drained, verdicts, self.cfg.resume_after_healthy_passes
             )
+            if not act:  # the streaks go on (a node past its streak stays); the leader resumes
+                return []
         outcomes = []
         for node in ready:
             outcome = self.nodes.resume(node)

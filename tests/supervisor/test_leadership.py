@@ -107,8 +107,10 @@ def test_the_leader_acts_once_the_standby_records_it_and_takes_over_without_repe
     try:
         for name in ("a", "b"):
             store = IncidentStore(tmp_path / f"{name}.db")
+            drains = SchedulerConfig(drain_command="true {node} {reason}",  # drained as asked
+                                     resume_command="true {node}")  # fmt: skip
             cfg = SupervisorConfig(etcd=etcd.endpoint, name=name, lease_seconds=TTL,
-                                   scheduler=SchedulerConfig(drain=False))  # fmt: skip
+                                   scheduler=drains)  # fmt: skip
             sup = Supervisor(store, lambda: [agent.url], "t" * 16, cfg)
             sup.poller.node_interval = 0
             sups.append(sup)
@@ -126,6 +128,8 @@ def test_the_leader_acts_once_the_standby_records_it_and_takes_over_without_repe
 
         (action,) = wait_until(copied, 10, "b's copy of a's action", interval=0.2)
         assert (action.kind, action.ok) == ("exclude_node", True)  # one timeline
+        # the node a drained is b's to resume should b lead; a standby resumes nothing
+        assert set(a.scheduler.drained) == set(b.scheduler.drained) == {"gpu7"}
         # a dies (its lease is not given up): b leads once it ran out, and acts no more
         a._watch.stop()
         deadline = time.monotonic() + TTL + 5

@@ -136,6 +136,25 @@ def test_drain_then_resume_after_n_healthy_passes_and_remembered_across_restarts
     assert Scheduler(cfg, db).drained == {}  # resumed: forgotten in the database too
 
 
+def test_a_standby_remembers_the_leaders_drain_and_resumes_only_once_it_leads(tmp_path, scontrol):
+    # Two supervisors, one acting: the node the leader drained is the next leader's to
+    # resume; a standby (or a leader that stepped down) counts the healthy passes only.
+    db = tmp_path / "standby.db"
+    s = Scheduler(SchedulerConfig(resume_after_healthy_passes=2), db)
+    s.remember("gpu7", "by sup-a: GPU 1 is lost", 100.0)
+    for _ in range(4):
+        assert s.observe(obs("healthy"), act=False) == []
+    assert scontrol.calls() == [] and set(s.drained) == {"gpu7"}
+    s.close()
+    s = Scheduler(SchedulerConfig(resume_after_healthy_passes=2), db)  # kept on disk
+    assert s.drained["gpu7"].drained_at == 100.0
+    s.observe(obs("healthy"), act=False)
+    s.observe(obs("healthy"), act=False)
+    assert s.observe(obs("healthy"))[0]["ok"]  # it leads now: past its streak, resumed
+    assert scontrol.calls() == [["update", "nodename=gpu7", "state=resume"]]
+    s.close()
+
+
 def test_a_refused_drain_is_not_remembered_and_a_refused_resume_is_retried(tmp_path, scontrol):
     cfg = SchedulerConfig(resume_after_healthy_passes=1)
     s = Scheduler(cfg, tmp_path / "db")
