@@ -36,6 +36,7 @@ log = logging.getLogger("rankguard.supervisor.leadership")
 
 LEADER_KEY = b"rankguard/supervisor/leader"
 INTENTS = b"rankguard/supervisor/intents/"
+KEEP_DONE_SECONDS = 3600.0  # a finished intent stays in etcd this long (SharedIntents.expire)
 ETCD_CALL_SECONDS = 2.0  # one pass never waits longer on etcd than this
 
 
@@ -105,10 +106,14 @@ class Watch:
         return self
 
     def _run(self) -> None:
+        next_expiry = 0.0
         while not self._stop.wait(self.every):
             self.leadership.renew()
             try:
                 read = self.shared.all()
+                if self.leadership.acting() and time.monotonic() >= next_expiry:
+                    self.shared.expire(read, time.time())
+                    next_expiry = time.monotonic() + 60
             except EtcdError:
                 continue
             with self._lock:
@@ -183,3 +188,10 @@ class SharedIntents:
 
     def all(self) -> list[Intent]:
         return [i for kv in self.client.prefix(INTENTS) if (i := Intent.from_json(kv.value))]
+
+    def expire(self, intents: list[Intent], now: float, keep: float = KEEP_DONE_SECONDS) -> int:
+        """Delete the finished intents requested over `keep` seconds ago (every standby
+        has copied them by then; an incident key that recurs later is a new incident and
+        must not find the old intent claimed). Unfinished ones stay for a replay."""
+        old = [i for i in intents if i.done and i.requested_at < now - keep]
+        return sum(self.client.delete(intent_key(i.incident_key, i.kind)) for i in old)

@@ -90,6 +90,22 @@ def test_an_intent_is_claimed_once_and_read_back(etcd):
     assert done.done and done.ok and done.result == {"ok": 1}
 
 
+def test_finished_intents_leave_etcd_after_an_hour_unfinished_ones_stay(etcd):
+    client = EtcdClient(parse_endpoints(etcd.endpoint), timeout=5)
+    intents = SharedIntents(client)
+    from rankguard.supervisor.leadership import Intent
+
+    now = 10_000.0
+    old_done = Intent("a", "kill_rank", {}, "s1", now - 3700, True, True)
+    old_open = Intent("b", "kill_rank", {}, "s1", now - 3700)
+    new_done = Intent("c", "kill_rank", {}, "s1", now - 60, True, True)
+    for intent in (old_done, old_open, new_done):
+        assert intents.claim(intent) is None
+    assert intents.expire(intents.all(), now) == 1
+    assert {i.incident_key for i in intents.all()} == {"b", "c"}
+    assert intents.claim(Intent("a", "kill_rank", {}, "s2", now)) is None  # a new incident's
+
+
 def _hardware_fault(agent: FakeAgent) -> None:
     agent.verdict("unhealthy", HealthReason("gpu_lost", "unhealthy", "GPU 1 is lost (GPU_IS_LOST)"))
 
