@@ -368,7 +368,7 @@ def test_a_job_rendezvouses_on_etcd_through_the_loss_of_any_one_member(tmp_path,
     SIGKILLed mid-training and started again; a rank is killed at step 45, and member 1 is
     SIGKILLed as soon as torchrun tears the group down, so the restart's rendezvous runs
     on the two left (one of them maybe electing a new leader). The job restarts once from
-    checkpoint 40 and ends with the clean run's digest."""
+    its newest validated checkpoint and ends with the clean run's digest."""
     rig = Rig(tmp_path)
     etcd = EtcdCluster(tmp_path, host=rig.cluster.head_addr)
     killed_in_rendezvous: list[float] = []
@@ -391,7 +391,10 @@ def test_a_job_rendezvouses_on_etcd_through_the_loss_of_any_one_member(tmp_path,
         rcs = rig.wait()
         assert set(rcs.values()) == {0}, f"{rcs}\n{rig.logs()}"
         s = rig.summary()
-        assert (s["final_step"], s["world_size"], s["resumed_from"]) == (STEPS, 3, 40), s
+        assert (s["final_step"], s["world_size"]) == (STEPS, 3), s
+        # the newest validated checkpoint: 40, or 30 when 40's async save was still being
+        # written at the kill (seen under CI load)
+        assert s["resumed_from"] in (30, 40), s
         assert s["param_digest"] == clean["summary"]["param_digest"], s
     finally:
         etcd.close()
