@@ -231,6 +231,7 @@ class Supervisor:
         self.stack_budget = StackBudget()  # py-spy dumps: bounded per pass, per rank backoff
         # captures in flight, answered off the loop's thread (stacks_wait)
         self._stack_pool = BackgroundCalls(16, "rankguard-stacks")
+        self._broadcast_pool = BackgroundCalls(32, "rankguard-stop")  # a stop to every node
         self._stack_requests: dict[tuple[str, int, int], Future] = {}
         self._stacks_deadline = 0.0
         self.service = None  # its HTTP service once serving (supervisor/daemon.py)
@@ -772,10 +773,15 @@ class Supervisor:
         status = {"cause": cause.cause, "confidence": cause.confidence, "why": cause.why[:500],
                   "action": decision.action, "incident": incident_id,
                   "repeated": f.kind == CRASH_LOOP}  # fmt: skip
-        results = {}
-        for node, job in sorted(targets):
-            url = next(n.url for n in obs.nodes if n.node == node)
-            results[f"{node}/{job}"] = self.client_for(url).stop_job(job, status)
+        # every node at once: one after the other, a job on 4,096 nodes took seconds to
+        # stop (and an agent timing out held the rest back)
+        urls = {n.node: n.url for n in obs.nodes}
+        calls = {f"{node}/{job}": self._broadcast_pool.submit(
+                     self.client_for(urls[node]).stop_job, job, status)
+                 for node, job in sorted(targets)}  # fmt: skip
+        wait(calls.values())
+        # an agent's error fails the action, as before; the others have stopped meanwhile
+        results = {key: call.result() for key, call in calls.items()}
         if decision.action == ACT_EXCLUDE_NODE and f.kind == NODE_FAULT:
             results["scheduler"] = self.scheduler.exclude(t["node"], f.summary)
         return results
@@ -901,6 +907,7 @@ class Supervisor:
         self.events.close()
         self.poller.close()
         self._stack_pool.close()
+        self._broadcast_pool.close()
         self.scheduler.close()
 
 

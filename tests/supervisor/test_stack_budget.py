@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,8 +15,11 @@ from pathlib import Path
 import pytest
 from builders import sup_metric as metric
 from fake_agents import FakeAgent, rank
+from harness import wait_until
 
+from rankguard.supervisor.agents import AgentError
 from rankguard.supervisor.detectors import DetectorConfig
+from rankguard.supervisor.model import ACT_STOP_JOB, CRASH_LOOP, Decision, Finding
 from rankguard.supervisor.reconcile import Supervisor, SupervisorConfig
 from rankguard.supervisor.stacks import StackBudget
 from rankguard.supervisor.store import IncidentStore
@@ -238,3 +242,43 @@ def test_without_a_stall_watch_the_stacks_restart_the_hang_at_once(two_waiting_r
     sup.reconcile_once()
     (hang,) = store.list_incidents()
     assert hang.evidence["restart_via"]["rank"] == 0, hang.evidence
+
+
+def test_a_stop_reaches_every_node_at_once_a_slow_agent_holds_none_back(tmp_path):
+    """A job's stop goes to all its nodes together: the first agent taking 5 s to answer
+    (behind a cut link) does not keep the others' ranks running meanwhile."""
+    agents = [FakeAgent(f"n{i}") for i in range(4)]
+    for i, agent in enumerate(agents):
+        agent.ranks = [rank("j", i, len(agents))]
+    agents[0].control_delay["/v1/control/stop-job"] = 5.0
+    store = IncidentStore(tmp_path / "db.sqlite")
+    sup = Supervisor(store, lambda: [a.url for a in agents], "t" * 16, SupervisorConfig())
+    try:
+        sup.reconcile_once()
+        finding = Finding(CRASH_LOOP, "crash_loop:j:test", "critical", "a crash loop", job="j")
+        decision = Decision(finding, ACT_STOP_JOB, "test", {"job": "j"})
+        outcome: list[BaseException | dict] = []
+
+        def stop() -> None:
+            try:
+                outcome.append(sup._execute(decision, sup.last_obs, 1))
+            except AgentError as exc:
+                outcome.append(exc)
+
+        stopping = threading.Thread(target=stop, daemon=True)
+        stopping.start()
+
+        def every_node_asked() -> bool:
+            return all(any(p == "/v1/control/stop-job" for p, _, _ in a.controls) for a in agents)
+
+        wait_until(every_node_asked, 3.0, "the stop at every node")
+        assert not outcome  # the slow agent has not answered yet
+        stopping.join(15)
+        # its request timed out: the action fails (and is retried), the others are stopped
+        (error,) = outcome
+        assert isinstance(error, AgentError) and agents[0].url in str(error), outcome
+    finally:
+        sup.close()
+        store.close()
+        for agent in agents:
+            agent.close()
