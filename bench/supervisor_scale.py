@@ -134,7 +134,8 @@ def run_one(nodes: int, args, work: Path, full_reads: bool) -> dict:
         [str(ROOT / "bench/agent_sim.py"), "--nodes", str(nodes),
          "--agents-file", str(agents), "--ready-file", str(ready), "--fault-log", str(faults),
          "--faults", args.faults, "--fault-every", str(args.fault_every),
-         "--step-seconds", str(args.step_seconds), "--seed", str(args.seed),
+         "--step-seconds", str(args.step_seconds), "--ckpt-every", str(args.ckpt_every),
+         "--seed", str(args.seed),
          "--restart-delay", str(args.restart_delay),
          "--stats-file", str(work / "sim-stats.json"), *(["--full-reads"] if full_reads else []),
          *(["--no-events"] if args.no_events else [])],
@@ -337,6 +338,9 @@ def main(argv=None) -> None:
     )
     p.add_argument("--fault-every", type=float, default=6.0)
     p.add_argument("--step-seconds", type=float, default=0.25)
+    p.add_argument("--ckpt-every", type=int, default=10, help="the simulated job's checkpoint "
+                   "interval in steps: keep it shorter than the faults' spacing, or the "
+                   "supervisor stops the job as a crash loop")  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--sim-cpus", help="pin the simulator to these CPUs (e.g. 1)")
     p.add_argument("--supervisor-cpus", help="pin the supervisor to these CPUs (e.g. 0)")
@@ -381,7 +385,7 @@ def main(argv=None) -> None:
            "the simulator of all agents runs on the same cores as the supervisor. ")
         + "Python "
         f"{platform.python_version()}. Supervisor --interval {args.interval} s; simulated step "
-        f"{args.step_seconds} s; faults ({args.faults}) every ~{args.fault_every} s "
+        f"{args.step_seconds} s, a checkpoint every {args.ckpt_every} steps; faults ({args.faults}) every ~{args.fault_every} s "
         f"(0.5x to 1.5x), simulated restart after {args.restart_delay} s; {args.duration:.0f} s "
         f"measured per size (longer until {args.min_faults} faults) after {args.warmup:.0f} s "
         "warm-up.",
