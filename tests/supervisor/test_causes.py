@@ -67,6 +67,17 @@ CASES = [
     (finding(RANK_HUNG, desync=True, wavefront={"verdict": "desync"}), "user_code", "medium"),
     (finding(RANK_HUNG, decided_by="stopped"), "host", "medium"),
     (finding(RANK_HUNG, stand_in_state="stopped"), "host", "medium"),
+    # decided by its budget (first, on a loaded host), the culprit seen stopped
+    (
+        finding(RANK_HUNG, decided_by="budget", states={"0": "running", "1": "stopped"}),
+        "host",
+        "medium",
+    ),
+    (
+        finding(RANK_HUNG, decided_by="budget", states={"0": "stopped", "1": "running"}),
+        "unknown",
+        "low",
+    ),
     (finding(RANK_HUNG, hung_phase="checkpoint_load"), "storage", "medium"),
     (finding(RANK_HUNG, wavefront={"verdict": "below the ranks"}), "network", "medium"),
     (finding(RANK_HUNG, wavefront=BEHIND_WAVE), "collective", "medium"),
