@@ -143,10 +143,10 @@ def _hung(f: Finding) -> Cause | None:
         return Cause(USER_CODE, MEDIUM, "the ranks called different collectives (a desync: "
                                         "a code path that differs between ranks)")  # fmt: skip
     states = ev.get("states") if isinstance(ev.get("states"), Mapping) else {}
-    culprit_stopped = f.rank is not None and states.get(str(f.rank)) == "stopped"
     # however the hang was decided (its state, or its budget first on a loaded host)
-    if ev.get("decided_by") == "stopped" or ev.get("stand_in_state") == "stopped" \
-            or culprit_stopped:  # fmt: skip
+    stopped = (ev.get("decided_by") == "stopped" or ev.get("stand_in_state") == "stopped"
+               or (f.rank is not None and states.get(str(f.rank)) == "stopped"))  # fmt: skip
+    if stopped:
         return Cause(HOST, MEDIUM, "the process was stopped from outside (SIGSTOP)")
     if ev.get("hung_phase") in STORAGE_PHASES:
         return Cause(STORAGE, MEDIUM, f"it hung in {ev['hung_phase']}")

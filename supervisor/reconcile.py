@@ -95,6 +95,13 @@ def _restart_through_any(obs: ClusterObs, ranks: list[RankObs], reason: object) 
     }
 
 
+def _drained(result: object) -> bool:
+    """Whether an exclusion's result (read back from etcd: any JSON) says the scheduler
+    drained the node."""
+    scheduler = result.get("scheduler") if isinstance(result, dict) else None
+    return isinstance(scheduler, dict) and scheduler.get("ok") is True
+
+
 def _unnamed_process_hang(f: Finding) -> bool:
     """A hang of ranks without telemetry that neither the process table nor the stacks pin
     on one rank: idle CPU alone is weak evidence (ranks may all wait on I/O or sleep), so it
@@ -673,9 +680,7 @@ class Supervisor:
         if intent.done:
             self.store.complete_action(action_id, bool(intent.ok), now, result=intent.result,
                                        error=intent.error)  # fmt: skip
-            drained = (intent.result or {}).get("scheduler") if intent.kind == ACT_EXCLUDE_NODE \
-                else None  # fmt: skip
-            if isinstance(drained, dict) and drained.get("ok") is True:  # theirs to resume too
+            if intent.kind == ACT_EXCLUDE_NODE and _drained(intent.result):  # theirs to resume
                 self.scheduler.remember(str(intent.target.get("node")), f"by {intent.leader}: "
                                         f"{inc.summary}", intent.requested_at)  # fmt: skip
 

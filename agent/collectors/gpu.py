@@ -250,8 +250,8 @@ def apply_core_fields(reading: GpuReading, values: dict[str, float | None]) -> N
     reading.ecc = _group(values, "ecc_", ("corrected", "uncorrected"))
     reading.retired_pages = _group(values, "retired_", ("single_bit_ecc", "double_bit_ecc"))
     pending = values.get("retired_pending")
-    reading.retired_pages_pending = None if reading.retired_pages is None or pending is None \
-        else int(pending)  # fmt: skip
+    if reading.retired_pages is not None and pending is not None:
+        reading.retired_pages_pending = int(pending)
     reading.remapped_rows = _group(
         values, "remapped_", ("correctable", "uncorrectable", "pending", "failure")
     )
